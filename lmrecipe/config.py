@@ -1,0 +1,412 @@
+"""The one typed configuration of a run.
+
+Precedence: dataclass defaults < one recipe YAML < ``key=value`` overrides (dotted keys, e.g.
+``optim.lr=3e-4``). Unknown keys, wrong types and out-of-range values raise :class:`UserError` naming
+the key and what is allowed. Derived values (accumulation steps, ...) are methods, never mutated fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from .errors import UserError, fail
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    """Hugging Face ``model_type`` for a model built from scratch (any ``AutoConfig`` architecture)."""
+    init_from: Optional[str] = None
+    """Local Hugging Face checkpoint folder to continue pretraining from; null builds from scratch."""
+    hidden_size: int = 256
+    """Width of the residual stream (features)."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (query heads)."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; null means equal to ``num_heads``."""
+    intermediate_size: Optional[int] = None
+    """MLP hidden width (features); null means 8/3 of ``hidden_size`` rounded up to a multiple of 64."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size (tokens); null takes the data's ``meta.json`` vocab size."""
+    max_position_embeddings: Optional[int] = None
+    """Longest position the model supports (tokens); null means ``data.seq_len``."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output projection."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    extra: dict = field(default_factory=dict)
+    """Further keyword arguments for the architecture's ``AutoConfig`` (e.g. ``rms_norm_eps``)."""
+
+    def validate(self) -> None:
+        _positive(self, "hidden_size", "num_layers", "num_heads")
+        if self.hidden_size % self.num_heads:
+            raise fail(f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}.")
+        kv = self.kv_heads()
+        if kv <= 0 or self.num_heads % kv:
+            raise fail(f"model.num_kv_heads={kv} must be a positive divisor of model.num_heads={self.num_heads}.")
+        for key in ("intermediate_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise fail(f"model.{key}={value} must be positive (or null for the default).")
+
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    def mlp_size(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/stdlib"
+    """Folder written by ``tools/prepare_data.py`` (train.bin, val.bin, meta.json, tokenizer)."""
+    seq_len: int = 256
+    """Tokens per training sequence (each window reads ``seq_len + 1`` tokens)."""
+    val_windows: int = 64
+    """Validation sequences evaluated each time (a fixed set, spread over val.bin)."""
+
+    def validate(self) -> None:
+        _positive(self, "seq_len", "val_windows")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled AdamW weight decay, applied to matrices only."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    decay_embeddings: bool = False
+    """Also apply weight decay to the embedding matrices."""
+
+    def validate(self) -> None:
+        _positive(self, "lr", "eps")
+        _non_negative(self, "min_lr", "weight_decay", "grad_clip")
+        if self.min_lr > self.lr:
+            raise fail(f"optim.min_lr={self.min_lr} must not exceed optim.lr={self.lr}.")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise fail(f"optim.{key}={getattr(self, key)} must be in [0, 1).")
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 100
+    """Optimizer steps of linear warmup from 0 to ``optim.lr``."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay from ``optim.lr`` to ``optim.min_lr`` over the remaining steps."""
+
+    def validate(self) -> None:
+        _non_negative(self, "warmup_steps")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    """Optimizer steps of the whole run."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step, over all processes and accumulation micro-steps."""
+    micro_batch_size: int = 8
+    """Sequences per forward pass on one process."""
+    seed: int = 1337
+    """Seed of the initialisation and of the data order."""
+    precision: Precision = "auto"
+    """auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPUs; or an explicit value."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    checkpointing_reentrant: bool = True
+    """Use reentrant activation checkpointing (the variant that works under ZeRO-3)."""
+    compile: bool = False
+    """Compile the model with ``torch.compile``."""
+    eval_every_steps: int = 100
+    """Evaluate on the validation windows every this many optimizer steps (and at the end); 0 = end only."""
+    max_consecutive_skips: int = 5
+    """Stop the run after this many consecutive updates skipped for a non-finite loss or gradient norm."""
+
+    def validate(self) -> None:
+        _positive(self, "max_steps", "global_batch_size", "micro_batch_size", "max_consecutive_skips")
+        _non_negative(self, "eval_every_steps")
+        if self.global_batch_size % self.micro_batch_size:
+            raise fail(
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}."
+            )
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step so that ``global = micro x world x accumulation``."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise fail(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size} x {world_size} processes = {per_step}. "
+                "Change one of them so the global batch splits evenly over processes."
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500
+    """Save a resumable checkpoint every this many optimizer steps (and at the end); 0 = end only."""
+    keep_last: int = 3
+    """Newest checkpoints kept; older ones are deleted (the best by validation loss is kept apart)."""
+    resume: str = "auto"
+    """auto = newest complete checkpoint in out_dir if any; none = start fresh; or a checkpoint folder."""
+    export_at_end: bool = True
+    """Write a Hugging Face export (sharded safetensors + tokenizer) to ``out_dir/export`` at the end."""
+    export_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Weight dtype of the export."""
+    max_shard_size: str = "2GB"
+    """Largest safetensors shard of the export (e.g. 500MB, 5GB)."""
+
+    def validate(self) -> None:
+        _non_negative(self, "every_steps")
+        _positive(self, "keep_last")
+
+
+@dataclass
+class LoggingConfig:
+    log_every_steps: int = 10
+    """Write a metrics row and a log line every this many optimizer steps (and at the first and last)."""
+    tracker: Literal["none", "wandb", "tensorboard"] = "none"
+    """Experiment tracker; wandb runs offline when no API key is set."""
+    project: str = "lmrecipe"
+    """Tracker project name."""
+    run_name: Optional[str] = None
+    """Tracker run name; null uses the out_dir's name."""
+    progress_bar: bool = True
+    """Show a progress bar on the main process."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s per device for MFU; null looks the GPU up in a table or probes the CPU with a matmul."""
+
+    def validate(self) -> None:
+        _positive(self, "log_every_steps")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise fail(f"logging.peak_tflops={self.peak_tflops} must be positive (or null).")
+
+
+@dataclass
+class DistributedConfig:
+    deepspeed_config: Optional[str] = None
+    """JSON in ds_configs/ choosing the ZeRO stage and offload; null trains without DeepSpeed (DDP)."""
+    timeout_s: int = 1800
+    """Collective-operation timeout (seconds) before a hung rank fails the job."""
+
+    def validate(self) -> None:
+        _positive(self, "timeout_s")
+        if self.deepspeed_config is not None and not Path(self.deepspeed_config).is_file():
+            configs = sorted(p.as_posix() for p in Path("ds_configs").glob("*.json"))
+            raise fail(
+                f"distributed.deepspeed_config={self.deepspeed_config!r} is not a file. "
+                f"Choose one of {configs or 'the JSON files in ds_configs/'} or null for no DeepSpeed."
+            )
+
+
+@dataclass
+class Config:
+    out_dir: str = "runs/default"
+    """Run folder: resolved config, metrics, checkpoints, export and plots."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value.validate()
+        if not self.out_dir:
+            raise fail("out_dir must be a non-empty folder path.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and merging
+
+
+def load_config(recipe_path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < recipe YAML < ``key=value`` overrides, type-checked and validated."""
+    cfg = Config()
+    if recipe_path is not None:
+        path = Path(recipe_path)
+        if not path.is_file():
+            raise fail(f"Recipe {str(path)!r} does not exist. Pass a YAML file such as recipes/tiny.yaml.")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise fail(f"Recipe {str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise fail(f"Recipe {str(path)!r} must hold a mapping of sections (model:, data:, ...).")
+        _merge(cfg, data, prefix="")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise fail(f"Override {item!r} must look like key=value, e.g. optim.lr=3e-4.")
+        _set_dotted(cfg, key.strip(), raw.strip(), from_cli=True)
+    cfg.validate()
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config from ``to_dict()`` output (e.g. a resolved config saved in a run folder)."""
+    cfg = Config()
+    _merge(cfg, data, prefix="")
+    cfg.validate()
+    return cfg
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML, atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+
+
+def _merge(obj: Any, data: dict, prefix: str) -> None:
+    for key, value in data.items():
+        _set_value(obj, str(key), value, prefix, from_cli=False)
+
+
+def _set_dotted(cfg: Config, dotted: str, raw: str, from_cli: bool) -> None:
+    parts = dotted.split(".")
+    obj: Any = cfg
+    prefix = ""
+    for part in parts[:-1]:
+        _check_key(obj, part, prefix)
+        obj = getattr(obj, part)
+        if not dataclasses.is_dataclass(obj):
+            raise fail(f"{prefix}{part} is a value, not a section: write {prefix}{part}=VALUE.")
+        prefix += part + "."
+    _set_value(obj, parts[-1], raw, prefix, from_cli=from_cli)
+
+
+def _check_key(obj: Any, key: str, prefix: str) -> None:
+    names = [f.name for f in dataclasses.fields(obj)]
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" Did you mean {prefix}{close[0]}?" if close else ""
+        raise fail(f"Unknown config key {prefix}{key}.{hint} Valid keys here: {', '.join(prefix + n for n in names)}.")
+
+
+def _set_value(obj: Any, key: str, value: Any, prefix: str, from_cli: bool) -> None:
+    _check_key(obj, key, prefix)
+    current = getattr(obj, key)
+    full = prefix + key
+    if dataclasses.is_dataclass(current):
+        if from_cli:
+            raise fail(f"{full} is a section; set one of its keys, e.g. {full}.<key>=VALUE.")
+        if not isinstance(value, dict):
+            raise fail(f"{full} must be a mapping of keys, got {value!r}.")
+        _merge(current, value, prefix=full + ".")
+        return
+    hint = typing.get_type_hints(type(obj))[key]
+    setattr(obj, key, _coerce(full, value, hint, from_cli))
+
+
+def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
+    """Return ``value`` as type ``hint`` or raise a UserError naming the key and the allowed values."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0], from_cli)
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise fail(f"{key}={value!r} is not allowed. Choose one of: {', '.join(map(str, args))}.")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise fail(f"{key}={value!r} must be a boolean (true or false).")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise fail(f"{key}={value!r} must be an integer.")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise fail(f"{key}={value!r} must be a number.")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if from_cli or isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise fail(f"{key}={value!r} must be a string.")
+    if hint is dict or origin is dict:
+        if isinstance(value, str) and from_cli:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                value = None
+        if isinstance(value, dict):
+            return value
+        raise fail(f"{key}={value!r} must be a mapping, e.g. {key}='{{rms_norm_eps: 1e-5}}'.")
+    raise UserError(f"{key}: unsupported config type {hint!r}.")
+
+
+def _positive(section: Any, *keys: str) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value <= 0:
+            raise fail(f"{_section_name(section)}.{key}={value} must be positive.")
+
+
+def _non_negative(section: Any, *keys: str) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        if value < 0:
+            raise fail(f"{_section_name(section)}.{key}={value} must be zero or positive.")
+
+
+def _section_name(section: Any) -> str:
+    return {type(f.default_factory()): f.name for f in dataclasses.fields(Config) if f.name != "out_dir"}[type(section)]

@@ -1,0 +1,200 @@
+"""Memory-mapped token windows and the deterministic order in which training reads them.
+
+The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutation of window indices
+seeded by ``(seed, epoch)``; they are split into accumulation micro-steps and ranks by position only.
+So what a step trains on does not depend on how G is split (processes x micro-batch x accumulation),
+and resuming at step ``s`` needs no skipping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import fail
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "val")
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# Scanning for out-of-range ids reads the file in chunks so memory stays flat on large datasets.
+_SCAN_CHUNK_TOKENS = 1 << 26
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    """Read and check ``meta.json`` against the .bin files next to it."""
+    data_dir = Path(data_dir)
+    how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
+    if not data_dir.is_dir():
+        raise fail(f"Data folder {str(data_dir)!r} does not exist. {how_to_make}")
+    meta_path = data_dir / "meta.json"
+    if not meta_path.is_file():
+        if not any(data_dir.iterdir()):
+            raise fail(f"Data folder {str(data_dir)!r} is empty. {how_to_make}")
+        raise fail(f"Data folder {str(data_dir)!r} has no meta.json, so it was not written by prepare_data. {how_to_make}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype = np.dtype(_DTYPES[meta["dtype"]])
+        splits = {name: int(meta["splits"][name]["n_tokens"]) for name in SPLITS}
+        int(meta["vocab_size"]), int(meta["eos_id"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise fail(f"{meta_path} is not a valid prepare_data meta.json ({err!r}). Re-create the folder. {how_to_make}") from None
+    for name, n_tokens in splits.items():
+        path = data_dir / f"{name}.bin"
+        if not path.is_file():
+            raise fail(f"{path} is missing although meta.json lists it. Re-create the folder. {how_to_make}")
+        expected = n_tokens * dtype.itemsize
+        actual = path.stat().st_size
+        if actual != expected:
+            raise fail(
+                f"{path} holds {actual} bytes but meta.json says {n_tokens} {meta['dtype']} tokens "
+                f"({expected} bytes): the file is truncated or from another preparation. Re-create the folder. {how_to_make}"
+            )
+    return meta
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class TokenWindows:
+    """Windows of ``seq_len + 1`` tokens over one split's memmap (window i starts at token i*seq_len)."""
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int, meta: dict | None = None):
+        meta = meta if meta is not None else load_meta(data_dir)
+        self.path = Path(data_dir) / f"{split}.bin"
+        self.seq_len = seq_len
+        # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
+        self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
+        self.n_windows = (len(self.tokens) - 1) // seq_len
+        if self.n_windows < 1:
+            raise fail(
+                f"data.seq_len={seq_len} is longer than the {split} split ({len(self.tokens)} tokens in {self.path}); "
+                f"a window needs seq_len + 1 tokens. Lower data.seq_len or prepare more data."
+            )
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""
+        L = self.seq_len
+        rows = np.stack([self.tokens[i * L : i * L + L + 1] for i in window_ids]).astype(np.int64)
+        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+
+    def max_token_id(self) -> int:
+        return max(int(self.tokens[i : i + _SCAN_CHUNK_TOKENS].max()) for i in range(0, len(self.tokens), _SCAN_CHUNK_TOKENS))
+
+
+class SampleOrder:
+    """Global sample index -> window index: a permutation per epoch, seeded by (seed, epoch)."""
+
+    def __init__(self, n_windows: int, seed: int):
+        self.n_windows = n_windows
+        self.seed = seed
+
+    @lru_cache(maxsize=2)
+    def permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+
+    def windows(self, first_sample: int, count: int) -> np.ndarray:
+        samples = np.arange(first_sample, first_sample + count)
+        epochs, positions = np.divmod(samples, self.n_windows)
+        return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's G sequences are split: G = micro_batch_size x world_size x accum_steps."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    rank: int
+
+    @property
+    def accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def first_sample(self, step: int, micro_step: int) -> int:
+        """Global sample index of this rank's first sequence in micro-step ``micro_step`` of ``step``."""
+        offset = (micro_step * self.world_size + self.rank) * self.micro_batch_size
+        return step * self.global_batch_size + offset
+
+
+class TrainBatches:
+    """The micro-batches each rank trains on at each optimizer step."""
+
+    def __init__(self, windows: TokenWindows, layout: BatchLayout, seed: int):
+        self.windows = windows
+        self.layout = layout
+        self.order = SampleOrder(len(windows), seed)
+
+    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
+        return self.order.windows(self.layout.first_sample(step, micro_step), self.layout.micro_batch_size)
+
+    def micro_batches(self, step: int):
+        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
+        for micro_step in range(self.layout.accum_steps):
+            yield self.windows.batch(self.window_ids(step, micro_step))
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.layout.global_batch_size / len(self.windows)
+
+
+class ValBatches:
+    """A fixed set of validation windows spread over val.bin, the same on every run and rank split.
+
+    Each rank takes a stride of the set, padded so every rank runs the same number of forward passes
+    (ZeRO-3 gathers parameters collectively in forward); padded rows carry weight 0.
+    """
+
+    def __init__(self, windows: TokenWindows, n_windows: int, micro_batch_size: int, world_size: int, rank: int):
+        count = min(n_windows, len(windows))
+        self.all_ids = np.unique(np.linspace(0, len(windows) - 1, num=count).round().astype(np.int64))
+        self.windows = windows
+        self.micro_batch_size = micro_batch_size
+        per_rank = -(-len(self.all_ids) // world_size)
+        ids = self.all_ids[rank::world_size]
+        self.valid = np.zeros(per_rank, dtype=np.float64)
+        self.valid[: len(ids)] = 1.0
+        self.rank_ids = np.concatenate([ids, np.full(per_rank - len(ids), self.all_ids[0], dtype=np.int64)])
+
+    def __iter__(self):
+        """Yield ``(inputs, targets, valid)`` with ``valid`` 1.0 for real rows and 0.0 for padding."""
+        for i in range(0, len(self.rank_ids), self.micro_batch_size):
+            inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
+            yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])
+
+
+def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) -> tuple[dict, TokenWindows, TokenWindows]:
+    """Open both splits with the start-up checks: meta vs files, seq_len vs split sizes, ids vs vocab."""
+    meta = load_meta(data_dir)
+    train = TokenWindows(data_dir, "train", seq_len, meta)
+    val = TokenWindows(data_dir, "val", seq_len, meta)
+    if model_vocab_size is not None:
+        if int(meta["vocab_size"]) > model_vocab_size:
+            raise fail(
+                f"The data's tokenizer has vocab_size={meta['vocab_size']} but the model's vocab size is "
+                f"{model_vocab_size}: token ids would index past the embedding. Set model.vocab_size >= "
+                f"{meta['vocab_size']} (or null to take it from the data)."
+            )
+        for split in (train, val):
+            top = split.max_token_id()
+            if top >= model_vocab_size:
+                raise fail(
+                    f"{split.path} contains token id {top}, which is >= the model's vocab size {model_vocab_size}. "
+                    f"Set model.vocab_size above {top} or re-prepare the data with the model's tokenizer."
+                )
+    return meta, train, val

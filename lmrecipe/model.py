@@ -1,0 +1,133 @@
+"""Building the Hugging Face causal LM, its deterministic initialisation, and its FLOPs per token."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Config
+from .errors import fail
+
+logger = logging.getLogger(__name__)
+
+
+def build_hf_config(cfg: Config, vocab_size: int):
+    """The ``transformers`` config of the model: from ``model.init_from`` or built from the recipe."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    if m.init_from is not None:
+        if not (Path(m.init_from) / "config.json").is_file():
+            raise fail(
+                f"model.init_from={m.init_from!r} has no config.json: it must be a local Hugging Face checkpoint "
+                "folder (e.g. an export of this recipe, or a downloaded model). Set model.init_from=null to train from scratch."
+            )
+        return AutoConfig.from_pretrained(m.init_from)
+    try:
+        return AutoConfig.for_model(
+            m.arch,
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads,
+            num_key_value_heads=m.kv_heads(),
+            intermediate_size=m.mlp_size(),
+            vocab_size=vocab_size,
+            max_position_embeddings=m.max_position_embeddings or cfg.data.seq_len,
+            rope_theta=m.rope_theta,
+            tie_word_embeddings=m.tie_embeddings,
+            initializer_range=m.init_std,
+            use_cache=False,
+            **m.extra,
+        )
+    except ValueError as err:
+        raise fail(f"model.arch={m.arch!r} is not a transformers architecture ({err}).") from None
+
+
+def build_model(cfg: Config, hf_config) -> nn.Module:
+    """Create (or load) the model. Call after the Accelerator exists, so ZeRO-3 partitions at construction."""
+    from transformers import AutoModelForCausalLM
+
+    m = cfg.model
+    if m.init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=m.attn_implementation, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32)
+        init_weights_(model, std=m.init_std, seed=cfg.train.seed)
+    model.config.use_cache = False
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg.train.checkpointing_reentrant})
+    return model
+
+
+def _gathered(param: nn.Parameter):
+    """Context in which a ZeRO-3 partitioned parameter is whole and rank 0's writes are broadcast."""
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def init_weights_(model: nn.Module, std: float, seed: int) -> None:
+    """Initialise every parameter from a generator seeded by (seed, parameter name).
+
+    Construction order and RNG use differ between plain, ZeRO-3 (``zero.Init``) and multi-process models;
+    seeding per name makes the initial weights identical in all of them, so their losses can be compared.
+    """
+    for name, param in model.named_parameters():
+        with _gathered(param):
+            if param.numel() == 0:
+                continue  # ZeRO-3 ranks other than the modifier see an empty tensor here
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim == 1:
+                param.fill_(1.0)  # norm gains
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+def numel(param: nn.Parameter) -> int:
+    """Elements of a parameter, also when ZeRO-3 has partitioned it away."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def param_counts(model: nn.Module) -> dict[str, int]:
+    """Total parameters (tied weights counted once) and ``lookup``: those used only as an embedding lookup.
+
+    ``lookup`` is the input embedding unless it is tied to the output projection, which is a real matmul.
+    """
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += numel(param)
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = outputs is not None and outputs.weight is inputs.weight
+    lookup = 0 if tied else sum(numel(p) for p in inputs.parameters())
+    return {"total": total, "lookup": lookup}
+
+
+def count_params_from_config(hf_config) -> dict[str, int]:
+    """Parameter counts without materialising weights (meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return param_counts(model)
+
+
+def flops_per_token(n_params: int, n_lookup: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (non-embedding params, output projection included) + attention.
+
+    The attention term 12 * layers * hidden * seq_len counts QK^T and AV forward and backward (PaLM, App. B);
+    the input embedding is a lookup, not a matmul, so its parameters (``n_lookup``) are left out.
+    """
+    return 6.0 * (n_params - n_lookup) + 12.0 * num_layers * hidden_size * seq_len

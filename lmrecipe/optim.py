@@ -1,0 +1,70 @@
+"""AdamW with weight decay on matrices only, and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig, ScheduleConfig
+
+
+def _ndim(param: nn.Parameter) -> int:
+    # ZeRO-3 flattens partitioned parameters; their original shape survives in ds_shape.
+    return len(getattr(param, "ds_shape", param.shape))
+
+
+def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
+    """Two groups: matrices (decayed) and biases, norm gains and, unless configured, embeddings (not decayed)."""
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        is_embedding = id(param) in embedding_ids
+        if _ndim(param) >= 2 and (optim.decay_embeddings or not is_embedding):
+            decay.append(param)
+        else:
+            no_decay.append(param)
+    return [
+        {"params": decay, "weight_decay": optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool) -> torch.optim.Optimizer:
+    """AdamW; DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on the CPU)."""
+    groups = param_groups(model, optim)
+    kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    if cpu_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to ``min_lr``.
+
+    A pure function of the step, so it advances exactly once per optimizer step on any number of
+    processes, and a resumed run needs only the step to continue the schedule.
+    """
+    warmup = schedule.warmup_steps
+    if step < warmup:
+        return optim.lr * (step + 1) / warmup
+    if schedule.decay == "constant":
+        return optim.lr
+    decay_steps = max(1, max_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    if schedule.decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr + (optim.lr - optim.min_lr) * shape
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,60 @@
+"""PNG figures people would rather look at than read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_training(rows: list[dict], path: str | Path) -> None:
+    """Train/val loss, learning rate, grad norm and tokens/s against optimizer step."""
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    ax = axes[0, 0]
+    ax.plot(*_series(rows, "loss"), label="train loss", lw=1)
+    steps, val = _series(rows, "val_loss")
+    if steps:
+        ax.plot(steps, val, "o-", label="val loss", ms=4)
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    for ax, key, label in (
+        (axes[0, 1], "lr", "learning rate"),
+        (axes[1, 0], "grad_norm", "grad norm (pre-clip)"),
+        (axes[1, 1], "tokens_per_sec", "tokens/s"),
+    ):
+        ax.plot(*_series(rows, key), lw=1)
+        ax.set_ylabel(label)
+    for ax in axes.flat:
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    _save(fig, path)
+
+
+def plot_memory_throughput(names: list[str], memory_gb: list[float], tokens_per_sec: list[float], path: str | Path) -> None:
+    """Per-rank memory and tokens/s side by side, one bar per configuration."""
+    fig, (ax_mem, ax_tps) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    ax_mem.bar(names, memory_gb, color="tab:blue")
+    ax_mem.set_ylabel("memory per rank (GB)")
+    ax_tps.bar(names, tokens_per_sec, color="tab:orange")
+    ax_tps.set_ylabel("tokens/s")
+    for ax in (ax_mem, ax_tps):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
