@@ -1,0 +1,40 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is installed on its own, pinned, before the package: on this project's CPU machines the pin resolves
+# to a local CPU build, on GPU machines to the standard CUDA build. Elsewhere, a CPU-only machine can avoid the
+# multi-GB CUDA build by pointing TORCH_PIP_ARGS="--index-url ..." at PyTorch's CPU wheel index.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+DATA := data/stdlib
+RUN := runs/tiny
+
+.PHONY: venv demo test test-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(DATA)/meta.json: | $(VENV)/.installed
+	$(PY) tools/prepare_data.py --output $(DATA) --vocab-size 8192
+
+# Prepare the embedded corpus (Python's standard library), train recipes/tiny.yaml, evaluate the export.
+demo: $(VENV)/.installed $(DATA)/meta.json
+	$(PY) train.py recipes/tiny.yaml out_dir=$(RUN) data.path=$(DATA)
+	$(PY) eval.py $(RUN)/export --data $(DATA) --output $(RUN)/eval.json --generate "def main("
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+# The quick set: everything but the multi-process runs.
+test-quick: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs data

@@ -1,0 +1,167 @@
+"""The memmap loader: order determinism, rank disjointness, invariance to the batch split, start-up checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, subprocess_env
+from lmrecipe.data import BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, load_meta, open_data
+from lmrecipe.errors import UserError
+
+SEQ_LEN = 16
+
+
+def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int = 1000, dtype=np.uint16, seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for name, n in (("train", n_train), ("val", n_val)):
+        ids = rng.integers(0, vocab, size=n).astype(dtype)
+        ids.tofile(folder / f"{name}.bin")
+        splits[name] = {"n_tokens": n, "n_documents": 1, "sha256": ""}
+    meta = {"format_version": 1, "tokenizer": "synthetic", "vocab_size": vocab, "eos_id": 0,
+            "dtype": np.dtype(dtype).name, "source": "test", "splits": splits}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    return write_data(tmp_path / "data")
+
+
+def step_windows(batches: TrainBatches, step: int) -> list[int]:
+    return [int(i) for m in range(batches.layout.accum_steps) for i in batches.window_ids(step, m)]
+
+
+def test_windows_read_the_memmap_without_copying(data_dir):
+    windows = TokenWindows(data_dir, "train", SEQ_LEN)
+    assert isinstance(windows.tokens, np.memmap)
+    assert len(windows) == (4001 - 1) // SEQ_LEN
+    raw = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    inputs, targets = windows.batch(np.array([0, 7]))
+    assert inputs.shape == targets.shape == (2, SEQ_LEN) and inputs.dtype == torch.int64
+    assert inputs[1].tolist() == raw[7 * SEQ_LEN : 8 * SEQ_LEN].tolist()
+    assert targets[1].tolist() == raw[7 * SEQ_LEN + 1 : 8 * SEQ_LEN + 1].tolist()
+
+
+def test_order_is_a_seeded_permutation_per_epoch():
+    order = SampleOrder(n_windows=50, seed=3)
+    first_epoch = order.windows(0, 50)
+    assert sorted(first_epoch.tolist()) == list(range(50))
+    assert (SampleOrder(50, 3).windows(0, 120) == order.windows(0, 120)).all()
+    assert not (SampleOrder(50, 4).windows(0, 50) == first_epoch).all()
+    second_epoch = order.windows(50, 50)
+    assert sorted(second_epoch.tolist()) == list(range(50)) and not (second_epoch == first_epoch).all()
+    # Reading across the epoch boundary is the same as reading each epoch separately.
+    assert order.windows(45, 10).tolist() == first_epoch[45:].tolist() + second_epoch[:5].tolist()
+
+
+@pytest.mark.parametrize("world_size, micro", [(1, 24), (1, 4), (2, 4), (3, 8), (4, 2), (6, 1)])
+def test_step_contents_do_not_depend_on_the_split(data_dir, world_size, micro):
+    windows = TokenWindows(data_dir, "train", SEQ_LEN)
+    reference = TrainBatches(windows, BatchLayout(24, 24, 1, 0), seed=11)
+    for step in (0, 1, 9, 30):  # 30 crosses an epoch boundary (250 windows / 24 per step)
+        expected = Counter(step_windows(reference, step))
+        got = Counter()
+        per_rank = []
+        for rank in range(world_size):
+            batches = TrainBatches(windows, BatchLayout(24, micro, world_size, rank), seed=11)
+            ids = step_windows(batches, step)
+            per_rank.append(set(ids))
+            got.update(ids)
+        assert got == expected
+        # Ranks never share a sample within a step (an epoch holds more windows than a step).
+        assert sum(len(s) for s in per_rank) == len(set().union(*per_rank))
+
+
+def test_resume_needs_no_skipping(data_dir):
+    windows = TokenWindows(data_dir, "train", SEQ_LEN)
+    a = TrainBatches(windows, BatchLayout(8, 4, 1, 0), seed=5)
+    b = TrainBatches(TokenWindows(data_dir, "train", SEQ_LEN), BatchLayout(8, 4, 1, 0), seed=5)
+    for (xa, ya), (xb, yb) in zip(a.micro_batches(17), b.micro_batches(17)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_validation_set_is_fixed_and_balanced(data_dir, world_size):
+    windows = TokenWindows(data_dir, "val", SEQ_LEN)
+    reference = ValBatches(windows, 10, 4, 1, 0).all_ids
+    seen = []
+    batch_counts = set()
+    for rank in range(world_size):
+        val = ValBatches(windows, 10, 4, world_size, rank)
+        assert (val.all_ids == reference).all()
+        rows = list(val)
+        batch_counts.add(len(rows))
+        seen += [int(i) for i, v in zip(val.rank_ids, val.valid) if v]
+    assert sorted(seen) == sorted(reference.tolist())
+    assert len(batch_counts) == 1  # every rank runs the same number of forward passes
+
+
+def test_missing_and_empty_folders(tmp_path):
+    with pytest.raises(UserError, match="does not exist.*prepare_data.py"):
+        load_meta(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="is empty"):
+        load_meta(tmp_path / "empty")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(UserError, match="no meta.json"):
+        load_meta(tmp_path / "junk")
+
+
+def test_meta_inconsistent_with_files(data_dir):
+    with open(data_dir / "train.bin", "r+b") as fh:
+        fh.truncate(1000)
+    with pytest.raises(UserError, match="holds 1000 bytes but meta.json says 4001 uint16 tokens"):
+        load_meta(data_dir)
+
+
+def test_invalid_meta(data_dir):
+    (data_dir / "meta.json").write_text('{"dtype": "float32"}')
+    with pytest.raises(UserError, match="not a valid prepare_data meta.json"):
+        load_meta(data_dir)
+
+
+def test_token_id_beyond_model_vocab_names_both_numbers(tmp_path):
+    folder = write_data(tmp_path / "d", vocab=1000)
+    with pytest.raises(UserError, match="vocab_size=1000 but the model's vocab size is 500"):
+        open_data(folder, SEQ_LEN, model_vocab_size=500)
+    # meta claims a small vocab, but the file holds a larger id: the scan catches it.
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["vocab_size"] = 10
+    (folder / "meta.json").write_text(json.dumps(meta))
+    top = int(np.fromfile(folder / "train.bin", dtype=np.uint16).max())
+    with pytest.raises(UserError, match=f"contains token id {top}, which is >= the model's vocab size 900"):
+        open_data(folder, SEQ_LEN, model_vocab_size=900)
+
+
+def test_seq_len_longer_than_split(tmp_path):
+    folder = write_data(tmp_path / "d", n_val=10)
+    with pytest.raises(UserError, match=r"data.seq_len=16 is longer than the val split \(10 tokens"):
+        open_data(folder, SEQ_LEN, model_vocab_size=None)
+
+
+def test_uint32_data(tmp_path):
+    folder = write_data(tmp_path / "d", vocab=70000, dtype=np.uint32)
+    _, train, _ = open_data(folder, SEQ_LEN, model_vocab_size=70000)
+    assert train.tokens.dtype == np.uint32 and train.max_token_id() < 70000
+
+
+def test_train_script_reports_bad_data_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "recipes/tiny.yaml", f"data.path={tmp_path / 'missing'}", f"out_dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "does not exist" in proc.stderr and "prepare_data.py" in proc.stderr
+    assert "Traceback" not in proc.stderr
