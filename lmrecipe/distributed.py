@@ -109,13 +109,16 @@ def build_accelerator(cfg: Config):
     backend = "gloo" if distributed and not torch.cuda.is_available() else None
     handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.distributed.timeout_s))] if distributed else []
     accelerator = Accelerator(
+        # Without cpu=True, Accelerate 1.15 on a GPU-less machine leaves several processes unsynchronised
+        # (DistributedType.NO: no DDP wrapper, every rank trains alone).
+        cpu=plugin is None and not torch.cuda.is_available(),
         mixed_precision={"fp32": "no"}.get(precision, precision),
         gradient_accumulation_steps=accum,
         deepspeed_plugin=plugin,
         kwargs_handlers=handlers,
         step_scheduler_with_optimizer=False,
     )
-    if accelerator.num_processes != world_size:
+    if accelerator.num_processes != world_size or (world_size > 1 and accelerator.distributed_type.value == "NO"):
         raise fail(
             f"The launcher announced WORLD_SIZE={world_size} but Accelerate formed {accelerator.num_processes} "
             "processes. Launch with `accelerate launch --multi_gpu --num_processes N train.py ...` or torchrun."

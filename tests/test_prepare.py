@@ -1,0 +1,287 @@
+"""Data preparation: tokenizer round trip, .bin contents, determinism, inputs, atomic output, CLI errors."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Like the tools/ scripts: import the package from this checkout without installing it.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from lmrecipe import prepare as prep  # noqa: E402
+from lmrecipe.errors import UserError  # noqa: E402
+
+SCRIPT = REPO / "tools" / "prepare_data.py"
+VOCAB = 320
+
+# Each value is one document: unicode, tabs, runs of spaces, blank lines, CRLF, literal special-token text.
+DOCUMENTS = {
+    "a.txt": "Hello, world!\nThis is   a test\twith\ttabs.\n\n\nEnd.\n",
+    "b.md": "# Título\n\nÜnïcödé: 日本語テキスト, emoji 🙂🚀, math ∑ x² ≠ y.\n  indented  line  \n",
+    "c.py": "def f(x):\n\treturn x  +  1\n\n\nclass C:\n    pass\n",
+    "d.txt": "windows\r\nline endings\r\n and trailing spaces   ",
+    "e.txt": "a document that mentions <|endoftext|> in its text\n",
+    "sub/f.txt": "nested folder document; " * 20,
+    "sub/g.txt": "  leading spaces and no newline at end",
+    "sub/deeper/h.rst": "Heading\n=======\n\n* item one\n* item two\n",
+    "i.txt": "the quick brown fox jumps over the lazy dog " * 10,
+    "j.txt": "Zeile mit Umlauten: äöüß ÄÖÜ. Ligne française: é è ê à ç.\n",
+    # Far bigger than the rest: its chunk finishes last, so a worker pool that returned chunks out of
+    # order would show up as a different train.bin.
+    "big/k.txt": "".join(f"line {i}: value={i * 7919 % 10007}\n" for i in range(8000)),
+}
+
+
+def write_corpus(root: Path) -> Path:
+    for rel, text in DOCUMENTS.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+    (root / "empty.txt").write_text("   \n")  # whitespace only: skipped
+    (root / "image.bin").write_bytes(b"\x00\x01")  # unsupported type inside a folder: skipped
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.txt").write_text("hidden folders are skipped")
+    return root
+
+
+def siblings(out_dir: Path) -> list[str]:
+    """Leftovers of the atomic write next to ``out_dir`` (temp or set-aside folders)."""
+    return sorted(p.name for p in out_dir.parent.iterdir() if p.name.startswith(f"{out_dir.name}."))
+
+
+def read_ids(out_dir: Path, split: str, meta: dict) -> np.ndarray:
+    return np.fromfile(out_dir / f"{split}.bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out_dir = tmp_path_factory.mktemp("prepared") / "data"
+    meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
+    return out_dir, meta
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_trained_tokenizer_round_trips_every_document(prepared):
+    from transformers import AutoTokenizer
+
+    out_dir, meta = prepared
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    assert len(tokenizer) == meta["vocab_size"]
+    assert tokenizer.eos_token == prep.EOS_TOKEN and tokenizer.eos_token_id == meta["eos_id"]
+    for text in DOCUMENTS.values():
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+
+
+def test_bin_files_hold_each_split_documents_followed_by_eos(prepared, corpus_dir):
+    from transformers import AutoTokenizer
+
+    out_dir, meta = prepared
+    assert meta == {**prep.read_meta(out_dir), "timing": meta["timing"]}
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    corpus = prep.load_corpus([corpus_dir])
+    # Files are read byte-exact (CRLF kept); empty, hidden and unsupported files are skipped.
+    assert dict(zip(corpus.keys, corpus.texts)) == DOCUMENTS
+    train_idx, val_idx = prep.split_documents(corpus.keys, 0.2)
+    assert meta["dtype"] == "uint16"
+    for split, indices in (("train", train_idx), ("val", val_idx)):
+        info = meta["splits"][split]
+        ids = read_ids(out_dir, split, meta)
+        raw = (out_dir / f"{split}.bin").read_bytes()
+        assert len(raw) == info["n_tokens"] * 2 and ids.size == info["n_tokens"]
+        assert hashlib.sha256(raw).hexdigest() == info["sha256"]
+        assert int(ids.max()) < meta["vocab_size"]
+        assert int((ids == meta["eos_id"]).sum()) == info["n_documents"] == len(indices)
+        assert ids[-1] == meta["eos_id"]
+        pieces = np.split(ids, np.flatnonzero(ids == meta["eos_id"]) + 1)[:-1]
+        decoded = [tokenizer.decode(piece[:-1].tolist()) for piece in pieces]
+        assert decoded == [corpus.texts[i] for i in indices]
+    # The literal "<|endoftext|>" inside e.txt is text, not a document boundary (checked by the EOS count above).
+    assert "e.txt" in corpus.keys
+
+
+def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared, corpus_dir, tmp_path, monkeypatch):
+    out_1, meta_1 = prepared
+    # Many small chunks, so two workers really interleave and chunk order matters.
+    monkeypatch.setattr(prep, "_CHUNK_CHARS", 100)
+    out_2 = tmp_path / "two_procs"
+    meta_2 = prep.prepare(output=out_2, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=2)
+    for name in ("train.bin", "val.bin", "tokenizer.json", "tokenizer_config.json"):
+        assert (out_1 / name).read_bytes() == (out_2 / name).read_bytes(), name
+    assert meta_2["timing"]["num_proc"] == 2
+    strip = lambda meta: {k: v for k, v in meta.items() if k != "timing"}  # noqa: E731
+    assert strip(meta_1) == strip(meta_2) == strip(json.loads((out_2 / "meta.json").read_text()))
+
+    # The saved tokenizer given back as a Hugging Face tokenizer (the transformers encoding path) must
+    # produce the same token stream as the trained one (the tokenizers-backend path).
+    out_3 = tmp_path / "given_tokenizer"
+    meta_3 = prep.prepare(output=out_3, inputs=[corpus_dir], tokenizer=str(out_1), val_fraction=0.2, num_proc=1)
+    assert meta_3["tokenizer"] == str(out_1) and meta_3["splits"] == meta_1["splits"]
+    assert (out_3 / "train.bin").read_bytes() == (out_1 / "train.bin").read_bytes()
+
+
+def test_split_is_deterministic_order_independent_and_seeded():
+    keys = [f"doc{i}.txt" for i in range(200)]
+    train, val = prep.split_documents(keys, 0.05)
+    assert len(val) == 10 and sorted(train + val) == list(range(200))
+    assert (train, val) == prep.split_documents(keys, 0.05)
+    reversed_keys = keys[::-1]
+    _, val_rev = prep.split_documents(reversed_keys, 0.05)
+    assert {reversed_keys[i] for i in val_rev} == {keys[i] for i in val}
+    assert prep.split_documents(keys, 0.05, seed=1)[1] != val
+    assert prep.split_documents(keys[:2], 0.5) in (([0], [1]), ([1], [0]))  # train keeps at least one
+    assert len(prep.split_documents(keys[:3], 0.01)[1]) == 1  # val gets at least one
+    with pytest.raises(UserError, match="at least 2"):
+        prep.split_documents(keys[:1], 0.1)
+
+
+def test_jsonl_and_parquet_records_are_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"body": f"record {i}: текст\twith tabs  and  spaces\n", "id": i} for i in range(6)]
+    records.insert(2, {"body": "", "id": -1})  # empty record: skipped
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part1.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    pq.write_table(pa.Table.from_pylist([{"body": f"parquet row {i} ✓\n"} for i in range(5)]), data / "part2.parquet")
+    expected = [r["body"] for r in records if r["body"]] + [f"parquet row {i} ✓\n" for i in range(5)]
+
+    corpus = prep.load_corpus([data], text_field="body")
+    assert corpus.texts == expected
+    assert corpus.keys[0] == "part1.jsonl:0" and corpus.keys[-1] == "part2.parquet:4"
+
+    out_dir = tmp_path / "out"
+    meta = prep.prepare(output=out_dir, inputs=[data], text_field="body", vocab_size=VOCAB, val_fraction=0.2,
+                        num_proc=1)
+    assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == len(expected)
+    assert meta["splits"]["val"]["n_documents"] == round(0.2 * len(expected))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    ids = np.concatenate([read_ids(out_dir, s, meta) for s in ("train", "val")])
+    pieces = np.split(ids, np.flatnonzero(ids == meta["eos_id"]) + 1)[:-1]
+    assert sorted(tokenizer.decode(p[:-1].tolist()) for p in pieces) == sorted(expected)
+
+    assert len(prep.load_corpus([data], text_field="body", max_documents=3)) == 3
+
+
+def test_refuses_existing_output_then_overwrites_it(corpus_dir, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "keep.txt").write_text("precious")
+    result = run_script("--input", str(corpus_dir), "--output", str(out_dir), "--vocab-size", str(VOCAB))
+    assert result.returncode == 2
+    assert "--overwrite" in result.stderr and "Traceback" not in result.stderr
+    assert [p.name for p in out_dir.iterdir()] == ["keep.txt"] and siblings(out_dir) == []
+
+    meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
+    assert not (out_dir / "keep.txt").exists()
+    assert prep.read_meta(out_dir)["splits"] == meta["splits"]
+    assert siblings(out_dir) == []
+
+
+def test_failure_midway_leaves_no_temp_folder_and_keeps_old_output(corpus_dir, tmp_path, monkeypatch):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "keep.txt").write_text("precious")
+
+    def broken_encoder(self, texts):
+        raise RuntimeError("tokenizer crashed")
+
+    monkeypatch.setattr(prep._ChunkEncoder, "__call__", broken_encoder)
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
+    assert [p.name for p in out_dir.iterdir()] == ["keep.txt"] and siblings(out_dir) == []
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        prep.prepare(output=fresh, inputs=[corpus_dir], vocab_size=VOCAB, num_proc=1)
+    assert not fresh.exists() and siblings(fresh) == []
+
+
+def _error_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    """CLI arguments for one error case, and a phrase its message must contain."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("one document")
+    (docs / "b.txt").write_text("another document")
+    if case == "missing input":
+        return ["--input", str(tmp_path / "nope.txt")], "does not exist"
+    if case == "unknown type":
+        (tmp_path / "x.docx").write_bytes(b"PK")
+        return ["--input", str(tmp_path / "x.docx")], "Supported"
+    if case == "all empty":
+        (tmp_path / "blank").mkdir()
+        (tmp_path / "blank" / "a.txt").write_text("")
+        (tmp_path / "blank" / "b.md").write_text("\n\n")
+        return ["--input", str(tmp_path / "blank")], "No documents"
+    if case == "one document":
+        return ["--input", str(docs / "a.txt")], "at least 2"
+    if case == "vocab too small":
+        return ["--input", str(docs), "--vocab-size", "257"], "at least 258"
+    if case == "val fraction":
+        return ["--input", str(docs), "--val-fraction", "0.6"], "(0, 0.5]"
+    if case == "missing tokenizer folder":
+        return ["--input", str(docs), "--tokenizer", str(tmp_path / "no_tokenizer")], "no such folder"
+    if case == "missing text field":
+        (tmp_path / "r.jsonl").write_text('{"content": "a"}\n{"content": "b"}\n')
+        return ["--input", str(tmp_path / "r.jsonl")], "--text-field"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing input", "unknown type", "all empty", "one document", "vocab too small", "val fraction",
+     "missing tokenizer folder", "missing text field"],
+)
+def test_cli_errors_exit_2_with_a_message_and_write_nothing(tmp_path, case):
+    args, phrase = _error_case(tmp_path, case)
+    out_dir = tmp_path / "out"
+    result = run_script(*args, "--output", str(out_dir))
+    assert result.returncode == 2, result.stderr
+    assert "error:" in result.stderr and phrase in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out_dir.exists() and siblings(out_dir) == []
+
+
+def test_embedded_corpus_is_the_stdlib_without_tests_or_packages():
+    files = prep.embedded_corpus_files()
+    root = prep._stdlib_root()
+    rels = [f.relative_to(root) for f in files]
+    assert len(files) > 100
+    assert rels == sorted(rels, key=lambda p: p.as_posix())
+    assert {f.suffix for f in files} == {".py", ".txt"}
+    excluded = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
+    assert not any(excluded & set(rel.parts[:-1]) for rel in rels)
+    assert Path("os.py") in rels and Path("json/decoder.py") in rels
+
+
+def test_read_meta_rejects_missing_and_invalid(tmp_path, prepared):
+    with pytest.raises(UserError, match="not a prepared data folder"):
+        prep.read_meta(tmp_path)
+    (tmp_path / "meta.json").write_text("{not json")
+    with pytest.raises(UserError, match="not readable JSON"):
+        prep.read_meta(tmp_path)
+    meta = json.loads((prepared[0] / "meta.json").read_text())
+    del meta["eos_id"]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="eos_id"):
+        prep.read_meta(tmp_path)

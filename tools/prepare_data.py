@@ -1,0 +1,75 @@
+"""Tokenize a corpus into a data folder for training: train.bin, val.bin, meta.json and the tokenizer.
+
+    python tools/prepare_data.py --output data/stdlib                       # embedded Python stdlib corpus
+    python tools/prepare_data.py --input corpus/ --output data/mine --vocab-size 16384
+    python tools/prepare_data.py --input docs.jsonl --text-field body --tokenizer gpt2 --output data/docs
+
+See lmrecipe/prepare.py for the folder format and the split rule.
+"""
+
+import argparse
+import inspect
+import logging
+import sys
+from pathlib import Path
+
+# Run as `python tools/prepare_data.py` from a checkout, without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lmrecipe.errors import cli_main  # noqa: E402
+from lmrecipe.prepare import prepare  # noqa: E402
+
+# The defaults live once, in prepare()'s signature.
+DEFAULTS = {name: param.default for name, param in inspect.signature(prepare).parameters.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_argument_group("input (default: the running Python's standard library)")
+    source.add_argument("--input", nargs="+", action="extend", default=[], metavar="PATH",
+                        help="text files (one document each), jsonl/json/parquet files (one per record), or "
+                             "folders of them, read recursively; may be repeated")
+    source.add_argument("--hub-dataset", default=DEFAULTS["hub_dataset"], metavar="NAME",
+                        help="Hugging Face Hub dataset (train split); needs network access")
+    source.add_argument("--text-field", default=DEFAULTS["text_field"],
+                        help="record field holding the text (default: %(default)s)")
+    source.add_argument("--max-documents", type=int, default=DEFAULTS["max_documents"], metavar="N",
+                        help="keep only the first N non-empty documents")
+    tok = parser.add_argument_group("tokenizer (default: train a byte-level BPE on the train split)")
+    tok.add_argument("--tokenizer", default=DEFAULTS["tokenizer"], metavar="NAME_OR_PATH",
+                     help="Hugging Face tokenizer name or local folder instead of training one")
+    tok.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"],
+                     help="size of the trained BPE vocabulary, <|endoftext|> included (default: %(default)s)")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULTS["val_fraction"],
+                        help="share of documents held out for validation, in (0, 0.5] (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+                        help="salt of the train/val split (default: %(default)s)")
+    parser.add_argument("--num-proc", type=int, default=DEFAULTS["num_proc"], metavar="N",
+                        help="tokenizer processes (default: all CPU cores)")
+    parser.add_argument("--output", required=True, metavar="OUT_DIR", help="folder to create")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    return parser
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    prepare(
+        output=args.output,
+        inputs=args.input,
+        hub_dataset=args.hub_dataset,
+        text_field=args.text_field,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        num_proc=args.num_proc,
+        max_documents=args.max_documents,
+        overwrite=args.overwrite,
+        seed=args.seed,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
