@@ -9,7 +9,6 @@ and resuming at step ``s`` needs no skipping.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import fail
+from .prepare import read_meta
 
 logger = logging.getLogger(__name__)
 
@@ -29,25 +29,18 @@ _SCAN_CHUNK_TOKENS = 1 << 26
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """Read and check ``meta.json`` against the .bin files next to it."""
+    """Read ``meta.json`` (schema checked by prepare.read_meta) and check it against the .bin files."""
     data_dir = Path(data_dir)
     how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
     if not data_dir.is_dir():
         raise fail(f"Data folder {str(data_dir)!r} does not exist. {how_to_make}")
-    meta_path = data_dir / "meta.json"
-    if not meta_path.is_file():
-        if not any(data_dir.iterdir()):
-            raise fail(f"Data folder {str(data_dir)!r} is empty. {how_to_make}")
-        raise fail(f"Data folder {str(data_dir)!r} has no meta.json, so it was not written by prepare_data. {how_to_make}")
-    try:
-        meta = json.loads(meta_path.read_text())
-        dtype = np.dtype(_DTYPES[meta["dtype"]])
-        splits = {name: int(meta["splits"][name]["n_tokens"]) for name in SPLITS}
-        int(meta["vocab_size"]), int(meta["eos_id"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise fail(f"{meta_path} is not a valid prepare_data meta.json ({err!r}). Re-create the folder. {how_to_make}") from None
-    for name, n_tokens in splits.items():
+    if not any(data_dir.iterdir()):
+        raise fail(f"Data folder {str(data_dir)!r} is empty. {how_to_make}")
+    meta = read_meta(data_dir)
+    dtype = np.dtype(_DTYPES[meta["dtype"]])
+    for name in SPLITS:
         path = data_dir / f"{name}.bin"
+        n_tokens = int(meta["splits"][name]["n_tokens"])
         if not path.is_file():
             raise fail(f"{path} is missing although meta.json lists it. Re-create the folder. {how_to_make}")
         expected = n_tokens * dtype.itemsize

@@ -115,7 +115,7 @@ def test_missing_and_empty_folders(tmp_path):
         load_meta(tmp_path / "empty")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "train.bin").write_bytes(b"\0\0")
-    with pytest.raises(UserError, match="no meta.json"):
+    with pytest.raises(UserError, match="not a prepared data folder"):
         load_meta(tmp_path / "junk")
 
 
@@ -128,7 +128,7 @@ def test_meta_inconsistent_with_files(data_dir):
 
 def test_invalid_meta(data_dir):
     (data_dir / "meta.json").write_text('{"dtype": "float32"}')
-    with pytest.raises(UserError, match="not a valid prepare_data meta.json"):
+    with pytest.raises(UserError, match="lacks .*format_version"):
         load_meta(data_dir)
 
 
