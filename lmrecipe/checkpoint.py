@@ -1,15 +1,47 @@
-"""Resumable checkpoints, preemption and the end-of-run export."""
+"""Resumable checkpoints: atomic saves, exact resume, retention, preemption, and the end-of-run export.
+
+Layout of ``out_dir/checkpoints/``::
+
+    step_00000100/              one complete checkpoint (see below)
+    latest                      name of the newest complete checkpoint; replaced atomically, written last
+    best                        name of the checkpoint with the lowest validation loss; never pruned
+
+A checkpoint folder holds what ``accelerator.save_state`` writes (DeepSpeed's per-rank ZeRO shards under
+``pytorch_model/``, or ``model.safetensors`` + ``optimizer.bin`` without DeepSpeed) and:
+
+- ``rng/rank_NNNNN.safetensors``: the torch (CPU and CUDA), numpy and ``random`` RNG state of every rank;
+- ``hf/``: the transformers ``config.json``, the tokenizer files and the data's ``meta.json``, so an export
+  or an evaluation needs neither the recipe's data folder nor ``model.init_from``;
+- ``probe.safetensors``: logits of the training-time model on a fixed input, to check exports against;
+- ``train_state.json``: step, tokens seen, data position, best validation loss, the schedule's values, the
+  resolved config, the topology and a manifest of every file with its size. Written last.
+
+Atomicity: every rank writes into ``.tmp_step_N``; after a barrier the main process writes
+``train_state.json`` and renames the folder to ``step_N``, then replaces ``latest``. A crash or ``kill -9``
+at any moment leaves the previous checkpoint and the pointer intact; leftovers are removed at the next start.
+The checkpoint folder must be on a filesystem every rank sees (a shared filesystem on multi-node jobs).
+
+Safe loading: our own state is JSON and safetensors. Without DeepSpeed, Accelerate reads ``optimizer.bin``
+(and its own ``random_states_*.pkl``, which we then override) with ``torch.load(weights_only=True)``, which
+reconstructs tensors and plain containers only. DeepSpeed's ZeRO shards are read by DeepSpeed's own loader,
+which unpickles; that is the one full-pickle load left, and the shards are checked against the manifest first.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import random
+import re
 import shutil
 import signal
-from dataclasses import asdict, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from .config import Config
@@ -17,9 +49,38 @@ from .errors import fail
 
 logger = logging.getLogger(__name__)
 
-#: Exit code after a SIGTERM/SIGUSR1 stop with a checkpoint saved; slurm/ requeues the job on it.
+#: Exit code of every training process after a SIGTERM/SIGUSR1 stop with a checkpoint saved; a requeued job
+#: resumes with the default ``checkpoint.resume=auto``. Launchers (torchrun, accelerate launch) report any
+#: failed worker as exit 1 (slurm/launch.sh restores 124), so the main process also writes
+#: ``out_dir/preempted.json`` ({"step", "checkpoint"}); the next run removes it when it starts.
 EXIT_PREEMPTED = 124
+PREEMPTED_MARKER = "preempted.json"
+
+FORMAT_VERSION = 1
 STATE_FILE = "train_state.json"
+HF_DIR = "hf"
+RNG_DIR = "rng"
+PROBE_FILE = "probe.safetensors"
+DS_TAG = "pytorch_model"
+"""Folder (DeepSpeed tag) that ``accelerator.save_state`` gives the first model's ZeRO shards."""
+PROBE_TOKENS = 16
+LATEST = "latest"
+BEST = "best"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp_"
+_TRASH_PREFIX = ".trash_"
+
+# A resume that changes any of these stops: the saved weights, ZeRO shards or data position would not fit.
+INCOMPATIBLE_KEYS = (
+    "model.arch", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+    "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings", "model.rope_theta",
+    "model.tie_embeddings", "model.extra", "data.seq_len", "train.global_batch_size", "train.seed",
+)
+# Shape-defining fields of the transformers config, compared too (catches a changed model.init_from).
+_HF_SHAPE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
+)
 
 
 class PreemptionSignal:
@@ -39,77 +100,445 @@ class PreemptionSignal:
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
+# --------------------------------------------------------------------------------------------------
+# Reading checkpoints (also used by export and eval, without an Accelerator)
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    step: int
+    path: Path
+    val_loss: float | None
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[SavedCheckpoint]:
+    """Published checkpoints under ``root``, oldest first (folders still being written are not listed)."""
+    found = []
+    if not root.is_dir():
+        return found
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / STATE_FILE).is_file():
+            try:
+                val_loss = json.loads((path / STATE_FILE).read_text()).get("val_loss")
+            except (OSError, json.JSONDecodeError):
+                val_loss = None
+            found.append(SavedCheckpoint(int(match.group(1)), path, val_loss))
+    return sorted(found, key=lambda c: c.step)
+
+
+def looks_like_checkpoint(path: Path) -> bool:
+    """A training checkpoint folder (complete or not), as opposed to a Hugging Face export."""
+    markers = (STATE_FILE, DS_TAG, RNG_DIR, "optimizer.bin")
+    return any((path / m).exists() for m in markers) or any(path.glob("random_states_*.pkl"))
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """Load ``train_state.json`` after checking that every file of the manifest is present and complete."""
+    path = Path(path)
+    if not path.is_dir():
+        raise fail(f"Checkpoint {str(path)!r} does not exist or is not a folder.")
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise fail(
+            f"{path} has no {STATE_FILE}: it is not a complete checkpoint of this recipe (a save that was "
+            f"interrupted, or a folder written by another tool). Use an intact checkpoint such as the one named in "
+            f"{path.parent / LATEST}, or checkpoint.resume=none to start fresh."
+        )
+    try:
+        saved = json.loads(state_file.read_text())
+        version = saved["format_version"]
+        manifest = saved["manifest"]
+        saved["state"]["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise fail(f"{state_file} is not a readable checkpoint state ({err!r}); the checkpoint is damaged.") from None
+    if version != FORMAT_VERSION:
+        raise fail(f"{state_file} has format_version {version}; this code reads {FORMAT_VERSION}.")
+    problems = []
+    for rel, size in manifest.items():
+        file = path / rel
+        if not file.is_file():
+            problems.append(f"{rel} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{rel} holds {file.stat().st_size} bytes instead of {size} (truncated or replaced)")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise fail(
+            f"Checkpoint {path} is damaged: {shown}. Resume from an earlier checkpoint with "
+            "checkpoint.resume=PATH, or copy the checkpoint again if it was transferred."
+        )
+    return saved
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or the newest one of a run folder / ``checkpoints`` folder given instead."""
+    path = Path(path)
+    if looks_like_checkpoint(path):
+        return path
+    for root in (path, path / "checkpoints"):
+        if (root / LATEST).is_file():
+            return _follow_latest(root)
+    return path
+
+
+def find_resume_checkpoint(resume: str, root: Path) -> Path | None:
+    """The checkpoint that ``checkpoint.resume`` names, or None.
+
+    auto: the one ``root/latest`` names (the pointer is the commit point of a save: a folder renamed but not
+    yet pointed to when a crash hit is re-saved by the resumed run); without a pointer, the newest complete
+    folder. none: None. Anything else: a checkpoint folder, or a run or ``checkpoints`` folder for its newest.
+    """
+    if resume == "none":
+        return None
+    if resume != "auto":
+        return resolve_checkpoint(resume)
+    if (root / LATEST).is_file():
+        return _follow_latest(root)
+    found = complete_checkpoints(root)
+    return found[-1].path if found else None
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest checkpoints and the best by validation loss; return the deleted."""
+    saved = complete_checkpoints(root)
+    scored = [c for c in saved if c.val_loss is not None and math.isfinite(c.val_loss)]
+    best = min(scored, key=lambda c: c.val_loss) if scored else None
+    keep = {c.path for c in saved[-keep_last:]}
+    if best is not None:
+        keep.add(best.path)
+        _write_text_durable(root / BEST, best.path.name + "\n")
+    removed = [c.path for c in saved if c.path not in keep]
+    for path in removed:
+        logger.info("Removing %s (checkpoint.keep_last=%d; the best by validation loss is kept apart)", path, keep_last)
+        _remove_tree(path)
+    return removed
+
+
+def _follow_latest(root: Path) -> Path:
+    pointer = root / LATEST
+    name = pointer.read_text().strip()
+    target = root / name
+    if not name or not _STEP_DIR.match(name) or not target.is_dir():
+        raise fail(
+            f"{pointer} points to {name!r}, which is not a checkpoint folder in {root}. Delete {pointer} to use the "
+            f"newest complete checkpoint, or pass checkpoint.resume=PATH (or none to start fresh)."
+        )
+    return target
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "extra":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _file_sha256(path: Path) -> str | None:
+    from .data import file_sha256
+
+    return file_sha256(path) if path.is_file() else None
+
+
+def _data_signature(data_dir: Path) -> dict:
+    """What must not change between a checkpoint and its resume: the token ids' meaning and width."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    return {
+        "vocab_size": meta.get("vocab_size"),
+        "dtype": meta.get("dtype"),
+        "eos_id": meta.get("eos_id"),
+        "tokenizer_sha256": _file_sha256(data_dir / "tokenizer.json"),
+        "train_sha256": meta.get("splits", {}).get("train", {}).get("sha256"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG state in a safe format (one safetensors file per rank)
+
+
+def rng_state_tensors() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This process's RNG states as tensors + string metadata (exactly restorable, no pickle)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss_next = random.getstate()
+    tensors = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+    }
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = state
+    metadata = {
+        "numpy_kind": kind, "numpy_pos": str(pos), "numpy_has_gauss": str(has_gauss),
+        "numpy_cached_gaussian": float(cached).hex(), "python_version": str(version),
+        "python_gauss_next": "none" if gauss_next is None else float(gauss_next).hex(),
+    }
+    return tensors, metadata
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    np.random.set_state((
+        metadata["numpy_kind"], tensors["numpy_keys"].numpy().astype(np.uint32), int(metadata["numpy_pos"]),
+        int(metadata["numpy_has_gauss"]), float.fromhex(metadata["numpy_cached_gaussian"]),
+    ))
+    gauss = metadata["python_gauss_next"]
+    random.setstate((
+        int(metadata["python_version"]), tuple(int(v) for v in tensors["python_state"].tolist()),
+        None if gauss == "none" else float.fromhex(gauss),
+    ))
+    cuda = [tensors[f"cuda_{i}"] for i in range(sum(k.startswith("cuda_") for k in tensors))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _write_text_durable(path: Path, text: str) -> None:
+    """Write a small file through a temporary name, fsync it and rename it into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a folder so that no half-deleted folder ever carries a checkpoint's name."""
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}")
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
 class Checkpointer:
+    """Owns the checkpoint policy: when to save, atomic publishing, retention, resume and the final export.
+
+    Every method is called on every rank; collectives (DeepSpeed's save, the probe forward) run on all of
+    them and only the main process writes shared files.
+    """
+
     def __init__(self, cfg: Config, accelerator, out_dir: Path):
+        from accelerate.utils import DistributedType
+
+        from .data import TokenWindows
+
         self.cfg = cfg
         self.accelerator = accelerator
+        self.out_dir = out_dir
         self.root = out_dir / "checkpoints"
+        self.uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        self.zero_stage = int(accelerator.state.deepspeed_plugin.zero_stage) if self.uses_deepspeed else 0
+        self.data_dir = Path(cfg.data.path)
+        self.probe_ids = TokenWindows(self.data_dir, "val", cfg.data.seq_len).batch([0])[0][:, :PROBE_TOKENS]
+        if cfg.checkpoint.export_at_end:
+            from .export import parse_shard_size
 
-    def _latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not path.is_dir():
-            raise fail(f"{pointer} points to {path}, which does not exist. Delete {pointer} or pass checkpoint.resume=PATH.")
-        return path
+            parse_shard_size(cfg.checkpoint.max_shard_size)  # fail now, not after the whole run
+        self.resumed_from: Path | None = None
+        self.latest: Path | None = None
+        if accelerator.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in self.root.iterdir():
+                if leftover.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and leftover.is_dir():
+                    logger.info("Removing %s, left by an interrupted save", leftover)
+                    shutil.rmtree(leftover)
+            (out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+        accelerator.wait_for_everyone()
+
+    # ---- resume
 
     def maybe_resume(self, model, state) -> str | None:
-        resume = self.cfg.checkpoint.resume
-        if resume == "none":
-            return None
-        path = self._latest() if resume == "auto" else Path(resume)
+        """Restore weights, optimizer, training state and every rank's RNG from the chosen checkpoint."""
+        path = find_resume_checkpoint(self.cfg.checkpoint.resume, self.root)
         if path is None:
             return None
-        if not (path / STATE_FILE).is_file():
-            raise fail(f"{path} has no {STATE_FILE}: it is not a complete checkpoint of this recipe.")
-        self.accelerator.load_state(str(path))
-        saved = json.loads((path / STATE_FILE).read_text())
-        for f in fields(state):
-            setattr(state, f.name, saved["state"][f.name])
-        logger.info("Resumed from %s at step %d", path, state.step)
+        saved = read_checkpoint(path)
+        self._check_compatible(saved, path, model)
+        # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
+        self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        names = {f.name for f in fields(state)}
+        for key, value in saved["state"].items():
+            if key in names:
+                setattr(state, key, value)
+        self._restore_rng(path)
+        self.resumed_from = self.latest = path
+        logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
         return str(path)
 
-    def maybe_save(self, model, state, force: bool = False) -> Path | None:
+    def _check_compatible(self, saved: dict, path: Path, model) -> None:
+        from .optim import lr_at
+
+        old, new = _flatten(saved["config"]), _flatten(self.cfg.to_dict())
+        problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in INCOMPATIBLE_KEYS if old.get(k) != new.get(k)]
+        old_hf = saved.get("hf_config", {})
+        new_hf = self.accelerator.unwrap_model(model).config.to_dict()
+        problems += [f"model config {k}: {old_hf[k]!r} -> {new_hf[k]!r}"
+                     for k in _HF_SHAPE_KEYS if k in old_hf and k in new_hf and old_hf[k] != new_hf[k]]
+        old_data, new_data = saved.get("data", {}), _data_signature(self.data_dir)
+        problems += [f"data {k}: {old_data[k]!r} -> {new_data[k]!r}"
+                     for k in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256")
+                     if old_data.get(k) is not None and new_data.get(k) is not None and old_data[k] != new_data[k]]
+        topo = saved["topology"]
+        if topo["deepspeed"] != self.uses_deepspeed or topo["zero_stage"] != self.zero_stage:
+            problems.append(f"ZeRO stage: {topo['zero_stage'] if topo['deepspeed'] else 'no DeepSpeed'} -> "
+                            f"{self.zero_stage if self.uses_deepspeed else 'no DeepSpeed'}")
+        if self.uses_deepspeed and topo["world_size"] != self.accelerator.num_processes:
+            # DeepSpeed's ZeRO shards are cut for one data-parallel size (DeepSpeed #3810).
+            problems.append(f"processes: {topo['world_size']} -> {self.accelerator.num_processes}")
+        if problems:
+            raise fail(
+                f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer shards or data "
+                f"position depend on ({'; '.join(problems)}). Resume with the checkpoint's settings, or start a new run "
+                f"from its weights: python tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT "
+                "checkpoint.resume=none."
+            )
+        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                   if k not in INCOMPATIBLE_KEYS and old.get(k) != new.get(k)]
+        if changed:
+            logger.info("Resuming with changed settings (allowed): %s", "; ".join(changed))
+        if new_data.get("train_sha256") != old_data.get("train_sha256"):
+            logger.warning("The training data differs from the checkpoint's (train.bin sha256); the run continues "
+                           "at the same sample index of the new data.")
+        step = saved["state"]["step"]
+        lr_now = lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
+        lr_saved = saved["schedule"]["next_lr"]
+        if not math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
+            logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
+                           "schedule.", step, lr_saved, lr_now)
+
+    def _restore_rng(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        rng_file = path / RNG_DIR / f"rank_{self.accelerator.process_index:05d}.safetensors"
+        if not rng_file.is_file():
+            logger.warning("%s has no RNG state for rank %d (saved with fewer processes); keeping a fresh one.",
+                           path, self.accelerator.process_index)
+            return
+        with safe_open(rng_file, framework="pt") as fh:
+            set_rng_state({k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata())
+
+    # ---- save
+
+    def _due(self, step: int, force: bool) -> bool:
         every = self.cfg.checkpoint.every_steps
-        if not (force or state.step == self.cfg.train.max_steps or (every > 0 and state.step % every == 0)):
+        return force or step == self.cfg.train.max_steps or (every > 0 and step % every == 0)
+
+    @torch.no_grad()
+    def _probe_logits(self, model) -> torch.Tensor:
+        # Every rank runs the forward: ZeRO-3 gathers parameters collectively.
+        was_training = model.training
+        model.eval()
+        logits = model(input_ids=self.probe_ids.to(self.accelerator.device)).logits.float().cpu()
+        model.train(was_training)
+        return logits
+
+    def maybe_save(self, model, state, preempted: bool = False) -> Path | None:
+        """Save when the interval, the last step or a preemption asks for it; publish atomically; prune."""
+        from safetensors.torch import save_file
+
+        if not self._due(state.step, preempted):
             return None
-        name = f"step_{state.step:08d}"
-        final = self.root / name
-        tmp = self.root / f".tmp_{name}"
-        if self.accelerator.is_main_process:
+        acc = self.accelerator
+        final = self.root / step_dir_name(state.step)
+        if final == self.resumed_from:
+            raise RuntimeError(f"refusing to overwrite {final}, the checkpoint this run resumed from")
+        tmp = self.root / f"{_TMP_PREFIX}{final.name}"
+        if acc.is_main_process:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))  # every rank: DeepSpeed's save has collectives
-        if self.accelerator.is_main_process:
-            (tmp / STATE_FILE).write_text(json.dumps({"state": asdict(state), "config": self.cfg.to_dict()}, indent=2))
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            pointer_tmp = self.root / "latest.tmp"
-            pointer_tmp.write_text(name)
-            os.replace(pointer_tmp, self.root / "latest")
-            logger.info("Saved checkpoint %s", final)
-        self.accelerator.wait_for_everyone()
+            (tmp / RNG_DIR).mkdir(parents=True)
+        acc.wait_for_everyone()
+        probe = self._probe_logits(model)
+        acc.save_state(str(tmp))  # every rank: DeepSpeed's save has collectives (PITFALLS #2)
+        tensors, metadata = rng_state_tensors()
+        save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
+        if acc.is_main_process:
+            save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
+            self._write_hf_dir(model, tmp / HF_DIR)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            self._publish(tmp, final, state)
+            if preempted:
+                marker = {"step": state.step, "checkpoint": str(final)}
+                _write_text_durable(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n")
+        acc.wait_for_everyone()
+        self.latest = final
         return final
 
-    def maybe_export(self, model, meta: dict) -> Path | None:
-        if not self.cfg.checkpoint.export_at_end:
-            return None
-        out = Path(self.cfg.out_dir) / "export"
-        state_dict = self.accelerator.get_state_dict(model)  # every rank: gathers ZeRO-3 shards
-        if self.accelerator.is_main_process:
-            dtype = torch.bfloat16 if self.cfg.checkpoint.export_dtype == "bf16" else torch.float32
-            unwrapped = self.accelerator.unwrap_model(model)
-            state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
-            unwrapped.save_pretrained(out, state_dict=state_dict, max_shard_size=self.cfg.checkpoint.max_shard_size)
-            from transformers import AutoTokenizer
+    def _write_hf_dir(self, model, hf_dir: Path) -> None:
+        hf_dir.mkdir()
+        self.accelerator.unwrap_model(model).config.to_json_file(hf_dir / "config.json")
+        for file in self.data_dir.iterdir():
+            if file.is_file() and file.suffix != ".bin":  # tokenizer files and meta.json, not the tokens
+                shutil.copy2(file, hf_dir / file.name)
 
-            AutoTokenizer.from_pretrained(self.cfg.data.path).save_pretrained(out)
-            logger.info("Exported Hugging Face model to %s", out)
-        self.accelerator.wait_for_everyone()
-        return out
+    def _publish(self, tmp: Path, final: Path, state) -> None:
+        from .optim import lr_at
+
+        cfg = self.cfg
+        val_loss = state.last_val_loss if state.last_val_step == state.step else None
+        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "state": {f.name: getattr(state, f.name) for f in fields(state)},
+            "val_loss": val_loss,
+            "data": {"next_sample": state.step * cfg.train.global_batch_size, **_data_signature(self.data_dir)},
+            "schedule": {
+                "last_lr": lr_at(state.step - 1, cfg.train.max_steps, cfg.optim, cfg.schedule) if state.step else None,
+                "next_lr": lr_at(state.step, cfg.train.max_steps, cfg.optim, cfg.schedule),
+            },
+            "topology": {"world_size": self.accelerator.num_processes, "deepspeed": self.uses_deepspeed,
+                         "zero_stage": self.zero_stage},
+            "hf_config": json.loads((tmp / HF_DIR / "config.json").read_text()),
+            "config": cfg.to_dict(),
+            "manifest": manifest,
+        }
+        _write_text_durable(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
+        if final.exists():
+            # A step saved before by an abandoned continuation (resumed from an older checkpoint, or resume=none
+            # in a used out_dir): aim `latest` at a folder that stays complete before deleting this one.
+            if self.latest is not None and self.latest.parent == self.root:
+                _write_text_durable(self.root / LATEST, self.latest.name + "\n")
+            else:
+                (self.root / LATEST).unlink(missing_ok=True)
+            _remove_tree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        _write_text_durable(self.root / LATEST, final.name + "\n")
+        logger.info("Saved checkpoint %s", final)
+        prune_checkpoints(self.root, self.cfg.checkpoint.keep_last)
+
+    # ---- export
+
+    def maybe_export(self) -> Path | None:
+        """Export the final checkpoint for inference loaders (main process only; the others need not wait)."""
+        if not self.cfg.checkpoint.export_at_end or self.latest is None or not self.accelerator.is_main_process:
+            return None
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        from .export import export_checkpoint
+
+        # Training is over: detach transformers from the live ZeRO-3 config, or building the export's model
+        # would enter zero.Init and wait for the other ranks (PITFALLS.md).
+        unset_hf_deepspeed_config()
+        return export_checkpoint(self.latest, self.out_dir / "export", dtype=self.cfg.checkpoint.export_dtype,
+                                 max_shard_size=self.cfg.checkpoint.max_shard_size, overwrite=True)

@@ -63,6 +63,9 @@ def load_deepspeed_config(path: str, cfg: Config, world_size: int, precision: st
         # fp32 grads need no separate accumulation dtype; fp16 uses DeepSpeed's loss-scaled path.
         ds.get("data_types", {}).pop("grad_accum_dtype", None)
     ds.setdefault("steps_per_print", 2**31 - 1)  # the recipe logs; DeepSpeed's own prints are noise
+    # Under offload optim.build_optimizer already returns DeepSpeedCPUAdam(adamw_mode=True). Left True, this flag
+    # makes Accelerate swap it for a DeepSpeedCPUAdam(adamw_mode=False): L2 instead of decoupled weight decay.
+    ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
 

@@ -16,6 +16,7 @@ from .config import Config, save_config
 from .data import BatchLayout, TrainBatches, ValBatches, load_meta, open_data
 from .distributed import build_accelerator, offloads_optimizer, zero_stage
 from .errors import fail
+from .memory import attach_model_state_probe
 from .model import build_hf_config, build_model, flops_per_token, param_counts
 from .optim import build_optimizer, lr_at, set_lr
 from .reporting import Reporter
@@ -35,6 +36,13 @@ class TrainState:
     skipped_steps: int = 0
     """Updates skipped for a non-finite loss or gradient norm, over the run."""
     consecutive_skips: int = 0
+    last_val_loss: float | None = None
+    last_val_step: int | None = None
+    """Step of the latest evaluation (a checkpoint saved at that step is ranked by its loss)."""
+
+    def record_eval(self, val_loss: float) -> None:
+        self.last_val_loss, self.last_val_step = val_loss, self.step
+        self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
 
 
 def causal_lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -69,9 +77,14 @@ def _optimizer_step(model, optimizer, accelerator, grad_clip: float, uses_deepsp
         norm = float(norm) if norm is not None else float("nan")
         return norm, model.skipped_steps > skipped_before or not math.isfinite(norm)
     norm = float(accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf")))
-    skipped = not math.isfinite(norm)
-    if not skipped:
+    if accelerator.scaler is not None:
+        # fp16: the GradScaler must see every step, so it can skip an overflow and lower the scale.
         optimizer.step()
+        skipped = optimizer.step_was_skipped
+    else:
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, skipped
 
@@ -104,6 +117,7 @@ def train(cfg: Config) -> TrainState:
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=offloads_optimizer(ds_config))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
     layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, accelerator.num_processes, accelerator.process_index)
     train_batches = TrainBatches(train_windows, layout, cfg.train.seed)
@@ -163,16 +177,17 @@ def train(cfg: Config) -> TrainState:
             )
         if reporter.should_eval(state.step):
             val_loss = evaluate(model, val_batches, accelerator)
-            state.best_val_loss = val_loss if state.best_val_loss is None else min(state.best_val_loss, val_loss)
+            state.record_eval(val_loss)
             reporter.eval_done(state, val_loss)
         preempted = stop.requested(accelerator)
-        checkpointer.maybe_save(model, state, force=preempted)
+        checkpointer.maybe_save(model, state, preempted=preempted)
         if preempted:
             reporter.close(plot=True)
-            logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.", stop.name, state.step)
+            logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
+                        stop.name or "a signal to another rank", state.step)
             raise SystemExit(ckpt.EXIT_PREEMPTED)
 
-    checkpointer.maybe_export(model, meta)
+    checkpointer.maybe_export()
     reporter.close(plot=True)
     accelerator.end_training()
     return state

@@ -1,0 +1,54 @@
+"""Evaluate an export or a training checkpoint: validation loss, perplexity, and optionally a sample.
+
+    python eval.py runs/tiny/export --data data/stdlib
+    python eval.py runs/tiny/checkpoints/step_00000300 --data data/stdlib --max-batches 20 --output result.json
+    accelerate launch --multi_gpu --num_processes 2 eval.py runs/tiny/export --data data/stdlib --generate "def "
+
+Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ...} (plus "prompt" and "continuation" with
+--generate, whose text follows on the next lines). The result is the same on any number of processes.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from lmrecipe.errors import cli_main
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="export folder (config.json + safetensors) or training checkpoint folder")
+    parser.add_argument("--data", required=True, metavar="DATA_DIR", help="prepared data folder; its val split is evaluated")
+    parser.add_argument("--max-batches", type=int, default=None, metavar="N",
+                        help="evaluate at most N batches of --batch-size windows (default: the whole val split)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass and process (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the training seq_len)")
+    parser.add_argument("--output", metavar="FILE", help="also write the result JSON to FILE")
+    parser.add_argument("--generate", metavar="PROMPT", help="sample a continuation of PROMPT")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from lmrecipe.evaluate import evaluate_path  # heavy imports only after the arguments parsed
+
+    result, is_main = evaluate_path(
+        args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
+        generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed,
+    )
+    if is_main:
+        print(json.dumps(result), flush=True)
+        if args.output:
+            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        if "continuation" in result:
+            print(result["prompt"] + result["continuation"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Validation loss and perplexity of an export or a training checkpoint, and sampling a continuation.
+
+The windows are the same ``ValBatches`` the training run evaluates, split over however many processes run
+and summed with one all-reduce, so 1 and N processes report the same loss (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from .data import TokenWindows, ValBatches, file_sha256, load_meta
+from .distributed import world_size_from_env
+from .errors import fail
+from .export import load_for_inference
+from .trainer import evaluate
+
+logger = logging.getLogger(__name__)
+
+
+def build_eval_accelerator():
+    """A plain Accelerator (no DeepSpeed: the weights are consolidated); gloo when several CPU processes run."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    world_size = world_size_from_env()
+    cpu = not torch.cuda.is_available()
+    # Without a GPU, Accelerate 1.15 must be told the backend and cpu=True, or the processes stay
+    # unsynchronised (DistributedType.NO: reduce() returns each rank's own sum), as in distributed.py.
+    handlers = [InitProcessGroupKwargs(backend="gloo" if cpu else None)] if world_size > 1 else []
+    accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
+    if accelerator.num_processes != world_size or (world_size > 1 and accelerator.distributed_type.value == "NO"):
+        raise fail(f"The launcher announced WORLD_SIZE={world_size} but Accelerate formed {accelerator.num_processes} "
+                   "synchronised processes. Launch with `accelerate launch --multi_gpu --num_processes N eval.py ...`.")
+    return accelerator
+
+
+def evaluate_path(
+    path: str | Path,
+    data_dir: str | Path,
+    max_batches: int | None = None,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    generate: str | None = None,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+) -> tuple[dict, bool]:
+    """Evaluate ``path`` (export folder or training checkpoint) on the val split of ``data_dir``.
+
+    Args:
+        max_batches: evaluate at most this many batches of ``batch_size`` windows (spread over val.bin,
+            the same set for any process count); None evaluates every window.
+        batch_size: windows per forward pass on each process.
+        seq_len: tokens per window; None uses the training seq_len (a checkpoint's recipe, an export's
+            ``max_position_embeddings``).
+        generate: a prompt to sample a continuation of (main process only), seeded by ``seed``.
+
+    Returns:
+        ``({"loss", "perplexity", "tokens"[, "prompt", "continuation"]}, is_main_process)``.
+    """
+    for name, value in (("--max-batches", max_batches), ("--batch-size", batch_size), ("--seq-len", seq_len),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value is not None and value <= 0:
+            raise fail(f"{name}={value} must be positive.")
+    accelerator = build_eval_accelerator()
+    meta = load_meta(data_dir)  # a wrong data folder fails before the model is loaded
+    model, tokenizer, trained_seq_len = load_for_inference(path)
+    seq_len = seq_len or trained_seq_len
+    if seq_len > model.config.max_position_embeddings:
+        raise fail(f"--seq-len={seq_len} exceeds the model's max_position_embeddings={model.config.max_position_embeddings}.")
+    model.to(accelerator.device)
+
+    val = TokenWindows(data_dir, "val", seq_len, meta)
+    vocab = model.config.vocab_size
+    if int(meta["vocab_size"]) > vocab or val.max_token_id() >= vocab:
+        raise fail(f"{data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens (largest id "
+                   f"{val.max_token_id()}) but the model has {vocab}: it was prepared with another tokenizer.")
+    data_tokenizer = Path(data_dir) / "tokenizer.json"
+    model_tokenizer = Path(getattr(tokenizer, "name_or_path", "")) / "tokenizer.json"
+    if data_tokenizer.is_file() and model_tokenizer.is_file() and file_sha256(data_tokenizer) != file_sha256(model_tokenizer):
+        logger.warning("%s differs from the model's tokenizer; the perplexity is only meaningful if they encode alike.",
+                       data_tokenizer)
+    n_windows = len(val) if max_batches is None else min(len(val), max_batches * batch_size)
+    batches = ValBatches(val, n_windows, batch_size, accelerator.num_processes, accelerator.process_index)
+    loss = evaluate(model, batches, accelerator)
+    result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+              "tokens": int(len(batches.all_ids) * seq_len)}
+    logger.info("%d windows of %d tokens on %d processes: loss %.6f", len(batches.all_ids), seq_len,
+                accelerator.num_processes, loss)
+    if generate is not None and accelerator.is_main_process:
+        result.update(prompt=generate, continuation=sample(model, tokenizer, generate, max_new_tokens, seed))
+    return result, accelerator.is_main_process
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
+    """A seeded sampled continuation of ``prompt`` (top-k 50, temperature 1), without the prompt."""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    room = model.config.max_position_embeddings - ids.shape[1]
+    if ids.shape[1] == 0 or room <= 0:
+        raise fail(f"--generate needs a prompt of 1 to {model.config.max_position_embeddings - 1} tokens; "
+                   f"this one has {ids.shape[1]}.")
+    torch.manual_seed(seed)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=50, temperature=1.0,
+        max_new_tokens=min(max_new_tokens, room), eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

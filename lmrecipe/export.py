@@ -1,0 +1,258 @@
+"""Hugging Face exports of training checkpoints, and loading a checkpoint or an export for evaluation.
+
+An export folder holds ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` (the index
+form also for a single shard), ``config.json``, ``generation_config.json`` and the tokenizer files: what
+``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` and inference servers load.
+
+Weights always come from a checkpoint on disk, never from a live engine, so one code path serves the end of
+training and ``tools/export_hf.py``: DeepSpeed ZeRO-1/2/3 shards are consolidated offline by DeepSpeed's own
+``get_fp32_state_dict_from_zero_checkpoint`` (the fp32 master weights; it works for any rank count and whether
+or not ZeRO-3 gathered 16-bit weights at save time); checkpoints without DeepSpeed hold ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import DS_TAG, HF_DIR, looks_like_checkpoint, read_checkpoint, resolve_checkpoint
+from .errors import fail
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+INDEX_FILE = "model.safetensors.index.json"
+# Files of the checkpoint's hf/ folder that are not tokenizer files.
+_NOT_TOKENIZER = {"config.json", "meta.json"}
+# Prefixes that wrappers (DDP, torch.compile) add to parameter names in a non-DeepSpeed state dict.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def parse_shard_size(size: str | int) -> int:
+    """Bytes in a shard size such as ``"2GB"`` or ``"500MB"`` (decimal units, as huggingface_hub reads them)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    if isinstance(size, int):
+        value = size
+    else:
+        text = str(size).strip().upper()
+        try:
+            value = int(float(text[:-2]) * units[text[-2:]]) if text[-2:] in units else int(text)
+        except ValueError:
+            value = 0
+    if value <= 0:
+        raise fail(f"Shard size {size!r} is not a size: write a number with KB, MB, GB or TB, e.g. 2GB or 500MB.")
+    return value
+
+
+def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The full model state dict of a training checkpoint in ``dtype``, consolidated in this process.
+
+    Every tensor owns its storage (ZeRO-1/2 consolidation returns views of one flat buffer, which would
+    bloat or break a safetensors file, PITFALLS #12); names that DeepSpeed records as shared (tied
+    embeddings) map to one tensor.
+    """
+    if (ckpt / DS_TAG).is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            # DeepSpeed reports progress on stdout, which belongs to the caller (eval.py prints JSON there).
+            with contextlib.redirect_stdout(sys.stderr):
+                lazy = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=DS_TAG, lazy_mode=True)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as err:
+            raise fail(f"Cannot consolidate the ZeRO shards of {ckpt}: {err}") from None
+        out: dict[str, torch.Tensor] = {}
+        first_name: dict[int, str] = {}
+        for name, tensor in lazy.items():
+            if id(tensor) in first_name:
+                out[name] = out[first_name[id(tensor)]]
+            else:
+                first_name[id(tensor)] = name
+                out[name] = tensor.contiguous().to(dtype, copy=True)
+        return out
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        raise fail(f"{ckpt} has neither DeepSpeed shards ({DS_TAG}/) nor model.safetensors: it holds no model weights.")
+    from safetensors.torch import load_file
+
+    out = {}
+    for name, tensor in load_file(weights).items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        out[name] = tensor.to(dtype, copy=True)
+    return out
+
+
+def _match_model_keys(state_dict: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Fill tied names left out at save time and check the names are exactly the model's."""
+    expected = set(model.state_dict().keys())
+    state_dict = dict(state_dict)
+    for target, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if target not in state_dict and source in state_dict:
+            state_dict[target] = state_dict[source]
+        elif source not in state_dict and target in state_dict:
+            state_dict[source] = state_dict[target]
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise fail(
+            f"The checkpoint's weights do not fit its model config: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}. The checkpoint was written by different code or is damaged."
+        )
+    return state_dict
+
+
+def _hf_config_and_tokenizer(ckpt: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_dir = ckpt / HF_DIR
+    if not (hf_dir / "config.json").is_file():
+        raise fail(f"{ckpt} has no {HF_DIR}/config.json: it was not written by this recipe's checkpointer.")
+    return AutoConfig.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bf16",
+                      max_shard_size: str | int = "2GB", overwrite: bool = False) -> Path:
+    """Write a Hugging Face model folder from a training checkpoint (or a run folder: its newest checkpoint).
+
+    Runs in one process. Inside a training process, unset transformers' ZeRO-3 config first, or model
+    construction enters ``zero.Init`` and waits for every rank.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if dtype not in DTYPES:
+        raise fail(f"Export dtype {dtype!r} is not supported. Choose one of: {', '.join(DTYPES)}.")
+    ckpt = resolve_checkpoint(checkpoint)
+    read_checkpoint(ckpt)
+    out = Path(out_dir)
+    if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
+        raise fail(f"Export folder {out} lies inside the checkpoint {ckpt}; choose a folder outside it.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise fail(f"{out} already exists and is not empty. Choose another folder or pass --overwrite to replace it.")
+    shard_bytes = parse_shard_size(max_shard_size)
+    torch_dtype = DTYPES[dtype]
+    hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
+    hf_config.use_cache = True  # training turns the KV cache off; generation wants it
+    hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    hf_config.pad_token_id = tokenizer.pad_token_id
+    state_dict = checkpoint_state_dict(ckpt, torch_dtype)
+    with torch.device("meta"):  # only the class, config and names are needed; the weights are state_dict
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
+    state_dict = _match_model_keys(state_dict, model)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
+        _index_single_shard(tmp)
+        for file in (ckpt / HF_DIR).iterdir():
+            if file.is_file() and file.name not in _NOT_TOKENIZER:
+                shutil.copy2(file, tmp / file.name)
+        if out.exists():
+            old = out.with_name(f"{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Exported %s to %s (%s)", ckpt, out, dtype)
+    return out
+
+
+def _safetensors_layout(path: Path) -> tuple[dict, int]:
+    """The header of a safetensors file and the size the file must have; UserError if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as err:
+        raise fail(f"{path} is not a readable safetensors file ({err!r}); it is truncated or damaged.") from None
+    return header, 8 + header_len + end
+
+
+def _index_single_shard(folder: Path) -> None:
+    """Give a one-file export the same sharded names and index as a multi-file one."""
+    single = folder / "model.safetensors"
+    if not single.is_file() or (folder / INDEX_FILE).exists():
+        return
+    header, _ = _safetensors_layout(single)
+    name = "model-00001-of-00001.safetensors"
+    os.rename(single, folder / name)
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    index = {
+        "metadata": {"total_size": sum(v["data_offsets"][1] - v["data_offsets"][0] for v in tensors.values())},
+        "weight_map": {k: name for k in sorted(tensors)},
+    }
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def check_export(path: Path) -> None:
+    """UserError unless ``path`` is a complete Hugging Face model folder (config and every weight shard)."""
+    if not (path / "config.json").is_file():
+        raise fail(
+            f"{path} is neither a training checkpoint (no train_state.json) nor a Hugging Face export (no config.json). "
+            "Pass an export folder (e.g. out_dir/export) or a checkpoint (e.g. out_dir/checkpoints/step_00001000)."
+        )
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as err:
+            raise fail(f"{index} is not a valid safetensors index ({err!r}).") from None
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise fail(f"{path} has config.json but no model.safetensors or {INDEX_FILE}: the export has no weights.")
+    for shard in shards:
+        file = path / shard
+        if not file.is_file():
+            raise fail(f"Export {path} is incomplete: {shard}, listed in {INDEX_FILE}, is missing. Export it again.")
+        _, size = _safetensors_layout(file)
+        if file.stat().st_size != size:
+            raise fail(f"Export {path} is damaged: {shard} holds {file.stat().st_size} bytes but its header "
+                       f"describes {size} (truncated). Export it again.")
+
+
+def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Model (eval mode), tokenizer and training seq_len from an export folder or a training checkpoint.
+
+    A checkpoint is consolidated in memory exactly as the export would be, so evaluation needs no DeepSpeed
+    engine and no export step. Returns ``(model, tokenizer, seq_len)``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise fail(f"{str(path)!r} does not exist or is not a folder. Pass an export folder or a training checkpoint.")
+    ckpt = resolve_checkpoint(path)
+    if looks_like_checkpoint(ckpt):
+        saved = read_checkpoint(ckpt)
+        hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model.load_state_dict(_match_model_keys(checkpoint_state_dict(ckpt, dtype), model), strict=True)
+        seq_len = int(saved["config"]["data"]["seq_len"])
+    else:
+        check_export(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise fail(f"Cannot load the export {path}: {err}") from None
+        seq_len = int(model.config.max_position_embeddings)
+    model.config.use_cache = True
+    return model.eval(), tokenizer, seq_len

@@ -1,0 +1,458 @@
+"""Memory per rank: model-state bytes measured from the tensors a rank holds, and the ZeRO estimate.
+
+Model states are the weights, the gradients and the optimizer states (the fp32 master copy counts as an
+optimizer state, as in the ZeRO paper). Both halves of this module use the same three buckets, so
+``tools/compare_zero.py`` can put a measurement next to its estimate.
+
+Estimate (:func:`estimate`): bytes per parameter of each state, held whole by every rank or divided over
+the N data-parallel ranks, are in ``_BYTES_PER_PARAM``. The 16-bit rows (DeepSpeed bf16/fp16) start from the
+ZeRO paper's 2 + 2 + 12 = 16 bytes (Rajbhandari et al. 2020, sec. 3.1), sharded per stage, with the additions
+DeepSpeed's own estimators make, so they can be checked against them (``estimate_zero2_model_states_mem_needs``,
+``estimate_zero3_model_states_mem_needs``): a 4-byte fp32 gradient partition for the update at stages 1-2, and
+at stage 3 the gradient counted once, as that fp32 partition. The fp32 rows are what DeepSpeed 0.19.8 holds in
+fp32 training, as measured by compare_zero. Per rank, at 16-bit (fp32 in brackets, where it differs)::
+
+                     weights          gradients                 optimizer (fp32 master + Adam m, v)
+    stage 0 (DDP)    4                4                         8
+    stage 1, 2       2 [4]            (2 + 4)/N [4/N]           (4 + 8)/N
+    stage 3          2/N [4/N]        4/N                       (4 + 8)/N
+
+* Stage 1 reduces gradients only at the accumulation boundary, so with accumulation every rank holds the
+  whole gradient (w bytes) until then; without accumulation DeepSpeed reduces bucket by bucket and keeps
+  only its partition, like stage 2.
+* Stage 3 keeps parameters with at most ``stage3_param_persistence_threshold`` elements whole on every
+  rank ("persistent"), besides their partition; and while a layer runs it gathers that layer's weights and
+  gradients (``gathered``: 2 x w x the largest layer's parameters, as DeepSpeed's estimator counts it).
+* Offload moves the optimizer states and the fp32 gradient partitions to CPU memory (``offload_optimizer``;
+  fp32 ZeRO-3 keeps two of them there), and the stage-3 weight partition too (``offload_param``).
+
+Measured (:func:`model_state_bytes`): the distinct bytes of memory covered by
+
+* weights: every model parameter's data, and under ZeRO-3 its partition (``param.ds_tensor``);
+* gradients: ``.grad`` (and DeepSpeed's ``grad_accum``) of the model parameters and of the master partitions,
+  and DeepSpeed's reduced gradient partitions (``averaged_gradients``, ZeRO-3's ``grad_partitions_flat_buffer``);
+* optimizer: DeepSpeed's fp32 master partitions and every tensor in the optimizer's ``state``.
+
+A tensor that is a view into a larger flat buffer counts only the bytes it covers, and memory already
+counted in an earlier bucket (e.g. a master partition that is the weight partition) is not counted again.
+Under offload these tensors live in CPU memory; they are counted all the same and reported per device.
+Not counted: communication buckets (DDP's reducer buckets, DeepSpeed's ``reduce_bucket_size`` buffers),
+offload staging buffers, activations, and the transient copies made inside the update itself.
+
+Activations, per micro-batch of b sequences of s tokens, e bytes per activation element (2 under bf16/fp16,
+else 4), per decoder layer of width h, key/value width h_kv, MLP width f and a heads, the tensors a Llama-style
+layer saves for its backward pass (no dropout)::
+
+    e * b * s * (6h + 2h_kv + 4f + h)          sdpa / flash attention (the kernel saves its output)
+    e * b * s * (6h + 2h_kv + 4f + a * s)      eager attention (softmax probabilities)
+
+(inputs of the two norms and of the q/k/v, output and MLP projections, rotated q and k, v, gate, up,
+SiLU(gate) and their product), the same terms as Korthikanti et al. 2022, eq. 2, without
+dropout masks and with the MLP of this architecture. The output layer adds b * s * (2h e + V e + 4 V) (final
+norm and head inputs, logits, fp32 log-softmax for the loss). With activation checkpointing each layer keeps
+only its input (e * b * s * h) and one layer's activations exist again while it is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = ("weights", "gradients", "optimizer")
+# DeepSpeed 0.19 ZeRO optimizer attributes that hold each kind of model state.
+_ZERO_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+_ZERO_GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer")
+_DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _tensors(obj):
+    """Tensors in a tensor or nested lists / tuples / dicts of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _span(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """(device, first byte, end byte) of the memory a tensor's elements cover; None for an empty tensor."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    elements = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return str(tensor.device), start, start + elements * tensor.element_size()
+
+
+def _union_bytes(spans: list[tuple[str, int, int]]) -> dict[str, int]:
+    """Bytes per device covered by the union of the spans (overlapping views count once)."""
+    totals: dict[str, int] = {}
+    for device in {s[0] for s in spans}:
+        covered, end = 0, -1
+        for _, lo, hi in sorted(s for s in spans if s[0] == device):
+            if hi <= end:
+                continue
+            covered += hi - max(lo, end)
+            end = hi
+        totals[device] = covered
+    return totals
+
+
+def _optimizer_chain(optimizer) -> list:
+    """The optimizer and everything it wraps (Accelerate wrapper -> DeepSpeed ZeRO optimizer -> torch optimizer)."""
+    chain = []
+    while optimizer is not None and all(optimizer is not o for o in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return chain
+
+
+def model_state_bytes(model: nn.Module, optimizer) -> dict:
+    """Bytes of weights, gradients and optimizer states this rank holds now, measured from the tensors.
+
+    Returns ``{"weights": B, "gradients": B, "optimizer": B, "total": B, "by_device": {device: B}}``.
+    See the module docstring for what is counted.
+    """
+    chain = _optimizer_chain(optimizer)
+    base = chain[-1]
+    zero = next((o for o in chain if any(hasattr(o, a) for a in _ZERO_MASTER_ATTRS)), None)
+    params = list(model.parameters())
+    masters = [t for a in _ZERO_MASTER_ATTRS for t in _tensors(getattr(zero, a, None))] if zero is not None else []
+
+    found: dict[str, list[torch.Tensor]] = {bucket: [] for bucket in BUCKETS}
+    for p in params:
+        found["weights"] += [p, *_tensors(getattr(p, "ds_tensor", None))]
+        found["gradients"] += [*_tensors(p.grad), *_tensors(getattr(p, "grad_accum", None))]
+    found["gradients"] += [g for m in masters for g in _tensors(m.grad)]
+    if zero is not None:
+        found["gradients"] += [t for a in _ZERO_GRAD_ATTRS for t in _tensors(getattr(zero, a, None))]
+    found["optimizer"] += masters + [t for state in base.state.values() for t in _tensors(state)]
+
+    result: dict = {}
+    spans: list[tuple[str, int, int]] = []
+    counted = 0
+    for bucket in BUCKETS:
+        spans += [s for s in map(_span, found[bucket]) if s is not None]
+        covered = sum(_union_bytes(spans).values())
+        result[bucket] = covered - counted
+        counted = covered
+    result["total"] = counted
+    result["by_device"] = _union_bytes(spans)
+    return result
+
+
+class ModelStateProbe:
+    """Measures this rank's model-state bytes once, during the second optimizer step, and writes them as JSON.
+
+    The second step is the first that finds the optimizer states (they are created by the first update).
+    The sample is taken when the gradients are complete and before the update consumes them: after each
+    backward of that step under DeepSpeed (whose engine steps inside ``accelerator.backward``), else in a
+    pre-step hook of the optimizer. With gradient accumulation the largest sample of the step is kept.
+    """
+
+    def __init__(self, model, optimizer, path: str | os.PathLike, rank: int, world_size: int):
+        self.model = model
+        self.optimizer = optimizer
+        self.path = Path(path)
+        self.rank, self.world_size = rank, world_size
+        self.updates_seen = 0
+        self.sample: dict | None = None
+        self._hook = None
+        if _is_deepspeed_engine(model):
+            # The engine has no hook between its backward and its step: wrap this instance's backward.
+            self._original_backward = model.backward
+            model.backward = self._deepspeed_backward
+        else:
+            self._hook = _optimizer_chain(optimizer)[-1].register_step_pre_hook(self._before_update)
+
+    def _deepspeed_backward(self, *args, **kwargs):
+        out = self._original_backward(*args, **kwargs)
+        if self.updates_seen == 1:
+            self._take_sample()
+        if self.model.is_gradient_accumulation_boundary():
+            self._update_done()
+        return out
+
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        if self.updates_seen == 1:
+            self._take_sample()
+        self._update_done()
+
+    def _take_sample(self) -> None:
+        sample = model_state_bytes(self.model, self.optimizer)
+        if self.sample is None or sample["total"] > self.sample["total"]:
+            self.sample = sample
+
+    def _update_done(self) -> None:
+        self.updates_seen += 1
+        if self.updates_seen == 2:
+            self._write()
+            self.detach()
+
+    def _write(self) -> None:
+        payload = {"rank": self.rank, "world_size": self.world_size, "measured_at_update": 2, **self.sample}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(tmp, self.path)
+        logger.info("Model states on rank %d: %s", self.rank, format_bytes(payload["total"]))
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if "backward" in vars(self.model):
+            del self.model.backward
+
+
+def _is_deepspeed_engine(model) -> bool:
+    try:
+        from deepspeed import DeepSpeedEngine
+    except ImportError:
+        return False
+    return isinstance(model, DeepSpeedEngine)
+
+
+def attach_model_state_probe(model, optimizer, out_dir: str | os.PathLike, rank: int, world_size: int) -> ModelStateProbe:
+    """Record this rank's model-state bytes in ``out_dir/memory_rank{rank}.json`` during the second step."""
+    return ModelStateProbe(model, optimizer, Path(out_dir) / f"memory_rank{rank}.json", rank, world_size)
+
+
+def read_measured(out_dir: str | os.PathLike) -> list[dict]:
+    """The ``memory_rank*.json`` files of a run, by rank (empty if the run made fewer than two steps)."""
+    files = sorted(Path(out_dir).glob("memory_rank*.json"), key=lambda p: int(p.stem.removeprefix("memory_rank")))
+    return [json.loads(p.read_text()) for p in files]
+
+
+# --------------------------------------------------------------------------------------------------
+# Estimate
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """The memory-relevant part of a DeepSpeed config (stage 0 = no DeepSpeed: DDP)."""
+
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    persistence_threshold: int = _DEFAULT_PERSISTENCE_THRESHOLD
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict | None) -> "ZeroSetup":
+        if ds_config is None:
+            return cls()
+        zero = ds_config.get("zero_optimization", {})
+
+        def offloaded(key: str) -> bool:
+            return zero.get(key, {}).get("device", "none") not in (None, "none")
+
+        return cls(
+            stage=int(zero.get("stage", 0)),
+            offload_optimizer=offloaded("offload_optimizer"),
+            offload_param=offloaded("offload_param"),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", _DEFAULT_PERSISTENCE_THRESHOLD)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model."""
+
+    n_params: int
+    """Parameters, tied weights counted once."""
+    largest_layer_params: int
+    """Most parameters owned directly by one module (DeepSpeed's ``largest_layer_params``)."""
+    param_sizes: tuple[int, ...]
+    """Elements of every distinct parameter (for ZeRO-3's persistence threshold)."""
+    num_layers: int
+    hidden_size: int
+    kv_size: int
+    """Width of the keys (= of the values): kv heads x head size."""
+    mlp_size: int
+    num_heads: int
+    vocab_size: int
+
+    def persistent_params(self, threshold: int) -> int:
+        return sum(n for n in self.param_sizes if n <= threshold)
+
+
+def model_shape(hf_config) -> ModelShape:
+    """The shape of a transformers model built on the meta device (no weights are allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelShape(
+        n_params=sum(unique.values()),
+        largest_layer_params=largest,
+        param_sizes=tuple(unique.values()),
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        kv_size=(getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim,
+        mlp_size=getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
+        num_heads=heads,
+        vocab_size=hf_config.vocab_size,
+    )
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank (``cpu_per_node``: per node) for one ZeRO setup."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    model_states: float
+    """weights + gradients + optimizer, wherever they live."""
+    model_states_device: float
+    """The part of the model states in accelerator memory."""
+    model_states_cpu: float
+    """The part offloaded to CPU memory."""
+    cpu_per_node: float
+    """Offloaded bytes of all ranks of one node."""
+    gathered: float
+    """ZeRO-3: weights and gradients of the largest layer while it runs (device)."""
+    activations: float
+    """Saved activations of one micro-batch without activation checkpointing."""
+    activations_checkpointed: float
+    """The same with activation checkpointing."""
+    device_total: float
+    """model_states_device + gathered + the activations of the recipe's checkpointing choice."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Bytes per parameter of each model state as (held whole by every rank, divided over the N ranks).
+# 16-bit rows: DeepSpeed's estimator accounting (its comments: "2 = params_16bit, 18 = 2_grads_16bit +
+# 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit" at ZeRO-2; 18 = 2 + 16 at ZeRO-3).
+# fp32 rows: what DeepSpeed 0.19.8 holds, measured by compare_zero (its update keeps a separate fp32 master
+# partition even when the weights are fp32). Stage 0 is DDP: Accelerate's autocast keeps fp32 weights.
+_BYTES_PER_PARAM = {
+    # (precision, stage): (weights, gradients, optimizer = fp32 master + Adam m, v)
+    ("16-bit", 0): ((4, 0), (4, 0), (8, 0)),
+    ("16-bit", 1): ((2, 0), (0, 2 + 4), (0, 12)),
+    ("16-bit", 2): ((2, 0), (0, 2 + 4), (0, 12)),
+    ("16-bit", 3): ((0, 2), (0, 4), (0, 12)),
+    ("fp32", 0): ((4, 0), (4, 0), (8, 0)),
+    ("fp32", 1): ((4, 0), (0, 4), (0, 12)),
+    ("fp32", 2): ((4, 0), (0, 4), (0, 12)),
+    ("fp32", 3): ((0, 4), (0, 4), (0, 12)),
+}
+# With offload_optimizer the gradients the rank keeps are fp32 partitions in CPU memory (16-bit gradients only
+# stream through buckets). fp32 ZeRO-3 keeps two: its reduced partition and the CPU optimizer's copy.
+_OFFLOADED_GRADIENTS = {("16-bit", 1): 4, ("16-bit", 2): 4, ("16-bit", 3): 4, ("fp32", 1): 4, ("fp32", 2): 4, ("fp32", 3): 8}
+
+
+def weight_bytes(precision: str, stage: int) -> int:
+    """Bytes of a working weight: 16-bit under DeepSpeed mixed precision, else fp32 (autocast keeps fp32 weights)."""
+    return 2 if stage > 0 and precision in ("bf16", "fp16") else 4
+
+
+def estimate_model_states(
+    shape: ModelShape, setup: ZeroSetup, world_size: int, gpus_per_node: int, precision: str, accum_steps: int
+) -> dict[str, float]:
+    """Weights, gradients and optimizer bytes per rank, and where they live (see the module docstring)."""
+    n, p = world_size, shape.n_params
+    kind = "16-bit" if precision in ("bf16", "fp16") else "fp32"
+    (w_whole, w_part), (g_whole, g_part), (o_whole, o_part) = _BYTES_PER_PARAM[kind, setup.stage]
+    if setup.stage == 1 and accum_steps > 1:
+        # Stage 1 reduces only at the accumulation boundary: until then every rank holds the whole gradient
+        # (its partition replaces it at the boundary; 16-bit still adds the fp32 partition for the update).
+        g_whole, g_part = weight_bytes(precision, setup.stage), (4 if kind == "16-bit" else 0)
+    if setup.offload_optimizer and setup.stage > 0:
+        g_whole, g_part = 0, _OFFLOADED_GRADIENTS[kind, setup.stage]
+    persistent = shape.persistent_params(setup.persistence_threshold) if setup.stage == 3 else 0
+    weights = w_whole * p + w_part * p / n + w_part * persistent
+    grads = g_whole * p + g_part * p / n
+    optim = o_whole * p + o_part * p / n
+    cpu_weights = w_part * p / n if setup.stage == 3 and setup.offload_param else 0.0
+    if setup.offload_optimizer and setup.stage > 0:
+        return _placed(weights, grads, optim, cpu_weights, grads, optim, gpus_per_node)
+    return _placed(weights, grads, optim, cpu_weights, 0.0, 0.0, gpus_per_node)
+
+
+def _placed(weights, grads, optim, cpu_weights, cpu_grads, cpu_optim, gpus_per_node) -> dict[str, float]:
+    total = weights + grads + optim
+    cpu = cpu_weights + cpu_grads + cpu_optim
+    return {
+        "weights": weights, "gradients": grads, "optimizer": optim, "model_states": total,
+        "model_states_device": total - cpu, "model_states_cpu": cpu, "cpu_per_node": cpu * gpus_per_node,
+    }
+
+
+def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
+                         attn_implementation: str = "sdpa") -> tuple[float, float]:
+    """Saved-activation bytes of one micro-batch without and with activation checkpointing (module docstring)."""
+    e = 2 if precision in ("bf16", "fp16") else 4
+    h, kv, f = shape.hidden_size, shape.kv_size, shape.mlp_size
+    tokens = micro_batch_size * seq_len
+    per_layer = e * tokens * (6 * h + 2 * kv + 4 * f)
+    per_layer += e * micro_batch_size * shape.num_heads * seq_len**2 if attn_implementation == "eager" else e * tokens * h
+    output = tokens * (2 * h * e + shape.vocab_size * e + 4 * shape.vocab_size)
+    full = shape.num_layers * per_layer + output
+    checkpointed = shape.num_layers * e * tokens * h + per_layer + output
+    return float(full), float(checkpointed)
+
+
+def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: int, precision: str,
+             accum_steps: int, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
+             attn_implementation: str = "sdpa") -> MemoryEstimate:
+    """The per-rank memory budget of one ZeRO setup."""
+    if world_size % num_nodes:
+        raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes}")
+    states = estimate_model_states(shape, setup, world_size, world_size // num_nodes, precision, accum_steps)
+    gathered = 2.0 * weight_bytes(precision, setup.stage) * shape.largest_layer_params if setup.stage == 3 else 0.0
+    full, checkpointed = estimate_activations(shape, micro_batch_size, seq_len, precision, attn_implementation)
+    activations = checkpointed if gradient_checkpointing else full
+    return MemoryEstimate(
+        **states, gathered=gathered, activations=full, activations_checkpointed=checkpointed,
+        device_total=states["model_states_device"] + gathered + activations,
+    )
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 512 B, 3.2 MiB, 14.6 GiB."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    exponent = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
+
+
+_TABLE_COLUMNS = (
+    ("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+    ("model_states_device", "states on device"), ("cpu_per_node", "offloaded / node"), ("gathered", "ZeRO-3 gathered"),
+    ("activations", "activations"), ("activations_checkpointed", "act. checkpointed"), ("device_total", "device total"),
+)
+
+
+def format_estimates(rows: list[tuple[str, MemoryEstimate]]) -> str:
+    """A fixed-width table of per-rank estimates, one line per config, in one binary unit (MiB, GiB, ...)."""
+    largest = max((v for _, est in rows for v in est.to_dict().values()), default=1.0)
+    exponent = max(1, min(int(math.log(max(largest, 1.0), 1024)), 4))
+    unit = ("KiB", "MiB", "GiB", "TiB")[exponent - 1]
+    width = max(len("config"), *(len(name) for name, _ in rows))
+    header = "config".ljust(width) + "".join(f"  {title:>17}" for _, title in _TABLE_COLUMNS)
+    lines = [f"(in {unit})", header, "-" * len(header)]
+    for name, est in rows:
+        values = est.to_dict()
+        lines.append(name.ljust(width) + "".join(f"  {values[key] / 1024**exponent:>17,.2f}" for key, _ in _TABLE_COLUMNS))
+    return "\n".join(lines)

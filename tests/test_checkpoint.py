@@ -1,0 +1,318 @@
+"""Checkpoints: exact resume (no DeepSpeed, ZeRO-2, ZeRO-3), kill -9 during a save, preemption, retention, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY_OVERRIDES, launch_cmd, run_script, run_train, subprocess_env
+from lmrecipe.checkpoint import (
+    EXIT_PREEMPTED, LATEST, PREEMPTED_MARKER, STATE_FILE, find_resume_checkpoint, prune_checkpoints, read_checkpoint,
+    rng_state_tensors, set_rng_state, step_dir_name,
+)
+from lmrecipe.errors import UserError
+from lmrecipe.tracking import read_metrics
+
+STEPS, HALF = 6, 3
+LOSS_TOL = 1e-5  # fp32 on CPU: the issue's bound for a resumed run against an uninterrupted one
+
+
+# ---------------------------------------------------------------------------------------------- shared runs
+# Also imported by test_export_eval.py: each run happens once per session, whichever module asks first.
+
+
+def cached_run(tmp_path_factory, name: str, data: Path, overrides: list[str], nproc: int = 1) -> tuple[Path, str]:
+    """Train once per session into ``basetemp/name``; return the run folder and its stderr."""
+    out = tmp_path_factory.getbasetemp() / "runs" / name
+    done = out / "stderr.txt"
+    if not done.is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        proc = run_train(out, data, overrides, nproc=nproc)
+        done.write_text(proc.stderr)
+    return out, done.read_text()
+
+
+def plain_run(tmp_path_factory, data: Path) -> Path:
+    """1 process, no DeepSpeed: a checkpoint and an evaluation every step, keep_last=2, fp32 export at the end."""
+    out, _ = cached_run(tmp_path_factory, "plain", data, [
+        f"train.max_steps={STEPS}", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.eval_every_steps=1",
+        "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32",
+    ])
+    return out
+
+
+def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
+    """2 processes: run ``a`` trains STEPS steps saving every HALF; run ``b`` resumes from a's step HALF.
+
+    ZeRO-2: both use ds_configs/zero2.json and ``a`` exports at the end. ZeRO-3 (tied embeddings): ``a`` does
+    not gather 16-bit weights at save time, ``b`` does (ds_configs/zero3.json) and exports at the end.
+    """
+    root = tmp_path_factory.getbasetemp() / "runs"
+    root.mkdir(exist_ok=True)
+    export = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
+    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"]
+    if stage == 2:
+        a_extra = ["distributed.deepspeed_config=ds_configs/zero2.json", *export]
+        b_extra = ["distributed.deepspeed_config=ds_configs/zero2.json"]
+    else:
+        no_gather = root / "zero3_no_gather.json"
+        ds = json.loads((ROOT / "ds_configs/zero3.json").read_text())
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+        no_gather.write_text(json.dumps(ds))
+        a_extra = [f"distributed.deepspeed_config={no_gather}", "model.tie_embeddings=true"]
+        b_extra = ["distributed.deepspeed_config=ds_configs/zero3.json", "model.tie_embeddings=true", *export]
+    a, _ = cached_run(tmp_path_factory, f"zero{stage}_a", data, common + a_extra, nproc=2)
+    source = a / "checkpoints" / step_dir_name(HALF)
+    digest_file = root / f"zero{stage}_source_digest.json"
+    if not digest_file.is_file():
+        digest_file.write_text(json.dumps(tree_digest(source)))
+    b_extra.append(f"checkpoint.resume={source}")
+    b, b_stderr = cached_run(tmp_path_factory, f"zero{stage}_b", data, common + b_extra, nproc=2)
+    return {"a": a, "b": b, "b_stderr": b_stderr, "source": source, "source_digest": json.loads(digest_file.read_text())}
+
+
+def losses(out_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r]
+
+
+def logged_steps_while_running(out_dir: Path) -> list[int]:
+    """Steps in metrics.jsonl of a live run (its last line may be half written)."""
+    path = out_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
+def max_loss_diff(resumed: list[tuple[int, float]], reference: list[tuple[int, float]]) -> float:
+    ref = dict(reference)
+    return max(abs(loss - ref[step]) for step, loss in resumed)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def latest_name(root: Path) -> str:
+    return (root / LATEST).read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, tiny_data) -> Path:
+    return plain_run(tmp_path_factory, tiny_data)
+
+
+# ---------------------------------------------------------------------------------------------- unit
+
+
+def test_rng_state_round_trips_through_safetensors(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    random.gauss(0, 1)  # leave a cached gaussian in the python state
+    np.random.standard_normal()
+    tensors, metadata = rng_state_tensors()
+    save_file(tensors, tmp_path / "rng.safetensors", metadata=metadata)
+    expected = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], random.gauss(0, 1))
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    with safe_open(tmp_path / "rng.safetensors", framework="pt") as fh:
+        set_rng_state({k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata())
+    again = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], random.gauss(0, 1))
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2:] == again[2:]
+
+
+def fake_checkpoints(root: Path, val_losses: dict[int, float | None]) -> None:
+    for step, val_loss in val_losses.items():
+        (root / step_dir_name(step)).mkdir(parents=True)
+        (root / step_dir_name(step) / STATE_FILE).write_text(json.dumps({"val_loss": val_loss}))
+
+
+def test_keep_last_prunes_oldest_but_keeps_the_best_apart(tmp_path):
+    fake_checkpoints(tmp_path, {1: 5.0, 2: 3.0, 3: None, 4: 4.5, 5: 4.2})
+    (tmp_path / ".tmp_step_00000006").mkdir()  # a save in progress is not a checkpoint: never counted or pruned
+    removed = prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == [step_dir_name(1), step_dir_name(3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_step_00000006", "best", *map(step_dir_name, (2, 4, 5))]
+    assert (tmp_path / "best").read_text().strip() == step_dir_name(2)
+
+
+def test_resume_auto_follows_latest_or_the_newest_complete_folder(tmp_path):
+    assert find_resume_checkpoint("auto", tmp_path) is None
+    assert find_resume_checkpoint("none", tmp_path) is None
+    fake_checkpoints(tmp_path, {2: None, 4: None})
+    (tmp_path / step_dir_name(6)).mkdir()  # no train_state.json: an interrupted save
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / step_dir_name(4)
+    (tmp_path / LATEST).write_text(step_dir_name(2) + "\n")
+    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / step_dir_name(2)
+    assert find_resume_checkpoint(str(tmp_path), tmp_path) == tmp_path / step_dir_name(2)  # a checkpoints folder
+    (tmp_path / LATEST).write_text(step_dir_name(99) + "\n")
+    with pytest.raises(UserError, match=r"latest points to 'step_00000099', which is not a checkpoint folder"):
+        find_resume_checkpoint("auto", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- one process, no DeepSpeed
+
+
+def test_keep_last_and_best_in_a_real_run(plain):
+    root = plain / "checkpoints"
+    vals = {r["step"]: r["val_loss"] for r in read_metrics(plain / "metrics.jsonl") if "val_loss" in r}
+    best = min(vals, key=vals.get)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted({step_dir_name(s) for s in (STEPS - 1, STEPS, best)})
+    assert latest_name(root) == step_dir_name(STEPS) and (root / "best").read_text().strip() == step_dir_name(best)
+    saved = read_checkpoint(root / step_dir_name(STEPS))
+    assert saved["state"]["step"] == STEPS and saved["state"]["tokens_seen"] == STEPS * 8 * 32
+    assert saved["data"]["next_sample"] == STEPS * 8 and saved["val_loss"] == pytest.approx(vals[STEPS])
+    assert saved["config"]["data"]["seq_len"] == 32
+    assert saved["topology"] == {"world_size": 1, "deepspeed": False, "zero_stage": 0}
+    assert (root / step_dir_name(STEPS) / "rng" / "rank_00000.safetensors").is_file()
+
+
+KILL_DURING_SECOND_SAVE = """
+import os, signal, sys
+import accelerate
+from lmrecipe.config import load_config
+from lmrecipe.trainer import train
+
+real_save_state = accelerate.Accelerator.save_state
+saves = []
+
+def save_state_then_die(self, *args, **kwargs):
+    # The new shards are on disk; the checkpoint is not published yet.
+    result = real_save_state(self, *args, **kwargs)
+    saves.append(args)
+    if len(saves) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+accelerate.Accelerator.save_state = save_state_then_die
+train(load_config("recipes/tiny.yaml", sys.argv[1:]))
+"""
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, tiny_data, plain):
+    out = tmp_path / "run"
+    overrides = [f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={STEPS}",
+                 f"checkpoint.every_steps={HALF}"]
+    killed = run_script(["-c", KILL_DURING_SECOND_SAVE, *overrides], check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    root = out / "checkpoints"
+    previous = root / step_dir_name(HALF)
+    assert (root / f".tmp_{step_dir_name(STEPS)}").is_dir() and not (root / step_dir_name(STEPS)).exists()
+    assert latest_name(root) == previous.name and find_resume_checkpoint("auto", root) == previous
+    read_checkpoint(previous)  # complete: every manifest file present with its size
+    before = tree_digest(previous)
+    logged_before_kill = len(losses(out))
+
+    resumed = run_train(out, tiny_data, [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"])  # resume=auto
+    assert f"Resumed from {previous}" in resumed.stderr
+    new_rows = losses(out)[logged_before_kill:]
+    assert [step for step, _ in new_rows] == list(range(HALF + 1, STEPS + 1))
+    diff = max_loss_diff(new_rows, losses(plain))
+    print(f"no DeepSpeed, 1 process: max |loss difference| after resume = {diff:.3g}")
+    assert diff <= LOSS_TOL
+    assert latest_name(root) == step_dir_name(STEPS) and not list(root.glob(".tmp_*"))
+    assert tree_digest(previous) == before  # the resume never wrote into the checkpoint it read
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_for_requeue(tmp_path, tiny_data):
+    out = tmp_path / "run"
+    args = ["train.py", "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
+            "train.max_steps=400", "checkpoint.every_steps=0", "train.eval_every_steps=0"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(launch_cmd(1) + args, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(step >= 2 for step in logged_steps_while_running(out)):
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        returncode = proc.wait(timeout=300)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert returncode == EXIT_PREEMPTED, stderr[-3000:]
+    step = losses(out)[-1][0]
+    assert 2 <= step < 400
+    root = out / "checkpoints"
+    assert latest_name(root) == step_dir_name(step) and read_checkpoint(root / step_dir_name(step))["state"]["step"] == step
+    assert json.loads((out / PREEMPTED_MARKER).read_text())["step"] == step
+    assert "Stopped by SIGTERM" in stderr
+    assert find_resume_checkpoint("auto", root) == root / step_dir_name(step)  # what the requeued job resumes from
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def damaged(tmp_path, plain) -> Path:
+    """A writable copy of the plain run's last checkpoint."""
+    copy = tmp_path / step_dir_name(STEPS)
+    shutil.copytree(plain / "checkpoints" / step_dir_name(STEPS), copy)
+    return copy
+
+
+def test_truncated_shard_is_refused(damaged):
+    shard = damaged / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(UserError, match=r"is damaged: model\.safetensors holds \d+ bytes instead of \d+ \(truncated"):
+        read_checkpoint(damaged)
+
+
+def test_missing_shard_is_refused(damaged):
+    (damaged / "optimizer.bin").unlink()
+    with pytest.raises(UserError, match=r"is damaged: optimizer\.bin is missing"):
+        read_checkpoint(damaged)
+
+
+def test_checkpoint_without_training_state_is_refused(damaged):
+    (damaged / STATE_FILE).unlink()
+    with pytest.raises(UserError, match="has no train_state.json: it is not a complete checkpoint"):
+        read_checkpoint(damaged)
+
+
+def test_resume_that_changes_the_model_or_data_shape_stops(tmp_path, tiny_data, plain):
+    source = plain / "checkpoints" / step_dir_name(STEPS)
+    before = tree_digest(source)
+    proc = run_train(tmp_path / "run", tiny_data, [f"checkpoint.resume={source}", f"train.max_steps={STEPS + 2}",
+                                                   "model.hidden_size=32", "data.seq_len=16"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Cannot resume from" in proc.stderr
+    assert "model.hidden_size: 64 -> 32" in proc.stderr and "data.seq_len: 32 -> 16" in proc.stderr
+    assert tree_digest(source) == before
+
+
+# ---------------------------------------------------------------------------------------------- 2 processes, DeepSpeed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_resume_is_exact_and_leaves_its_source_untouched(tmp_path_factory, tiny_data, stage):
+    runs = zero_pair(tmp_path_factory, tiny_data, stage)
+    resumed = losses(runs["b"])
+    assert [step for step, _ in resumed] == list(range(HALF + 1, STEPS + 1))
+    diff = max_loss_diff(resumed, losses(runs["a"]))
+    print(f"ZeRO-{stage}, 2 processes: max |loss difference| after resume = {diff:.3g}")
+    assert diff <= LOSS_TOL
+    assert tree_digest(runs["source"]) == runs["source_digest"]
+    saved = read_checkpoint(runs["a"] / "checkpoints" / step_dir_name(STEPS))
+    assert saved["topology"] == {"world_size": 2, "deepspeed": True, "zero_stage": stage}
+    assert sorted(p.name for p in (runs["a"] / "checkpoints" / step_dir_name(STEPS) / "rng").iterdir()) == [
+        "rank_00000.safetensors", "rank_00001.safetensors"]
+    if stage == 3:  # a harmless change (another DeepSpeed JSON of the same stage) is allowed and listed
+        assert "Resuming with changed settings (allowed)" in runs["b_stderr"]
+        assert "distributed.deepspeed_config:" in runs["b_stderr"]

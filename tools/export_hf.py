@@ -1,0 +1,40 @@
+"""Export a training checkpoint as a Hugging Face model folder for inference loaders.
+
+    python tools/export_hf.py runs/tiny/checkpoints/step_00000300 exports/tiny --dtype bf16
+    python tools/export_hf.py runs/tiny exports/tiny-fp32 --dtype fp32 --max-shard-size 500MB   # newest checkpoint
+
+Writes model-0000i-of-0000n.safetensors + model.safetensors.index.json, config.json, generation_config.json
+and the tokenizer files. ZeRO-1/2/3 shards are consolidated offline on this machine (no GPU, no DeepSpeed
+launch), whatever the number of ranks that wrote them. See lmrecipe/export.py.
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+# Run as `python tools/export_hf.py` from a checkout, without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lmrecipe.errors import cli_main  # noqa: E402
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="checkpoint folder (out_dir/checkpoints/step_N), or a run folder for its newest")
+    parser.add_argument("out_dir", help="export folder to create")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weight dtype (default: %(default)s)")
+    parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from lmrecipe.export import export_checkpoint  # heavy imports only after the arguments parsed
+
+    export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                      overwrite=args.overwrite)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
