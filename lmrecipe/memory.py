@@ -59,6 +59,7 @@ import json
 import logging
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -220,11 +221,8 @@ class ModelStateProbe:
 
 
 def _is_deepspeed_engine(model) -> bool:
-    try:
-        from deepspeed import DeepSpeedEngine
-    except ImportError:
-        return False
-    return isinstance(model, DeepSpeedEngine)
+    deepspeed = sys.modules.get("deepspeed")  # a run without DeepSpeed should not pay for importing it
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
 
 
 def attach_model_state_probe(model, optimizer, out_dir: str | os.PathLike, rank: int, world_size: int) -> ModelStateProbe:
