@@ -185,6 +185,8 @@ def train(cfg: Config) -> TrainState:
             reporter.close(plot=True)
             logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
                         stop.name or "a signal to another rank", state.step)
+            # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
+            accelerator.wait_for_everyone()
             raise SystemExit(ckpt.EXIT_PREEMPTED)
 
     checkpointer.maybe_export()
