@@ -1,0 +1,353 @@
+"""Shared pieces of the benchmarks: the machine description, interleaved timing, ratio statistics, and the two
+training loops that bench/loop_overhead.py, bench/data_path.py and bench/mfu.py drive in blocks of steps.
+
+Every benchmark measures its two sides in one run, interleaved (A B B A A B ...), and reports the median of the
+per-pair ratios with their min and max: drift of a shared machine then hits both sides of a pair alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+# Run as `python bench/NAME.py` from a checkout, without installing the package.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def command_line() -> str:
+    """The command that reproduces this run, from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(ROOT)
+    except ValueError:
+        pass
+    return " ".join([".venv/bin/python", shlex.quote(str(script)), *map(shlex.quote, sys.argv[1:])])
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:  # not installed, or no __version__: the description says so rather than failing
+        return "n/a"
+
+
+def machine(device: str = "cpu") -> dict:
+    """What the figures were measured on: CPU, cores, torch threads, load, GPU, library versions."""
+    import torch
+
+    desc = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+        "python": platform.python_version(),
+        "versions": {m: _version(m) for m in
+                     ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")},
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        desc["gpu"] = torch.cuda.get_device_name(0)
+        desc["gpu_count"] = torch.cuda.device_count()
+    return desc
+
+
+class Report:
+    """Prints lines as they come and saves them (and a JSON of the figures) under bench/results/."""
+
+    def __init__(self, name: str, device: str = "cpu", output: str | None = None):
+        self.name = name
+        self.lines: list[str] = []
+        self.figures: dict = {}
+        self.output_dir = Path(output) if output else RESULTS
+        self.machine_start = machine(device)
+        self.line(f"# {name}")
+        self.line(f"command: {command_line()}")
+        self.line(f"machine: {json.dumps(self.machine_start)}")
+
+    def line(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def save(self) -> Path:
+        self.line(f"load average at the end: {[round(x, 2) for x in os.getloadavg()]}")
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        text_path = self.output_dir / f"{self.name}.txt"
+        text_path.write_text("\n".join(self.lines) + "\n")
+        data = {"command": command_line(), "machine": self.machine_start,
+                "load_avg_end": [round(x, 2) for x in os.getloadavg()], "figures": self.figures}
+        (self.output_dir / f"{self.name}.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+        print(f"saved {text_path} and {text_path.with_suffix('.json')}", flush=True)
+        return text_path
+
+
+def ratio_stats(ratios: list[float]) -> dict:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
+def fmt_ratio(stats: dict, unit: str = "x") -> str:
+    return f"{stats['median']:.3f}{unit} (min {stats['min']:.3f}, max {stats['max']:.3f}, n={stats['n']})"
+
+
+def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Side order per round, rotated each round (A B, B A, ... / A B C, B C A, C A B, ...) so that no side
+    always runs first, right after the other side warmed the caches."""
+    k = len(sides)
+    return [tuple(sides[(i + j) % k] for j in range(k)) for i in range(n_pairs)]
+
+
+def set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Swallow the loop's own progress lines (the Reporter's log lines) while a timed block runs."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
+
+
+def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str | None = None):
+    """A recipe without what a timed block must not do: evaluate, checkpoint, export, stop at max_steps, sync a tracker."""
+    from lmrecipe.config import load_config
+
+    fixed = [f"out_dir={out_dir}", "train.max_steps=1000000000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
+             "checkpoint.export_at_end=false", "checkpoint.resume=none", "logging.progress_bar=false", "logging.tracker=none"]
+    if data_path:
+        fixed.append(f"data.path={data_path}")
+    return load_config(recipe, [*fixed, *overrides])
+
+
+def check_data(path: str) -> None:
+    if not (Path(path) / "meta.json").is_file():
+        raise SystemExit(f"no prepared data at {path}: run "
+                         f".venv/bin/python tools/prepare_data.py --output {path} --vocab-size 8192")
+
+
+class Sections:
+    """Seconds spent per named section, summed over the steps of a block."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+
+class OursLoop:
+    """The per-step body of ``lmrecipe.trainer.train`` (one process, no DeepSpeed), driven in blocks of steps.
+
+    It builds everything as ``train`` does (``build_accelerator``, ``build_model``, ``build_optimizer``,
+    ``accelerator.prepare``, ``TrainBatches``, ``Reporter``, ``Checkpointer``, ``PreemptionSignal``) and runs the
+    same statements per step; only ``perf_counter`` reads around the sections are added (about 1 us per step).
+    Keep ``run`` in step with the loop in lmrecipe/trainer.py.
+    """
+
+    def __init__(self, cfg, out_dir: Path):
+        import torch
+
+        from lmrecipe import checkpoint as ckpt
+        from lmrecipe.data import BatchLayout, TrainBatches, load_meta, open_data
+        from lmrecipe.distributed import build_accelerator
+        from lmrecipe.model import build_hf_config, build_model, flops_per_token, param_counts
+        from lmrecipe.optim import build_optimizer
+        from lmrecipe.reporting import Reporter
+        from lmrecipe.trainer import TrainState
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.accelerator, ds_config, self.precision = build_accelerator(cfg)
+        if ds_config is not None:
+            raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
+                             "(bench/mfu.py --device cuda does)")
+        meta = load_meta(cfg.data.path)
+        self.hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+        _, train_windows, _ = open_data(cfg.data.path, cfg.data.seq_len, self.hf_config.vocab_size)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg, self.hf_config)
+        counts = param_counts(model)
+        self.n_params = counts["total"]
+        self.flops_per_token = flops_per_token(counts["total"], counts["lookup"], self.hf_config.num_hidden_layers,
+                                               self.hf_config.hidden_size, cfg.data.seq_len)
+        optimizer = build_optimizer(model, cfg.optim, cpu_offload=False)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.model.train()
+        self.layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                  self.accelerator.num_processes, self.accelerator.process_index)
+        self.train_batches = TrainBatches(train_windows, self.layout, cfg.train.seed)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.checkpointer = ckpt.Checkpointer(cfg, self.accelerator, out_dir)
+        self.state = TrainState()
+        self.reporter = Reporter(cfg, self.accelerator, out_dir, self.precision, start_step=0,
+                                 flops_per_token=self.flops_per_token, n_params=self.n_params, extra_meta={})
+        self.stop = ckpt.PreemptionSignal()
+        self.sections = Sections()
+
+    def run(self, n_steps: int) -> None:
+        import torch
+
+        from lmrecipe.optim import lr_at, set_lr
+        from lmrecipe.trainer import _optimizer_step, causal_lm_loss
+
+        cfg, accelerator, model, optimizer, state = self.cfg, self.accelerator, self.model, self.optimizer, self.state
+        layout, add, clock = self.layout, self.sections.add, time.perf_counter
+        for _ in range(n_steps):
+            lr = lr_at(state.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
+            set_lr(optimizer, lr)
+            step_start = time.perf_counter()
+            data_time_s = 0.0
+            loss_sum = torch.zeros((), device=accelerator.device)
+            batches = self.train_batches.micro_batches(state.step)
+            for _ in range(layout.accum_steps):
+                fetch_start = time.perf_counter()
+                inputs, targets = next(batches)
+                inputs, targets = inputs.to(accelerator.device, non_blocking=True), targets.to(accelerator.device, non_blocking=True)
+                data_time_s += time.perf_counter() - fetch_start
+                with accelerator.accumulate(model):
+                    t0 = clock()
+                    loss = causal_lm_loss(model, inputs, targets)
+                    t1 = clock()
+                    accelerator.backward(loss)
+                    add("backward", clock() - t1)
+                    add("forward+loss", t1 - t0)
+                loss_sum += loss.detach()
+            add("data", data_time_s)
+            t0 = clock()
+            grad_norm, skipped = _optimizer_step(model, optimizer, accelerator, cfg.optim.grad_clip, False)
+            add("clip+optimizer", clock() - t0)
+
+            state.step += 1
+            state.tokens_seen += self.tokens_per_step
+            state.skipped_steps += int(skipped)
+            state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
+            self.reporter.step_done(state, loss_sum / layout.accum_steps, lr, grad_norm, skipped,
+                                    time.perf_counter() - step_start, data_time_s)
+            if self.reporter.should_eval(state.step):
+                raise RuntimeError("a benchmark block must not evaluate")
+            preempted = self.stop.requested(accelerator)
+            # Positional: the keyword is being renamed (force -> preempted) in lmrecipe/checkpoint.py.
+            self.checkpointer.maybe_save(model, state, preempted)
+            if preempted:
+                raise SystemExit("stopped by a signal")
+
+
+class RawLoop:
+    """A minimal PyTorch loop on the same Hugging Face model: forward, fp32 cross-entropy, ``(loss / accum).backward()``,
+    ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. No Accelerate, no bookkeeping.
+
+    ``batches`` yields the micro-batches of a step: pre-built tensors (the strict comparison) or the same
+    ``TrainBatches`` fetch as ours.
+    """
+
+    def __init__(self, cfg, hf_config, device, precision: str, micro_batches):
+        import torch
+
+        from lmrecipe.model import build_model
+        from lmrecipe.optim import param_groups
+
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_model(cfg, hf_config).to(device)
+        self.model.train()
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        self.device = device
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
+        self.micro_batches = micro_batches
+        self.step = 0
+        self.sections = Sections()
+
+    def run(self, n_steps: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        add, clock = self.sections.add, time.perf_counter
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else contextlib.nullcontext())
+        for _ in range(n_steps):
+            batches = self.micro_batches(self.step)
+            for inputs, targets in batches:
+                t0 = clock()
+                with autocast:
+                    logits = self.model(input_ids=inputs.to(self.device, non_blocking=True)).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device, non_blocking=True).flatten())
+                t1 = clock()
+                (loss / len(batches)).backward()
+                add("backward", clock() - t1)
+                add("forward+loss", t1 - t0)
+            t0 = clock()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            add("clip+optimizer", clock() - t0)
+            self.step += 1
+
+
+def prebuilt_batches(train_batches, n_steps: int):
+    """The micro-batches of the first ``n_steps`` steps, built once; step ``s`` reuses those of ``s % n_steps``."""
+    cache = [list(train_batches.micro_batches(s)) for s in range(n_steps)]
+    return lambda step: cache[step % n_steps]
+
+
+def fetched_batches(train_batches):
+    """Fetch each step's micro-batches from the memory map, as the training loop does."""
+    return lambda step: list(train_batches.micro_batches(step))
+
+
+class Timing(typing.NamedTuple):
+    wall_s: float
+    """Wall-clock seconds: what tokens/s is made of."""
+    cpu_s: float
+    """CPU seconds of this process (all its threads): blind to time spent descheduled by other processes' load."""
+
+
+def timed_block(loop, n_steps: int, device) -> Timing:
+    """Wall and CPU seconds of ``n_steps`` steps of ``loop`` (device work included)."""
+    sync(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with quiet_stdout():
+        loop.run(n_steps)
+    sync(device)
+    return Timing(time.perf_counter() - start, time.process_time() - cpu_start)
+
+
+def add_common_args(parser, pairs: int, device: bool = True) -> None:
+    parser.add_argument("--pairs", type=int, default=pairs, help="interleaved rounds of both sides (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default, one per core)")
+    if device:
+        parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                            help="cpu, or cuda on a GPU machine (precision auto = bf16 there)")
+    parser.add_argument("--output", default=None, help="folder for the .txt/.json results (default: bench/results)")

@@ -1,0 +1,272 @@
+"""Against transformers.Trainer: train.py's loop and Trainer on the same model, data, batch, accumulation, clipping,
+optimizer and learning-rate schedule.
+
+    .venv/bin/python bench/vs_trainer.py                            # tiny recipe, 3 pairs of 40-step runs
+    .venv/bin/python bench/vs_trainer.py --pairs 6 --steps 80
+    .venv/bin/python bench/vs_trainer.py --device cuda --recipe recipes/llama_125m.yaml --overrides data.path=data/stdlib
+
+Each side is a fresh process (Trainer and our loop each build an Accelerator, whose state is a per-process
+singleton), run in alternating order (ours trainer, trainer ours, ...):
+
+- ours: lmrecipe.trainer.train(cfg) itself, as train.py calls it (no eval, checkpoint or export inside the window);
+- trainer: transformers.Trainer with the same initial weights, a torch Dataset over the same memmap windows
+  (input_ids = labels = the window's first seq_len tokens: the model's own shifted loss), per-device batch =
+  micro-batch, the same accumulation and max_grad_norm, our AdamW (same groups) and our lr_at schedule as a
+  LambdaLR, report_to=[], no eval, no saving, logging every logging.log_every_steps, use_cpu on a CPU.
+
+Throughput is timed the same way on both sides: wall time from the end of optimizer step --warmup-steps to the end
+of the last step, over the tokens of those steps. Inside that window, timers split each side's time into
+forward+loss, backward, clip, optimizer.step and the rest ("outside": data, logging, callbacks, bookkeeping).
+Target: ours >= 1.0x Trainer's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+class Timers:
+    """Wall seconds per section, patched around the calls both sides make (and a snapshot at each step end)."""
+
+    def __init__(self):
+        self.seconds = {"forward+loss": 0.0, "backward": 0.0, "clip": 0.0, "optimizer.step": 0.0, "data": 0.0}
+        self.step_marks: list[tuple[float, float, dict]] = []
+
+    def wrap(self, owner, name: str, section: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[section] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def hook_optimizer(self, optimizer) -> None:
+        state = {}
+        def pre(*_):
+            state["t"] = time.perf_counter()
+
+        def post(*_):
+            self.seconds["optimizer.step"] += time.perf_counter() - state["t"]
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(post)
+
+    def mark_step_end(self, device) -> None:
+        C.sync(device)
+        self.step_marks.append((time.perf_counter(), time.process_time(), dict(self.seconds)))
+
+    def result(self, warmup: int, tokens_per_step: int) -> dict:
+        (t0, c0, s0), (t1, c1, s1) = self.step_marks[warmup - 1], self.step_marks[-1]
+        steps = len(self.step_marks) - warmup
+        wall = t1 - t0
+        per_step = {k: 1000 * (s1[k] - s0[k]) / steps for k in s1}
+        inside = sum(per_step[k] for k in ("forward+loss", "backward", "clip", "optimizer.step"))
+        per_step["outside fwd/bwd/clip/step"] = 1000 * wall / steps - inside
+        per_step["step"] = 1000 * wall / steps
+        return {"tokens_per_sec": steps * tokens_per_step / wall, "tokens_per_cpu_sec": steps * tokens_per_step / (c1 - c0),
+                "steps": steps, "ms_per_step": per_step}
+
+
+def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
+    import accelerate
+
+    from lmrecipe import data as data_mod, optim as optim_mod, reporting, trainer
+
+    timers.wrap(trainer, "causal_lm_loss", "forward+loss")
+    timers.wrap(accelerate.Accelerator, "backward", "backward")
+    timers.wrap(accelerate.Accelerator, "clip_grad_norm_", "clip")
+    timers.wrap(data_mod.TokenWindows, "batch", "data")
+    original_build = optim_mod.build_optimizer
+
+    def build_optimizer(*args, **kwargs):
+        opt = original_build(*args, **kwargs)
+        timers.hook_optimizer(opt)
+        return opt
+
+    trainer.build_optimizer = build_optimizer
+    original_step_done = reporting.Reporter.step_done
+
+    def step_done(self, state, *args, **kwargs):
+        original_step_done(self, state, *args, **kwargs)
+        timers.mark_step_end(self.accelerator.device)
+
+    reporting.Reporter.step_done = step_done
+    trainer.train(cfg)
+    return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
+
+
+def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: str) -> dict:
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from lmrecipe.data import load_meta, open_data
+    from lmrecipe.distributed import resolve_precision
+    from lmrecipe.model import build_hf_config, build_model
+    from lmrecipe.optim import build_optimizer, lr_at
+
+    meta = load_meta(cfg.data.path)
+    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+    _, windows, _ = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(windows)
+
+        def __getitem__(self, i):
+            inputs, _ = windows.batch([i])
+            return {"input_ids": inputs[0], "labels": inputs[0]}
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, hf_config)
+    optimizer = build_optimizer(model, cfg.optim, cpu_offload=False)
+    timers.hook_optimizer(optimizer)
+    schedule = LambdaLR(optimizer, lambda step: lr_at(step, cfg.train.max_steps, cfg.optim, cfg.schedule) / cfg.optim.lr)
+    precision = resolve_precision(cfg.train.precision)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=cfg.train.max_steps,
+        per_device_train_batch_size=cfg.train.micro_batch_size,
+        gradient_accumulation_steps=cfg.train.global_batch_size // cfg.train.micro_batch_size,
+        max_grad_norm=cfg.optim.grad_clip,
+        learning_rate=cfg.optim.lr,
+        logging_steps=cfg.logging.log_every_steps,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        use_cpu=device_name == "cpu",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=cfg.train.seed,
+    )
+
+    class Timed(Trainer):
+        def compute_loss(self, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return super().compute_loss(*a, **kw)
+            finally:
+                timers.seconds["forward+loss"] += time.perf_counter() - start
+
+        def get_batch_samples(self, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return super().get_batch_samples(*a, **kw)
+            finally:
+                timers.seconds["data"] += time.perf_counter() - start
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            timers.mark_step_end(args.device)
+
+    import accelerate
+
+    timers.wrap(accelerate.Accelerator, "backward", "backward")
+    timers.wrap(accelerate.Accelerator, "clip_grad_norm_", "clip")
+    Timed(model=model, args=args, train_dataset=Windows(), optimizers=(optimizer, schedule), callbacks=[StepEnd()]).train()
+    return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
+
+
+def run_worker(args) -> int:
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    C.set_threads(args.threads)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix=f"bench_{args.worker}_") as tmp:
+        overrides = [*args.overrides, f"train.max_steps={args.steps}", f"logging.log_every_steps={args.log_every}"]
+        cfg = C.bench_config(args.recipe, overrides, out_dir=tmp, data_path=args.data)
+        timers = Timers()
+        with C.quiet_stdout():
+            if args.worker == "ours":
+                result = worker_ours(cfg, timers, args.warmup_steps)
+            else:
+                result = worker_trainer(cfg, timers, args.warmup_steps, args.device, tmp)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+def launch(side: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--recipe", args.recipe, "--data", args.data, "--steps", str(args.steps),
+           "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.log_every), "--device", args.device,
+           "--overrides", *args.overrides]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_DISABLE_RICH": "1"}
+    proc = subprocess.run(cmd, cwd=C.ROOT, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/tiny.yaml")
+    parser.add_argument("--overrides", nargs="*", default=["train.global_batch_size=8", "train.micro_batch_size=4"],
+                        help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--data", default="data/stdlib", help="prepared data folder (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps before the timed window (default: %(default)s)")
+    parser.add_argument("--log-every", type=int, default=10, help="log interval of both sides (default: %(default)s)")
+    parser.add_argument("--worker", choices=["ours", "trainer"], help=argparse.SUPPRESS)
+    C.add_common_args(parser, pairs=3)
+    args = parser.parse_args()
+    if args.worker:
+        return run_worker(args)
+    C.set_threads(args.threads)  # here only for the machine description; the workers set their own
+    C.check_data(args.data)
+    report = C.Report("vs_trainer", args.device, args.output)
+    report.line(f"recipe {args.recipe} {' '.join(args.overrides)}; {args.steps} steps per run, "
+                f"timed after step {args.warmup_steps}; each run a fresh process")
+    ratios, cpu_ratios, runs = [], [], {"ours": [], "trainer": []}
+    for i, order in enumerate(C.pair_orders(args.pairs, ("ours", "trainer"))):
+        got = {side: launch(side, args) for side in order}
+        for side in order:
+            runs[side].append(got[side])
+        ratios.append(got["ours"]["tokens_per_sec"] / got["trainer"]["tokens_per_sec"])
+        cpu_ratios.append(got["ours"]["tokens_per_cpu_sec"] / got["trainer"]["tokens_per_cpu_sec"])
+        report.line(f"pair {i + 1} ({' '.join(order)}): ours {got['ours']['tokens_per_sec']:,.0f} tok/s  "
+                    f"trainer {got['trainer']['tokens_per_sec']:,.0f} tok/s  ratio {ratios[-1]:.3f}  "
+                    f"(CPU-time ratio {cpu_ratios[-1]:.3f})")
+    stats, cpu_stats = C.ratio_stats(ratios), C.ratio_stats(cpu_ratios)
+    report.line()
+    report.line(f"ours / Trainer tokens/s: {C.fmt_ratio(stats)}   target >= 1.0: {'MET' if stats['median'] >= 1.0 else 'MISSED'}")
+    report.line(f"same, per CPU second of the process (less sensitive to other processes): {C.fmt_ratio(cpu_stats)}")
+    report.line("per optimizer step (ms, median over runs):")
+    keys = ["forward+loss", "backward", "clip", "optimizer.step", "outside fwd/bwd/clip/step", "data", "step"]
+    report.line(f"  {'section':<28}{'ours':>10}{'trainer':>10}")
+    medians = {}
+    import statistics
+
+    for side in runs:
+        medians[side] = {k: statistics.median(r["ms_per_step"][k] for r in runs[side]) for k in keys}
+    for k in keys:
+        label = "  of which data fetch" if k == "data" else k
+        report.line(f"  {label:<28}{medians['ours'][k]:>10.2f}{medians['trainer'][k]:>10.2f}")
+    report.figures = {"ratio_ours_over_trainer": stats, "cpu_time_ratio": cpu_stats, "runs": runs, "ms_per_step_median": medians}
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
