@@ -25,6 +25,25 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+#: Line prefix a worker process prints before its JSON result (benchmarks that need fresh processes).
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+def print_result(result: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_worker(cmd: list[str], side: str, env: dict | None = None) -> dict:
+    """Run a worker process from the repo root and return the JSON result it printed last."""
+    import subprocess
+
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
 def command_line() -> str:
     """The command that reproduces this run, from the repository root."""
     script = Path(sys.argv[0]).resolve()

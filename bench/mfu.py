@@ -34,7 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-RESULT_PREFIX = "BENCH_RESULT "
 MODELS = {
     "tiny": ["recipes/tiny.yaml", []],
     "large": ["recipes/tiny.yaml", ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
@@ -153,7 +152,7 @@ def main() -> int:
     if args.worker:
         with C.quiet_stdout():
             result = cpu_worker(args)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        C.print_result(result)
         return 0
     C.check_data(args.data)
     report = C.Report("mfu" if args.device == "cpu" else "mfu_gpu", args.device, args.output)
@@ -181,11 +180,7 @@ def main() -> int:
                "--block-steps", str(args.block_steps), "--probe-seconds", str(args.probe_seconds), "--device", "cpu"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        proc = subprocess.run(cmd, cwd=C.ROOT, env={**os.environ, "ACCELERATE_DISABLE_RICH": "1"}, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-        if not lines:
-            raise SystemExit(f"{name} worker failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-        r = json.loads(lines[-1][len(RESULT_PREFIX):])
+        r = C.run_worker(cmd, name, {**os.environ, "ACCELERATE_DISABLE_RICH": "1"})
         report.figures[name] = r
         report.line(r["desc"])
         for i in range(len(r["achieved_tflops"])):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-RESULT_PREFIX = "BENCH_RESULT "
 SIDES = ("p1", "p2", "map")
 
 
@@ -114,11 +112,7 @@ def launch(side: str, args) -> dict:
     env = dict(os.environ)
     if args.tokenizers_parallelism != "default":
         env["TOKENIZERS_PARALLELISM"] = args.tokenizers_parallelism
-    proc = subprocess.run(cmd, cwd=C.ROOT, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return C.run_worker(cmd, side, env)
 
 
 def main() -> int:
@@ -140,7 +134,7 @@ def main() -> int:
     if args.worker:
         with C.quiet_stdout():
             result = worker(args.worker, args.tokenizer, max_documents, args.prepare_tokenizer == "trained")
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        C.print_result(result)
         return 0
     if not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise SystemExit(f"no tokenizer at {args.tokenizer}: run "

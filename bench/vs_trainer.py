@@ -23,9 +23,7 @@ Target: ours >= 1.0x Trainer's tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-RESULT_PREFIX = "BENCH_RESULT "
 
 
 class Timers:
@@ -201,7 +198,7 @@ def run_worker(args) -> int:
                 result = worker_ours(cfg, timers, args.warmup_steps)
             else:
                 result = worker_trainer(cfg, timers, args.warmup_steps, args.device, tmp)
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    C.print_result(result)
     return 0
 
 
@@ -212,11 +209,7 @@ def launch(side: str, args) -> dict:
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_DISABLE_RICH": "1"}
-    proc = subprocess.run(cmd, cwd=C.ROOT, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return C.run_worker(cmd, side, env)
 
 
 def main() -> int:
