@@ -9,27 +9,59 @@ and resuming at step ``s`` needs no skipping.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from .errors import fail
-from .prepare import read_meta
 
 logger = logging.getLogger(__name__)
 
+FORMAT_VERSION = 1
+"""Version of the prepared-data folder format (``meta.json`` ``format_version``) that this code reads and writes."""
 SPLITS = ("train", "val")
+_META_KEYS = ("format_version", "tokenizer", "vocab_size", "eos_id", "dtype", "source", "splits")
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Scanning for out-of-range ids reads the file in chunks so memory stays flat on large datasets.
 _SCAN_CHUNK_TOKENS = 1 << 26
 
 
+def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """Load and check ``meta.json`` of a folder written by ``tools/prepare_data.py``; UserError if it is not one."""
+    data_dir = Path(data_dir)
+    path = data_dir / "meta.json"
+    remedy = f"Create it with `python tools/prepare_data.py --output {data_dir}` (add --overwrite to replace it)."
+    if not path.is_file():
+        raise fail(f"{path} not found: {data_dir} is not a prepared data folder. {remedy}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise fail(f"{path} is not readable JSON ({err}). {remedy}") from err
+    if not isinstance(meta, dict):
+        raise fail(f"{path} must hold a JSON object, found {type(meta).__name__}. {remedy}")
+    missing = [key for key in _META_KEYS if key not in meta]
+    if missing:
+        raise fail(f"{path} lacks {', '.join(missing)}. {remedy}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise fail(f"{path} has format_version {meta['format_version']!r}; this code reads {FORMAT_VERSION}. {remedy}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise fail(f"{path} has dtype {meta['dtype']!r}; expected uint16 or uint32. {remedy}")
+    splits = meta["splits"]
+    if not isinstance(splits, dict) or any(not isinstance(splits.get(s), dict) or "n_tokens" not in splits[s]
+                                           for s in SPLITS):
+        raise fail(f"{path} must describe splits train and val, each with n_tokens. {remedy}")
+    return meta
+
+
 def load_meta(data_dir: str | Path) -> dict:
-    """Read ``meta.json`` (schema checked by prepare.read_meta) and check it against the .bin files."""
+    """Read ``meta.json`` (schema checked by read_meta) and check it against the .bin files."""
     data_dir = Path(data_dir)
     how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
     if not data_dir.is_dir():

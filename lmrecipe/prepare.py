@@ -21,7 +21,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 import sys
 import sysconfig
 import time
@@ -31,14 +30,15 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from .data import FORMAT_VERSION, SPLITS
 from .errors import fail
+from .fileio import building_dir
 
 # transformers, tokenizers and datasets are imported inside the functions that need them: importing them costs
 # seconds, which argument errors should not pay, nor tokenizer worker processes that only need `tokenizers`.
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
 TRAINED_TOKENIZER = "bpe-trained"
 """``meta.json`` ``tokenizer`` value when the tokenizer was trained here rather than given."""
@@ -58,8 +58,6 @@ _EMBEDDED_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "
 #: Byte-level BPE needs its 256 byte tokens and EOS, plus at least one merge to be a BPE at all.
 MIN_TRAINED_VOCAB_SIZE = 256 + 1 + 1
 
-_SPLITS = ("train", "val")
-_META_KEYS = ("format_version", "tokenizer", "vocab_size", "eos_id", "dtype", "source", "splits")
 
 # Documents are sent to tokenizer workers in chunks this large: big enough that pickling and IPC stay cheap
 # next to tokenizing, small enough that the progress bar moves and both cores stay busy on a small corpus.
@@ -264,46 +262,10 @@ def prepare(
         val_fraction, seed, len(train_idx), len(val_idx),
     )
 
-    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    _remove(tmp_dir)  # left over by a crashed run that had the same process id
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir.mkdir()
-    try:
-        meta = _build(
-            tmp_dir, corpus.source, split_texts, tokenizer, given_tokenizer, vocab_size, num_proc, val_fraction, seed
-        )
-        _install(tmp_dir, out_dir, overwrite)
-    except BaseException:
-        _remove(tmp_dir)
-        raise
+    with building_dir(out_dir, overwrite) as tmp_dir:
+        meta = _build(tmp_dir, corpus.source, split_texts, tokenizer, given_tokenizer, vocab_size, num_proc, val_fraction, seed)
+        _check_output_free(out_dir, overwrite)  # again: it may have appeared while we worked
     logger.info("wrote %s in %.1fs", out_dir, time.perf_counter() - started)
-    return meta
-
-
-def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
-    """Load and check ``meta.json`` of a folder written by :func:`prepare`; UserError if it is not one."""
-    data_dir = Path(data_dir)
-    path = data_dir / "meta.json"
-    remedy = f"Create it with `python tools/prepare_data.py --output {data_dir}` (add --overwrite to replace it)."
-    if not path.is_file():
-        raise fail(f"{path} not found: {data_dir} is not a prepared data folder. {remedy}")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise fail(f"{path} is not readable JSON ({err}). {remedy}") from err
-    if not isinstance(meta, dict):
-        raise fail(f"{path} must hold a JSON object, found {type(meta).__name__}. {remedy}")
-    missing = [key for key in _META_KEYS if key not in meta]
-    if missing:
-        raise fail(f"{path} lacks {', '.join(missing)}. {remedy}")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise fail(f"{path} has format_version {meta['format_version']!r}; this code reads {FORMAT_VERSION}. {remedy}")
-    if meta["dtype"] not in ("uint16", "uint32"):
-        raise fail(f"{path} has dtype {meta['dtype']!r}; expected uint16 or uint32. {remedy}")
-    splits = meta["splits"]
-    if not isinstance(splits, dict) or any(not isinstance(splits.get(s), dict) or "n_tokens" not in splits[s]
-                                           for s in _SPLITS):
-        raise fail(f"{path} must describe splits train and val, each with n_tokens. {remedy}")
     return meta
 
 
@@ -461,12 +423,12 @@ def _tokenize_to_files(
     """
     from tqdm.auto import tqdm
 
-    plan = [(split, start, stop) for split in _SPLITS for start, stop in _chunks(split_texts[split])]
+    plan = [(split, start, stop) for split in SPLITS for start, stop in _chunks(split_texts[split])]
     tasks = (split_texts[split][start:stop] for split, start, stop in plan)
     itemsize = np.dtype(spec.dtype).itemsize
-    stats = {split: {"n_tokens": 0, "n_documents": len(split_texts[split])} for split in _SPLITS}
-    digests = {split: hashlib.sha256() for split in _SPLITS}
-    files = {split: open(out_dir / f"{split}.bin", "wb") for split in _SPLITS}
+    stats = {split: {"n_tokens": 0, "n_documents": len(split_texts[split])} for split in SPLITS}
+    digests = {split: hashlib.sha256() for split in SPLITS}
+    files = {split: open(out_dir / f"{split}.bin", "wb") for split in SPLITS}
     pool = None
     try:
         if num_proc == 1:
@@ -491,7 +453,7 @@ def _tokenize_to_files(
             pool.join()
         for file in files.values():
             file.close()
-    return {split: {**stats[split], "sha256": digests[split].hexdigest()} for split in _SPLITS}
+    return {split: {**stats[split], "sha256": digests[split].hexdigest()} for split in SPLITS}
 
 
 def _load_hf_tokenizer(name: str):
@@ -537,30 +499,6 @@ def _check_vocab_size(vocab_size: int) -> None:
 def _check_output_free(out_dir: Path, overwrite: bool) -> None:
     if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
         raise fail(f"{out_dir} already exists. Pass --overwrite to replace it, or choose another --output folder.")
-
-
-def _install(tmp_dir: Path, out_dir: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp_dir`` to ``out_dir``; an existing ``out_dir`` is only removed afterwards."""
-    _check_output_free(out_dir, overwrite)  # again: it may have appeared while we worked
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        os.rename(tmp_dir, out_dir)
-        return
-    old_dir = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
-    _remove(old_dir)
-    os.rename(out_dir, old_dir)
-    try:
-        os.rename(tmp_dir, out_dir)
-    except BaseException:
-        os.rename(old_dir, out_dir)
-        raise
-    _remove(old_dir)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
 
 
 def _stdlib_root() -> Path:

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from lmrecipe.data import read_meta  # noqa: E402
 from lmrecipe import prepare as prep  # noqa: E402
 from lmrecipe.errors import UserError  # noqa: E402
 
@@ -93,7 +94,7 @@ def test_bin_files_hold_each_split_documents_followed_by_eos(prepared, corpus_di
     from transformers import AutoTokenizer
 
     out_dir, meta = prepared
-    assert meta == {**prep.read_meta(out_dir), "timing": meta["timing"]}
+    assert meta == {**read_meta(out_dir), "timing": meta["timing"]}
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     corpus = prep.load_corpus([corpus_dir])
     # Files are read byte-exact (CRLF kept); empty, hidden and unsupported files are skipped.
@@ -194,7 +195,7 @@ def test_refuses_existing_output_then_overwrites_it(corpus_dir, tmp_path):
 
     meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
     assert not (out_dir / "keep.txt").exists()
-    assert prep.read_meta(out_dir)["splits"] == meta["splits"]
+    assert read_meta(out_dir)["splits"] == meta["splits"]
     assert siblings(out_dir) == []
 
 
@@ -276,12 +277,12 @@ def test_embedded_corpus_is_the_stdlib_without_tests_or_packages():
 
 def test_read_meta_rejects_missing_and_invalid(tmp_path, prepared):
     with pytest.raises(UserError, match="not a prepared data folder"):
-        prep.read_meta(tmp_path)
+        read_meta(tmp_path)
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(UserError, match="not readable JSON"):
-        prep.read_meta(tmp_path)
+        read_meta(tmp_path)
     meta = json.loads((prepared[0] / "meta.json").read_text())
     del meta["eos_id"]
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="eos_id"):
-        prep.read_meta(tmp_path)
+        read_meta(tmp_path)
