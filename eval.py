@@ -10,12 +10,10 @@ Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ...} (plus "prom
 
 import argparse
 import json
-import logging
-import os
 import sys
 from pathlib import Path
 
-from lmrecipe.errors import cli_main
+from lmrecipe.cli import cli_main, setup_logging
 
 
 @cli_main
@@ -32,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     from lmrecipe.evaluate import evaluate_path  # heavy imports only after the arguments parsed
 
     result, is_main = evaluate_path(

@@ -187,98 +187,51 @@ class Sections:
 
 
 class OursLoop:
-    """The per-step body of ``lmrecipe.trainer.train`` (one process, no DeepSpeed), driven in blocks of steps.
+    """The training loop of ``lmrecipe.trainer.train`` (one process, no DeepSpeed), driven in blocks of steps.
 
-    It builds everything as ``train`` does (``build_accelerator``, ``build_model``, ``build_optimizer``,
-    ``accelerator.prepare``, ``TrainBatches``, ``Reporter``, ``Checkpointer``, ``PreemptionSignal``) and runs the
-    same statements per step; only ``perf_counter`` reads around the sections are added (about 1 us per step).
-    Keep ``run`` in step with the loop in lmrecipe/trainer.py.
+    Set up by the trainer's own ``build_run`` / ``build_checkpointer`` / ``build_reporter``; each step is the
+    trainer's ``train_step`` followed by what ``train`` does after it (``Reporter.step_done``, the preemption
+    check, ``Checkpointer.maybe_save``). ``train_step`` reports its sections to ``self.sections``.
     """
 
     def __init__(self, cfg, out_dir: Path):
-        import torch
-
-        from lmrecipe import checkpoint as ckpt
-        from lmrecipe.data import BatchLayout, TrainBatches, load_meta, open_data
-        from lmrecipe.distributed import build_accelerator
-        from lmrecipe.model import build_hf_config, build_model, flops_per_token, param_counts
-        from lmrecipe.optim import build_optimizer
-        from lmrecipe.reporting import Reporter
-        from lmrecipe.trainer import TrainState
+        from lmrecipe.trainer import PreemptionSignal, TrainState, build_checkpointer, build_reporter, build_run
 
         out_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self.accelerator, ds_config, self.precision = build_accelerator(cfg)
-        if ds_config is not None:
+        self.run_ = build_run(cfg, out_dir)
+        if self.run_.runtime.zero.deepspeed:
             raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
                              "(bench/mfu.py --device cuda does)")
-        meta = load_meta(cfg.data.path)
-        self.hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
-        _, train_windows, _ = open_data(cfg.data.path, cfg.data.seq_len, self.hf_config.vocab_size)
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg, self.hf_config)
-        counts = param_counts(model)
-        self.n_params = counts["total"]
-        self.flops_per_token = flops_per_token(counts["total"], counts["lookup"], self.hf_config.num_hidden_layers,
-                                               self.hf_config.hidden_size, cfg.data.seq_len)
-        optimizer = build_optimizer(model, cfg.optim, cpu_offload=False)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.model.train()
-        self.layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                  self.accelerator.num_processes, self.accelerator.process_index)
-        self.train_batches = TrainBatches(train_windows, self.layout, cfg.train.seed)
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-        self.checkpointer = ckpt.Checkpointer(cfg, self.accelerator, out_dir)
+        self.accelerator = self.run_.accelerator
+        self.precision = self.run_.runtime.precision
+        self.layout = self.run_.runtime.layout
+        self.model, self.optimizer = self.run_.model, self.run_.optimizer
+        self.train_batches = self.run_.train_batches
+        self.n_params, self.flops_per_token = self.run_.n_params, self.run_.flops_per_token
+        self.tokens_per_step = self.run_.tokens_per_step
+        self.hf_config = self.accelerator.unwrap_model(self.model).config
+        self.checkpointer = build_checkpointer(self.run_, out_dir)
         self.state = TrainState()
-        self.reporter = Reporter(cfg, self.accelerator, out_dir, self.precision, start_step=0,
-                                 flops_per_token=self.flops_per_token, n_params=self.n_params, extra_meta={})
-        self.stop = ckpt.PreemptionSignal()
+        self.reporter = build_reporter(self.run_, out_dir, 0, {})
+        self.stop = PreemptionSignal()
         self.sections = Sections()
 
     def run(self, n_steps: int) -> None:
-        import torch
+        from lmrecipe.trainer import train_step
 
-        from lmrecipe.optim import lr_at, set_lr
-        from lmrecipe.trainer import _optimizer_step, causal_lm_loss
-
-        cfg, accelerator, model, optimizer, state = self.cfg, self.accelerator, self.model, self.optimizer, self.state
-        layout, add, clock = self.layout, self.sections.add, time.perf_counter
+        run, state = self.run_, self.state
         for _ in range(n_steps):
-            lr = lr_at(state.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
-            set_lr(optimizer, lr)
             step_start = time.perf_counter()
-            data_time_s = 0.0
-            loss_sum = torch.zeros((), device=accelerator.device)
-            batches = self.train_batches.micro_batches(state.step)
-            for _ in range(layout.accum_steps):
-                fetch_start = time.perf_counter()
-                inputs, targets = next(batches)
-                inputs, targets = inputs.to(accelerator.device, non_blocking=True), targets.to(accelerator.device, non_blocking=True)
-                data_time_s += time.perf_counter() - fetch_start
-                with accelerator.accumulate(model):
-                    t0 = clock()
-                    loss = causal_lm_loss(model, inputs, targets)
-                    t1 = clock()
-                    accelerator.backward(loss)
-                    add("backward", clock() - t1)
-                    add("forward+loss", t1 - t0)
-                loss_sum += loss.detach()
-            add("data", data_time_s)
-            t0 = clock()
-            grad_norm, skipped = _optimizer_step(model, optimizer, accelerator, cfg.optim.grad_clip, False)
-            add("clip+optimizer", clock() - t0)
-
+            result = train_step(run, state.step, self.sections.add)
             state.step += 1
-            state.tokens_seen += self.tokens_per_step
-            state.skipped_steps += int(skipped)
-            state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
-            self.reporter.step_done(state, loss_sum / layout.accum_steps, lr, grad_norm, skipped,
-                                    time.perf_counter() - step_start, data_time_s)
-            if self.reporter.should_eval(state.step):
-                raise RuntimeError("a benchmark block must not evaluate")
-            preempted = self.stop.requested(accelerator)
-            # Positional: the keyword is being renamed (force -> preempted) in lmrecipe/checkpoint.py.
-            self.checkpointer.maybe_save(model, state, preempted)
+            state.tokens_seen += run.tokens_per_step
+            state.skipped_steps += int(result.skipped)
+            state.consecutive_skips = state.consecutive_skips + 1 if result.skipped else 0
+            self.reporter.step_done(state, result.loss, result.lr, result.grad_norm, result.skipped,
+                                    time.perf_counter() - step_start, result.data_time_s)
+            preempted = self.stop.requested(self.accelerator)
+            self.checkpointer.maybe_save(run.model, state, preempted=preempted)
             if preempted:
                 raise SystemExit("stopped by a signal")
 

@@ -1,4 +1,4 @@
-"""Resumable checkpoints: atomic saves, exact resume, retention, preemption, and the end-of-run export.
+"""Resumable checkpoints: atomic saves, exact resume, retention, and the marker a preempted run leaves.
 
 Layout of ``out_dir/checkpoints/``::
 
@@ -36,16 +36,18 @@ import os
 import random
 import re
 import shutil
-import signal
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .config import Config
+from .config import CheckpointConfig, fixed_on_resume_keys
+from .data import TokenWindows, file_sha256
+from .distributed import ZeroSetup
 from .errors import fail
+from .fileio import fsync_dir, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -70,34 +72,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp_"
 _TRASH_PREFIX = ".trash_"
 
-# A resume that changes any of these stops: the saved weights, ZeRO shards or data position would not fit.
-INCOMPATIBLE_KEYS = (
-    "model.arch", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
-    "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings", "model.rope_theta",
-    "model.tie_embeddings", "model.extra", "data.seq_len", "train.global_batch_size", "train.seed",
-)
 # Shape-defining fields of the transformers config, compared too (catches a changed model.init_from).
 _HF_SHAPE_KEYS = (
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
 )
-
-
-class PreemptionSignal:
-    """Records SIGTERM / SIGUSR1 so the loop can finish its step, save and exit."""
-
-    def __init__(self):
-        self.name: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.name = signal.Signals(signum).name
-
-    def requested(self, accelerator) -> bool:
-        """True on every rank when any rank got the signal (one tiny all-reduce)."""
-        flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,7 +189,7 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
     keep = {c.path for c in saved[-keep_last:]}
     if best is not None:
         keep.add(best.path)
-        _write_text_durable(root / BEST, best.path.name + "\n")
+        write_text_atomic(root / BEST, best.path.name + "\n", durable=True)
     removed = [c.path for c in saved if c.path not in keep]
     for path in removed:
         logger.info("Removing %s (checkpoint.keep_last=%d; the best by validation loss is kept apart)", path, keep_last)
@@ -241,8 +220,6 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _file_sha256(path: Path) -> str | None:
-    from .data import file_sha256
-
     return file_sha256(path) if path.is_file() else None
 
 
@@ -298,25 +275,6 @@ def set_rng_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) ->
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _write_text_durable(path: Path, text: str) -> None:
-    """Write a small file through a temporary name, fsync it and rename it into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_tree(path: Path) -> None:
     """Delete a folder so that no half-deleted folder ever carries a checkpoint's name."""
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}")
@@ -336,23 +294,29 @@ class Checkpointer:
     them and only the main process writes shared files.
     """
 
-    def __init__(self, cfg: Config, accelerator, out_dir: Path):
-        from accelerate.utils import DistributedType
-
-        from .data import TokenWindows
-
-        self.cfg = cfg
+    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
+                 seq_len: int, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float]):
+        """
+        Args:
+            section: the recipe's ``checkpoint`` section (interval, retention, resume).
+            zero: the run's DeepSpeed setup (recorded, and compared on resume).
+            data_dir, seq_len: the training data (its signature is recorded; a probe window is read from it).
+            samples_per_step: the global batch size (the data position of a step is ``step x samples_per_step``).
+            max_steps: the last step of the run, which is always saved.
+            run_config: the resolved configuration as a dict, saved with each checkpoint and compared on resume.
+            lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
+        """
+        self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.root = out_dir / "checkpoints"
-        self.uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-        self.zero_stage = int(accelerator.state.deepspeed_plugin.zero_stage) if self.uses_deepspeed else 0
-        self.data_dir = Path(cfg.data.path)
-        self.probe_ids = TokenWindows(self.data_dir, "val", cfg.data.seq_len).batch([0])[0][:, :PROBE_TOKENS]
-        if cfg.checkpoint.export_at_end:
-            from .export import parse_shard_size
-
-            parse_shard_size(cfg.checkpoint.max_shard_size)  # fail now, not after the whole run
+        self.zero = zero
+        self.data_dir = Path(data_dir)
+        self.samples_per_step = samples_per_step
+        self.max_steps = max_steps
+        self.run_config = run_config
+        self.lr_schedule = lr_schedule
+        self.probe_ids = TokenWindows(self.data_dir, "val", seq_len).batch([0])[0][:, :PROBE_TOKENS]
         self.resumed_from: Path | None = None
         self.latest: Path | None = None
         if accelerator.is_main_process:
@@ -368,7 +332,7 @@ class Checkpointer:
 
     def maybe_resume(self, model, state) -> str | None:
         """Restore weights, optimizer, training state and every rank's RNG from the chosen checkpoint."""
-        path = find_resume_checkpoint(self.cfg.checkpoint.resume, self.root)
+        path = find_resume_checkpoint(self.section.resume, self.root)
         if path is None:
             return None
         saved = read_checkpoint(path)
@@ -385,10 +349,9 @@ class Checkpointer:
         return str(path)
 
     def _check_compatible(self, saved: dict, path: Path, model) -> None:
-        from .optim import lr_at
-
-        old, new = _flatten(saved["config"]), _flatten(self.cfg.to_dict())
-        problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in INCOMPATIBLE_KEYS if old.get(k) != new.get(k)]
+        fixed_keys = fixed_on_resume_keys()
+        old, new = _flatten(saved["config"]), _flatten(self.run_config)
+        problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed_keys if old.get(k) != new.get(k)]
         old_hf = saved.get("hf_config", {})
         new_hf = self.accelerator.unwrap_model(model).config.to_dict()
         problems += [f"model config {k}: {old_hf[k]!r} -> {new_hf[k]!r}"
@@ -398,10 +361,10 @@ class Checkpointer:
                      for k in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256")
                      if old_data.get(k) is not None and new_data.get(k) is not None and old_data[k] != new_data[k]]
         topo = saved["topology"]
-        if topo["deepspeed"] != self.uses_deepspeed or topo["zero_stage"] != self.zero_stage:
+        if topo["deepspeed"] != self.zero.deepspeed or topo["zero_stage"] != self.zero.stage:
             problems.append(f"ZeRO stage: {topo['zero_stage'] if topo['deepspeed'] else 'no DeepSpeed'} -> "
-                            f"{self.zero_stage if self.uses_deepspeed else 'no DeepSpeed'}")
-        if self.uses_deepspeed and topo["world_size"] != self.accelerator.num_processes:
+                            f"{self.zero.stage if self.zero.deepspeed else 'no DeepSpeed'}")
+        if self.zero.deepspeed and topo["world_size"] != self.accelerator.num_processes:
             # DeepSpeed's ZeRO shards are cut for one data-parallel size (DeepSpeed #3810).
             problems.append(f"processes: {topo['world_size']} -> {self.accelerator.num_processes}")
         if problems:
@@ -412,14 +375,14 @@ class Checkpointer:
                 "checkpoint.resume=none."
             )
         changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-                   if k not in INCOMPATIBLE_KEYS and old.get(k) != new.get(k)]
+                   if k not in fixed_keys and old.get(k) != new.get(k)]
         if changed:
             logger.info("Resuming with changed settings (allowed): %s", "; ".join(changed))
         if new_data.get("train_sha256") != old_data.get("train_sha256"):
             logger.warning("The training data differs from the checkpoint's (train.bin sha256); the run continues "
                            "at the same sample index of the new data.")
         step = saved["state"]["step"]
-        lr_now = lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
+        lr_now = self.lr_schedule(step)
         lr_saved = saved["schedule"]["next_lr"]
         if not math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
             logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
@@ -439,8 +402,8 @@ class Checkpointer:
     # ---- save
 
     def _due(self, step: int, force: bool) -> bool:
-        every = self.cfg.checkpoint.every_steps
-        return force or step == self.cfg.train.max_steps or (every > 0 and step % every == 0)
+        every = self.section.every_steps
+        return force or step == self.max_steps or (every > 0 and step % every == 0)
 
     @torch.no_grad()
     def _probe_logits(self, model) -> torch.Tensor:
@@ -468,7 +431,7 @@ class Checkpointer:
             (tmp / RNG_DIR).mkdir(parents=True)
         acc.wait_for_everyone()
         probe = self._probe_logits(model)
-        acc.save_state(str(tmp))  # every rank: DeepSpeed's save has collectives (PITFALLS #2)
+        acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
         tensors, metadata = rng_state_tensors()
         save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
         if acc.is_main_process:
@@ -479,7 +442,7 @@ class Checkpointer:
             self._publish(tmp, final, state)
             if preempted:
                 marker = {"step": state.step, "checkpoint": str(final)}
-                _write_text_durable(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n")
+                write_text_atomic(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n", durable=True)
         acc.wait_for_everyone()
         self.latest = final
         return final
@@ -492,53 +455,34 @@ class Checkpointer:
                 shutil.copy2(file, hf_dir / file.name)
 
     def _publish(self, tmp: Path, final: Path, state) -> None:
-        from .optim import lr_at
-
-        cfg = self.cfg
         val_loss = state.last_val_loss if state.last_val_step == state.step else None
         manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         payload = {
             "format_version": FORMAT_VERSION,
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
             "val_loss": val_loss,
-            "data": {"next_sample": state.step * cfg.train.global_batch_size, **_data_signature(self.data_dir)},
+            "data": {"next_sample": state.step * self.samples_per_step, **_data_signature(self.data_dir)},
             "schedule": {
-                "last_lr": lr_at(state.step - 1, cfg.train.max_steps, cfg.optim, cfg.schedule) if state.step else None,
-                "next_lr": lr_at(state.step, cfg.train.max_steps, cfg.optim, cfg.schedule),
+                "last_lr": self.lr_schedule(state.step - 1) if state.step else None,
+                "next_lr": self.lr_schedule(state.step),
             },
-            "topology": {"world_size": self.accelerator.num_processes, "deepspeed": self.uses_deepspeed,
-                         "zero_stage": self.zero_stage},
+            "topology": {"world_size": self.accelerator.num_processes, "deepspeed": self.zero.deepspeed,
+                         "zero_stage": self.zero.stage},
             "hf_config": json.loads((tmp / HF_DIR / "config.json").read_text()),
-            "config": cfg.to_dict(),
+            "config": self.run_config,
             "manifest": manifest,
         }
-        _write_text_durable(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n")
+        write_text_atomic(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n", durable=True)
         if final.exists():
             # A step saved before by an abandoned continuation (resumed from an older checkpoint, or resume=none
             # in a used out_dir): aim `latest` at a folder that stays complete before deleting this one.
             if self.latest is not None and self.latest.parent == self.root:
-                _write_text_durable(self.root / LATEST, self.latest.name + "\n")
+                write_text_atomic(self.root / LATEST, self.latest.name + "\n", durable=True)
             else:
                 (self.root / LATEST).unlink(missing_ok=True)
             _remove_tree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
-        _write_text_durable(self.root / LATEST, final.name + "\n")
+        fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, final.name + "\n", durable=True)
         logger.info("Saved checkpoint %s", final)
-        prune_checkpoints(self.root, self.cfg.checkpoint.keep_last)
-
-    # ---- export
-
-    def maybe_export(self) -> Path | None:
-        """Export the final checkpoint for inference loaders (main process only; the others need not wait)."""
-        if not self.cfg.checkpoint.export_at_end or self.latest is None or not self.accelerator.is_main_process:
-            return None
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        from .export import export_checkpoint
-
-        # Training is over: detach transformers from the live ZeRO-3 config, or building the export's model
-        # would enter zero.Init and wait for the other ranks (PITFALLS.md).
-        unset_hf_deepspeed_config()
-        return export_checkpoint(self.latest, self.out_dir / "export", dtype=self.cfg.checkpoint.export_dtype,
-                                 max_shard_size=self.cfg.checkpoint.max_shard_size, overwrite=True)
+        prune_checkpoints(self.root, self.section.keep_last)

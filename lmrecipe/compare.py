@@ -21,12 +21,12 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .config import Config, load_config
-from .data import load_meta
-from .distributed import load_deepspeed_config, resolve_precision
+from .config import Config, load_config, resolve_deepspeed_config
+from .data import BatchLayout, load_meta
+from .distributed import ZeroSetup, load_deepspeed_config, resolve_precision
 from .errors import fail
 from .launch import accelerate_launch_cmd
-from .memory import MemoryEstimate, ModelShape, ZeroSetup, estimate, format_bytes, model_shape, read_measured
+from .memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape, read_measured
 from .model import build_hf_config
 from .plots import plot_memory_throughput
 from .tracking import read_metrics
@@ -39,18 +39,14 @@ BASELINE = "none"
 # Run-control settings of every comparison run (not hyperparameters): a loss at every step to compare,
 # a fresh start, and no export.
 _RUN_OVERRIDES = ("logging.log_every_steps=1", "logging.progress_bar=false", "checkpoint.resume=none",
-                  "checkpoint.every_steps=0", "checkpoint.export_at_end=false", "train.eval_every_steps=0")
+                  "checkpoint.every_steps=0", "checkpoint.export_at_end=false", "train.eval_every_steps=0",
+                  "logging.measure_model_states=true")
 
 
 def ds_config_path(name: str) -> str | None:
     """``none`` -> no DeepSpeed; ``zero2`` -> ``ds_configs/zero2.json``; a path to a JSON file as is."""
-    if name == BASELINE:
-        return None
-    path = Path(name) if name.endswith(".json") else Path("ds_configs") / f"{name}.json"
-    if not path.is_file():
-        choices = ", ".join([BASELINE, *sorted(p.stem for p in Path("ds_configs").glob("*.json"))])
-        raise fail(f"DeepSpeed config {name!r} not found ({path}). Choose from: {choices}, or pass a path to a JSON file.")
-    return path.as_posix()
+    path = resolve_deepspeed_config(name)
+    return None if path is None else path.as_posix()
 
 
 def config_label(name: str) -> str:
@@ -186,7 +182,7 @@ def estimate_for_run(cfg: Config, meta: dict) -> MemoryEstimate:
     """lmrecipe.memory's estimate for the topology and precision the run actually had."""
     shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg)))
     precision = meta.get("precision") or resolve_precision(cfg.train.precision)
-    return estimate_config(cfg, shape, cfg.distributed.deepspeed_config, int(meta["world_size"]), 1, precision)
+    return estimate_config(cfg, shape, cfg.distributed.deepspeed_config_path(), int(meta["world_size"]), 1, precision)
 
 
 def recipe_vocab_size(cfg: Config, override: int | None = None) -> int:
@@ -203,15 +199,16 @@ def recipe_vocab_size(cfg: Config, override: int | None = None) -> int:
     )
 
 
-def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | None, world_size: int, num_nodes: int,
+def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, world_size: int, num_nodes: int,
                     precision: str) -> MemoryEstimate:
     """Per-rank memory of the recipe under one DeepSpeed config (None = no DeepSpeed)."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
-    ds = load_deepspeed_config(ds_path, cfg, world_size, precision) if ds_path else None
+    layout = BatchLayout.from_config(cfg.train, world_size)
+    ds = load_deepspeed_config(ds_path, cfg, layout, precision) if ds_path else None
     return estimate(
         shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
-        accum_steps=cfg.train.grad_accum_steps(world_size), micro_batch_size=cfg.train.micro_batch_size,
+        accum_steps=layout.accum_steps, micro_batch_size=cfg.train.micro_batch_size,
         seq_len=cfg.data.seq_len, gradient_checkpointing=cfg.train.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation,
     )

@@ -19,39 +19,50 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .errors import UserError, fail
+from .fileio import write_text_atomic
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+_FIXED = {"fixed_on_resume": True}
+"""Field metadata: a resume may not change this value (the saved weights, shards or data position depend on it)."""
+
+
+def _fixed(default: Any = dataclasses.MISSING, **kwargs) -> Any:
+    return field(default=default, metadata=_FIXED, **kwargs)
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "llama"
+    arch: str = _fixed("llama")
     """Hugging Face ``model_type`` for a model built from scratch (any ``AutoConfig`` architecture)."""
     init_from: Optional[str] = None
     """Local Hugging Face checkpoint folder to continue pretraining from; null builds from scratch."""
-    hidden_size: int = 256
+    hidden_size: int = _fixed(256)
     """Width of the residual stream (features)."""
-    num_layers: int = 4
+    num_layers: int = _fixed(4)
     """Number of transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = _fixed(4)
     """Attention heads (query heads)."""
-    num_kv_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = _fixed(None)
     """Key/value heads for grouped-query attention; null means equal to ``num_heads``."""
-    intermediate_size: Optional[int] = None
+    intermediate_size: Optional[int] = _fixed(None)
     """MLP hidden width (features); null means 8/3 of ``hidden_size`` rounded up to a multiple of 64."""
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = _fixed(None)
     """Vocabulary size (tokens); null takes the data's ``meta.json`` vocab size."""
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: Optional[int] = _fixed(None)
     """Longest position the model supports (tokens); null means ``data.seq_len``."""
-    rope_theta: float = 10000.0
+    rope_theta: float = _fixed(10000.0)
     """RoPE base frequency."""
-    tie_embeddings: bool = False
+    tie_embeddings: bool = _fixed(False)
     """Share the input embedding and the output projection."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to transformers."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict, metadata=_FIXED)
     """Further keyword arguments for the architecture's ``AutoConfig`` (e.g. ``rms_norm_eps``)."""
 
     def validate(self) -> None:
@@ -79,7 +90,7 @@ class ModelConfig:
 class DataConfig:
     path: str = "data/stdlib"
     """Folder written by ``tools/prepare_data.py`` (train.bin, val.bin, meta.json, tokenizer)."""
-    seq_len: int = 256
+    seq_len: int = _fixed(256)
     """Tokens per training sequence (each window reads ``seq_len + 1`` tokens)."""
     val_windows: int = 64
     """Validation sequences evaluated each time (a fixed set, spread over val.bin)."""
@@ -132,11 +143,11 @@ class ScheduleConfig:
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps of the whole run."""
-    global_batch_size: int = 32
+    global_batch_size: int = _fixed(32)
     """Sequences per optimizer step, over all processes and accumulation micro-steps."""
     micro_batch_size: int = 8
     """Sequences per forward pass on one process."""
-    seed: int = 1337
+    seed: int = _fixed(1337)
     """Seed of the initialisation and of the data order."""
     precision: Precision = "auto"
     """auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPUs; or an explicit value."""
@@ -160,17 +171,6 @@ class TrainConfig:
                 f"train.micro_batch_size={self.micro_batch_size}."
             )
 
-    def grad_accum_steps(self, world_size: int) -> int:
-        """Micro-steps per optimizer step so that ``global = micro x world x accumulation``."""
-        per_step = self.micro_batch_size * world_size
-        if self.global_batch_size % per_step:
-            raise fail(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={self.micro_batch_size} x {world_size} processes = {per_step}. "
-                "Change one of them so the global batch splits evenly over processes."
-            )
-        return self.global_batch_size // per_step
-
 
 @dataclass
 class CheckpointConfig:
@@ -190,6 +190,10 @@ class CheckpointConfig:
     def validate(self) -> None:
         _non_negative(self, "every_steps")
         _positive(self, "keep_last")
+        try:
+            parse_shard_size(self.max_shard_size)
+        except UserError as err:
+            raise fail(f"checkpoint.max_shard_size: {err}") from None
 
 
 @dataclass
@@ -206,6 +210,9 @@ class LoggingConfig:
     """Show a progress bar on the main process."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per device for MFU; null looks the GPU up in a table or probes the CPU with a matmul."""
+    measure_model_states: bool = False
+    """Measure the bytes of weights, gradients and optimizer states each rank holds, during the second optimizer
+    step, into ``out_dir/memory_rank{N}.json`` (``tools/compare_zero.py`` turns it on)."""
 
     def validate(self) -> None:
         _positive(self, "log_every_steps")
@@ -222,12 +229,11 @@ class DistributedConfig:
 
     def validate(self) -> None:
         _positive(self, "timeout_s")
-        if self.deepspeed_config is not None and not Path(self.deepspeed_config).is_file():
-            configs = sorted(p.as_posix() for p in Path("ds_configs").glob("*.json"))
-            raise fail(
-                f"distributed.deepspeed_config={self.deepspeed_config!r} is not a file. "
-                f"Choose one of {configs or 'the JSON files in ds_configs/'} or null for no DeepSpeed."
-            )
+        self.deepspeed_config_path()
+
+    def deepspeed_config_path(self) -> Optional[Path]:
+        """The DeepSpeed JSON file, or None: see :func:`resolve_deepspeed_config`."""
+        return resolve_deepspeed_config(self.deepspeed_config)
 
 
 @dataclass
@@ -253,6 +259,56 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def fixed_on_resume_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Dotted keys whose value a resume may not change (fields declared with ``_fixed``)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += fixed_on_resume_keys(hint, f"{prefix}{f.name}.")
+        elif f.metadata.get("fixed_on_resume"):
+            keys.append(prefix + f.name)
+    return keys
+
+
+def resolve_deepspeed_config(value: str | None) -> Optional[Path]:
+    """Where ``distributed.deepspeed_config`` points: None for no DeepSpeed.
+
+    A name without ``.json`` (``zero2``) is a file of the repository's ``ds_configs/``; a path is taken as
+    given, relative to the working directory, and else relative to the repository root (so a job started
+    from another folder finds ``ds_configs/zero2.json``). UserError naming the choices if there is no file.
+    """
+    if value is None or value in ("none", "null"):
+        return None
+    candidates = [DS_CONFIG_DIR / f"{value}.json"] if not value.endswith(".json") else [Path(value)]
+    if value.endswith(".json") and not Path(value).is_absolute():
+        candidates.append(REPO_ROOT / value)
+    for path in candidates:
+        if path.is_file():
+            return path
+    names = sorted(f"ds_configs/{p.name}" for p in DS_CONFIG_DIR.glob("*.json"))
+    raise fail(
+        f"distributed.deepspeed_config={value!r} is not a file. Choose one of {', '.join(names) or 'the files in ds_configs/'} "
+        "(or its name alone, e.g. zero2), a path to another DeepSpeed JSON file, or null for no DeepSpeed."
+    )
+
+
+def parse_shard_size(size: str | int) -> int:
+    """Bytes in a shard size such as ``"2GB"`` or ``"500MB"`` (decimal units, as huggingface_hub reads them)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    if isinstance(size, int):
+        value = size
+    else:
+        text = str(size).strip().upper()
+        try:
+            value = int(float(text[:-2]) * units[text[-2:]]) if text[-2:] in units else int(text)
+        except ValueError:
+            value = 0
+    if value <= 0:
+        raise fail(f"Shard size {size!r} is not a size: write a number with KB, MB, GB or TB, e.g. 2GB or 500MB.")
+    return value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,10 +348,7 @@ def config_from_dict(data: dict) -> Config:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML, atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def _merge(obj: Any, data: dict, prefix: str) -> None:

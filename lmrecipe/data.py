@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import TrainConfig
 from .errors import fail
 
 logger = logging.getLogger(__name__)
@@ -141,12 +142,29 @@ class SampleOrder:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """How one optimizer step's G sequences are split: G = micro_batch_size x world_size x accum_steps."""
+    """How one optimizer step's G sequences are split: G = micro_batch_size x world_size x accum_steps.
+
+    The one place the accumulation steps are derived; the Accelerator, DeepSpeed's config, the loader and the
+    logs all read them from here. Construction fails with a UserError if G does not split evenly.
+    """
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     rank: int
+
+    def __post_init__(self):
+        per_step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_step:
+            raise fail(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size} x {self.world_size} processes = {per_step}. "
+                "Change one of them so the global batch splits evenly over processes."
+            )
+
+    @classmethod
+    def from_config(cls, train: TrainConfig, world_size: int, rank: int = 0) -> "BatchLayout":
+        return cls(train.global_batch_size, train.micro_batch_size, world_size, rank)
 
     @property
     def accum_steps(self) -> int:

@@ -1,4 +1,8 @@
-"""Building the Accelerator and its DeepSpeed plugin, with every "auto" value filled from the recipe."""
+"""Building the Accelerator and its DeepSpeed plugin, with every "auto" value filled from the recipe.
+
+:func:`build_runtime` derives the run's topology once: the precision, the batch layout (accumulation steps),
+the filled DeepSpeed config and its :class:`ZeroSetup`; every other component receives them from it.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ import json
 import logging
 import os
 import socket
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from .config import Config
+from .data import BatchLayout
 from .errors import fail
 
 logger = logging.getLogger(__name__)
@@ -34,12 +40,54 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def load_deepspeed_config(path: str, cfg: Config, world_size: int, precision: str) -> dict:
+_DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """What the rest of the code needs to know of a DeepSpeed config (``deepspeed=False``: plain DDP)."""
+
+    stage: int = 0
+    """ZeRO stage; 0 without DeepSpeed."""
+    offload_optimizer: bool = False
+    """Optimizer states (and fp32 gradient partitions) live in CPU memory; the update runs on the CPU."""
+    offload_param: bool = False
+    """ZeRO-3 weight partitions live in CPU memory."""
+    persistence_threshold: int = _DEFAULT_PERSISTENCE_THRESHOLD
+    """ZeRO-3 keeps parameters with at most this many elements whole on every rank."""
+    deepspeed: bool = False
+    """Whether the run trains under DeepSpeed at all."""
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict | None) -> "ZeroSetup":
+        if ds_config is None:
+            return cls()
+        zero = ds_config.get("zero_optimization", {})
+
+        def offloaded(key: str) -> bool:
+            return zero.get(key, {}).get("device", "none") not in (None, "none")
+
+        return cls(
+            stage=int(zero.get("stage", 0)),
+            offload_optimizer=offloaded("offload_optimizer"),
+            offload_param=offloaded("offload_param"),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", _DEFAULT_PERSISTENCE_THRESHOLD)),
+            deepspeed=True,
+        )
+
+    def describe(self) -> str:
+        if not self.deepspeed:
+            return "no DeepSpeed"
+        offload = [name for name, on in (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if on]
+        return f"DeepSpeed ZeRO-{self.stage}" + (f" (offload: {', '.join(offload)})" if offload else "")
+
+
+def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, precision: str) -> dict:
     """Read a ds_configs JSON and fill the values the recipe owns, so none is left to guesswork."""
     try:
         ds = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
-        raise fail(f"distributed.deepspeed_config={path!r} is not valid JSON: {err}.") from None
+        raise fail(f"distributed.deepspeed_config={str(path)!r} is not valid JSON: {err}.") from None
     for key in ("optimizer", "scheduler"):
         if key in ds:
             raise fail(
@@ -52,10 +100,9 @@ def load_deepspeed_config(path: str, cfg: Config, world_size: int, precision: st
                 f"{path} sets {key}={ds[key]!r}. Batch sizes, accumulation and clipping come from the recipe "
                 f"(train.*, optim.grad_clip): write \"{key}\": \"auto\" in the JSON."
             )
-    accum = cfg.train.grad_accum_steps(world_size)
-    ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size
-    ds["gradient_accumulation_steps"] = accum
-    ds["train_batch_size"] = cfg.train.global_batch_size
+    ds["train_micro_batch_size_per_gpu"] = layout.micro_batch_size
+    ds["gradient_accumulation_steps"] = layout.accum_steps
+    ds["train_batch_size"] = layout.global_batch_size
     ds["gradient_clipping"] = cfg.optim.grad_clip
     ds.setdefault("bf16", {})["enabled"] = precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
@@ -69,15 +116,6 @@ def load_deepspeed_config(path: str, cfg: Config, world_size: int, precision: st
     return ds
 
 
-def zero_stage(ds_config: dict | None) -> int:
-    return int((ds_config or {}).get("zero_optimization", {}).get("stage", 0))
-
-
-def offloads_optimizer(ds_config: dict | None) -> bool:
-    device = (ds_config or {}).get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    return device not in (None, "none")
-
-
 def _ensure_single_process_env() -> None:
     """``python train.py`` with DeepSpeed: give torch.distributed a one-process world on localhost."""
     if "RANK" in os.environ:
@@ -88,35 +126,59 @@ def _ensure_single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def build_accelerator(cfg: Config):
-    """The Accelerator (and DeepSpeed plugin). Build it before the model so ZeRO-3 partitions at construction.
+@dataclass(frozen=True)
+class Runtime:
+    """The Accelerator and the topology facts derived once for the whole run."""
 
-    Returns ``(accelerator, ds_config_or_None, precision)``.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    accelerator: object
+    precision: str
+    """bf16, fp16 or fp32, resolved from ``train.precision``."""
+    layout: BatchLayout
+    """This rank's share of each optimizer step (accumulation steps live here)."""
+    zero: ZeroSetup
+    ds_config: dict | None
+    """The DeepSpeed config as given to DeepSpeed, every "auto" filled; None without DeepSpeed."""
+
+
+def build_runtime(cfg: Config) -> Runtime:
+    """The Accelerator (and DeepSpeed plugin). Build it before the model so ZeRO-3 partitions at construction."""
+    from accelerate.utils import DeepSpeedPlugin
 
     precision = resolve_precision(cfg.train.precision)
     if precision == "fp16" and not torch.cuda.is_available():
         raise fail("train.precision=fp16 needs a GPU; use fp32 or bf16 on a CPU.")
     world_size = world_size_from_env()
-    accum = cfg.train.grad_accum_steps(world_size)
-    ds_config = None
-    plugin = None
-    if cfg.distributed.deepspeed_config is not None:
-        ds_config = load_deepspeed_config(cfg.distributed.deepspeed_config, cfg, world_size, precision)
+    layout = BatchLayout.from_config(cfg.train, world_size)  # fails before any process group exists
+    ds_config, plugin = None, None
+    ds_path = cfg.distributed.deepspeed_config_path()
+    if ds_path is not None:
+        ds_config = load_deepspeed_config(ds_path, cfg, layout, precision)
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+    accelerator = _build_accelerator(world_size, precision, layout.accum_steps, plugin, cfg.distributed.timeout_s)
+    return Runtime(accelerator, precision, replace(layout, rank=accelerator.process_index),
+                   ZeroSetup.from_ds_config(ds_config), ds_config)
+
+
+def build_eval_accelerator():
+    """A plain Accelerator (no DeepSpeed: evaluated weights are consolidated), fp32, on any number of processes."""
+    return _build_accelerator(world_size_from_env(), "fp32", 1, None, 1800)
+
+
+def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin, timeout_s: int):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
     # Without an accelerator, Accelerate must be told the backend or every rank believes it is rank 0.
     distributed = world_size > 1 or plugin is not None
     backend = "gloo" if distributed and not torch.cuda.is_available() else None
-    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=cfg.distributed.timeout_s))] if distributed else []
+    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=timeout_s))] if distributed else []
     accelerator = Accelerator(
         # Without cpu=True, Accelerate 1.15 on a GPU-less machine leaves several processes unsynchronised
         # (DistributedType.NO: no DDP wrapper, every rank trains alone).
         cpu=plugin is None and not torch.cuda.is_available(),
         mixed_precision={"fp32": "no"}.get(precision, precision),
-        gradient_accumulation_steps=accum,
+        gradient_accumulation_steps=accum_steps,
         deepspeed_plugin=plugin,
         kwargs_handlers=handlers,
         step_scheduler_with_optimizer=False,
@@ -124,6 +186,6 @@ def build_accelerator(cfg: Config):
     if accelerator.num_processes != world_size or (world_size > 1 and accelerator.distributed_type.value == "NO"):
         raise fail(
             f"The launcher announced WORLD_SIZE={world_size} but Accelerate formed {accelerator.num_processes} "
-            "processes. Launch with `accelerate launch --multi_gpu --num_processes N train.py ...` or torchrun."
+            "synchronised processes. Launch with `accelerate launch --multi_gpu --num_processes N SCRIPT ...` or torchrun."
         )
-    return accelerator, ds_config, precision
+    return accelerator

@@ -1,11 +1,8 @@
-"""User-facing errors and the entry-point wrapper that turns them into clean exits."""
+"""User-facing errors: a message that names the problem and the fix, and the exit code scripts give them."""
 
 from __future__ import annotations
 
-import functools
-import sys
 import textwrap
-from typing import Callable
 
 #: Exit code for a user error (bad config, bad data, bad checkpoint): no traceback is printed.
 EXIT_USER_ERROR = 2
@@ -18,18 +15,3 @@ class UserError(Exception):
 def fail(message: str) -> "UserError":
     """Build a UserError whose message is dedented and stripped, for readable multi-line errors."""
     return UserError(textwrap.dedent(message).strip())
-
-
-def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap a script's ``main`` so a UserError prints one paragraph on stderr and exits non-zero."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs) -> int:
-        try:
-            code = fn(*args, **kwargs)
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            return EXIT_USER_ERROR
-        return 0 if code is None else int(code)
-
-    return wrapper

@@ -13,29 +13,12 @@ from pathlib import Path
 import torch
 
 from .data import TokenWindows, ValBatches, file_sha256, load_meta
-from .distributed import world_size_from_env
+from .distributed import build_eval_accelerator
 from .errors import fail
 from .export import load_for_inference
-from .trainer import evaluate
+from .loss import validation_loss
 
 logger = logging.getLogger(__name__)
-
-
-def build_eval_accelerator():
-    """A plain Accelerator (no DeepSpeed: the weights are consolidated); gloo when several CPU processes run."""
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    world_size = world_size_from_env()
-    cpu = not torch.cuda.is_available()
-    # Without a GPU, Accelerate 1.15 must be told the backend and cpu=True, or the processes stay
-    # unsynchronised (DistributedType.NO: reduce() returns each rank's own sum), as in distributed.py.
-    handlers = [InitProcessGroupKwargs(backend="gloo" if cpu else None)] if world_size > 1 else []
-    accelerator = Accelerator(cpu=cpu, kwargs_handlers=handlers)
-    if accelerator.num_processes != world_size or (world_size > 1 and accelerator.distributed_type.value == "NO"):
-        raise fail(f"The launcher announced WORLD_SIZE={world_size} but Accelerate formed {accelerator.num_processes} "
-                   "synchronised processes. Launch with `accelerate launch --multi_gpu --num_processes N eval.py ...`.")
-    return accelerator
 
 
 def evaluate_path(
@@ -85,7 +68,7 @@ def evaluate_path(
                        data_tokenizer)
     n_windows = len(val) if max_batches is None else min(len(val), max_batches * batch_size)
     batches = ValBatches(val, n_windows, batch_size, accelerator.num_processes, accelerator.process_index)
-    loss = evaluate(model, batches, accelerator)
+    loss = validation_loss(model, batches, accelerator)
     result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
               "tokens": int(len(batches.all_ids) * seq_len)}
     logger.info("%d windows of %d tokens on %d processes: loss %.6f", len(batches.all_ids), seq_len,

@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from .checkpoint import DS_TAG, HF_DIR, looks_like_checkpoint, read_checkpoint, resolve_checkpoint
+from .config import parse_shard_size
 from .errors import fail
+from .fileio import building_dir, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -36,27 +38,11 @@ _NOT_TOKENIZER = {"config.json", "meta.json"}
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def parse_shard_size(size: str | int) -> int:
-    """Bytes in a shard size such as ``"2GB"`` or ``"500MB"`` (decimal units, as huggingface_hub reads them)."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    if isinstance(size, int):
-        value = size
-    else:
-        text = str(size).strip().upper()
-        try:
-            value = int(float(text[:-2]) * units[text[-2:]]) if text[-2:] in units else int(text)
-        except ValueError:
-            value = 0
-    if value <= 0:
-        raise fail(f"Shard size {size!r} is not a size: write a number with KB, MB, GB or TB, e.g. 2GB or 500MB.")
-    return value
-
-
 def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The full model state dict of a training checkpoint in ``dtype``, consolidated in this process.
 
     Every tensor owns its storage (ZeRO-1/2 consolidation returns views of one flat buffer, which would
-    bloat or break a safetensors file, PITFALLS #12); names that DeepSpeed records as shared (tied
+    bloat a safetensors file with the whole buffer or fail to save); names that DeepSpeed records as shared (tied
     embeddings) map to one tensor.
     """
     if (ckpt / DS_TAG).is_dir():
@@ -149,26 +135,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with building_dir(out, overwrite=True) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
         _index_single_shard(tmp)
         for file in (ckpt / HF_DIR).iterdir():
             if file.is_file() and file.name not in _NOT_TOKENIZER:
                 shutil.copy2(file, tmp / file.name)
-        if out.exists():
-            old = out.with_name(f"{out.name}.old-{os.getpid()}")
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("Exported %s to %s (%s)", ckpt, out, dtype)
     return out
 
@@ -198,7 +170,7 @@ def _index_single_shard(folder: Path) -> None:
         "metadata": {"total_size": sum(v["data_offsets"][1] - v["data_offsets"][0] for v in tensors.values())},
         "weight_map": {k: name for k in sorted(tensors)},
     }
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    write_json_atomic(folder / INDEX_FILE, index)
 
 
 def check_export(path: Path) -> None:

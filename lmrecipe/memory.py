@@ -66,13 +66,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .distributed import ZeroSetup
+from .fileio import write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 BUCKETS = ("weights", "gradients", "optimizer")
 # DeepSpeed 0.19 ZeRO optimizer attributes that hold each kind of model state.
 _ZERO_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 _ZERO_GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer")
-_DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,9 +209,7 @@ class ModelStateProbe:
 
     def _write(self) -> None:
         payload = {"rank": self.rank, "world_size": self.world_size, "measured_at_update": 2, **self.sample}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(tmp, self.path)
+        write_json_atomic(self.path, payload)
         logger.info("Model states on rank %d: %s", self.rank, format_bytes(payload["total"]))
 
     def detach(self) -> None:
@@ -238,32 +238,6 @@ def read_measured(out_dir: str | os.PathLike) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------
 # Estimate
-
-
-@dataclass(frozen=True)
-class ZeroSetup:
-    """The memory-relevant part of a DeepSpeed config (stage 0 = no DeepSpeed: DDP)."""
-
-    stage: int = 0
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    persistence_threshold: int = _DEFAULT_PERSISTENCE_THRESHOLD
-
-    @classmethod
-    def from_ds_config(cls, ds_config: dict | None) -> "ZeroSetup":
-        if ds_config is None:
-            return cls()
-        zero = ds_config.get("zero_optimization", {})
-
-        def offloaded(key: str) -> bool:
-            return zero.get(key, {}).get("device", "none") not in (None, "none")
-
-        return cls(
-            stage=int(zero.get("stage", 0)),
-            offload_optimizer=offloaded("offload_optimizer"),
-            offload_param=offloaded("offload_param"),
-            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", _DEFAULT_PERSISTENCE_THRESHOLD)),
-        )
 
 
 @dataclass(frozen=True)

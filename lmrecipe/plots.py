@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
+
+from .fileio import atomic_path  # noqa: E402
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -53,8 +54,8 @@ def plot_memory_throughput(names: list[str], memory_gb: list[float], tokens_per_
 
 
 def _save(fig, path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)

@@ -1,7 +1,7 @@
 """What a person sees during a run: progress bar, log lines, metrics rows, the final plot.
 
-The loop calls ``step_done`` every optimizer step; the log interval, the main-process check and the
-averaging over the interval live here, not in the loop.
+The loop calls ``step_done`` every optimizer step and ``eval_done`` after an evaluation; the log interval, the
+main-process check and the averaging over the interval live here, not in the loop.
 """
 
 from __future__ import annotations
@@ -16,32 +16,41 @@ import torch
 from tqdm.auto import tqdm
 
 from . import metrics
-from .config import Config
+from .config import LoggingConfig
+from .fileio import write_json_atomic
 from .plots import plot_training
-from .tracking import Tracker, read_metrics, run_metadata, write_json_atomic
+from .tracking import Tracker, read_metrics, run_metadata
 
 logger = logging.getLogger(__name__)
 
 
 class Reporter:
-    def __init__(self, cfg: Config, accelerator, out_dir: Path, precision: str, start_step: int,
-                 flops_per_token: float, n_params: int, extra_meta: dict):
-        self.cfg = cfg
+    def __init__(self, section: LoggingConfig, accelerator, out_dir: Path, *, precision: str, max_steps: int,
+                 start_step: int, tokens_per_step: int, flops_per_token: float, run_config: dict, run_meta: dict):
+        """
+        Args:
+            section: the recipe's ``logging`` section (interval, tracker, progress bar, peak TFLOP/s).
+            max_steps: the last step (always logged; the progress bar's total).
+            tokens_per_step: tokens of one optimizer step over all ranks.
+            run_config: the resolved configuration (``run_meta.json`` and the tracker's config).
+            run_meta: further facts for ``run_meta.json`` (parameters, topology, resume).
+        """
+        self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
+        self.max_steps = max_steps
         self.is_main = accelerator.is_main_process
         self.flops_per_token = flops_per_token
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-        self.peak_tflops, peak_source = metrics.device_peak_tflops(accelerator.device, precision, cfg.logging.peak_tflops)
-        config = cfg.to_dict()
+        self.tokens_per_step = tokens_per_step
+        self.peak_tflops, peak_source = metrics.device_peak_tflops(accelerator.device, precision, section.peak_tflops)
         if self.is_main:
-            meta = run_metadata(config, accelerator.num_processes, precision,
-                                {**extra_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
+            meta = run_metadata(run_config, accelerator.num_processes, precision,
+                                {**run_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
             write_json_atomic(out_dir / "run_meta.json", meta)
-        self.tracker = Tracker(out_dir, cfg.logging.tracker, cfg.logging.project,
-                               cfg.logging.run_name or out_dir.name, config, enabled=self.is_main)
-        self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not (self.is_main and cfg.logging.progress_bar and sys.stderr.isatty()))
+        self.tracker = Tracker(out_dir, section.tracker, section.project,
+                               section.run_name or out_dir.name, run_config, enabled=self.is_main)
+        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
         self._reset_interval(time.perf_counter())
         metrics.reset_peak_memory(accelerator.device)
 
@@ -52,12 +61,8 @@ class Reporter:
         self._interval_data_time_s = 0.0
         self._interval_skips = 0
 
-    def _should_log(self, step: int) -> bool:
-        return step == 1 or step % self.cfg.logging.log_every_steps == 0 or step == self.cfg.train.max_steps
-
-    def should_eval(self, step: int) -> bool:
-        every = self.cfg.train.eval_every_steps
-        return step == self.cfg.train.max_steps or (every > 0 and step % every == 0)
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.section.log_every_steps == 0 or step == self.max_steps
 
     def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool,
                   step_time_s: float, data_time_s: float) -> None:
@@ -66,7 +71,7 @@ class Reporter:
         self._interval_step_time_s += step_time_s
         self._interval_data_time_s += data_time_s
         self._interval_skips += int(skipped)
-        if not self._should_log(state.step):
+        if not self.should_log(state.step):
             return
         # One collective per log interval: the mean loss over all ranks (this is also a device sync point).
         loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
@@ -90,7 +95,7 @@ class Reporter:
         self.bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_sec:,.0f}")
         if self.is_main:
             self.bar.write(
-                f"step {state.step:>6}/{self.cfg.train.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                f"step {state.step:>6}/{self.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
                 f"grad_norm {grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | mfu {100 * row['mfu']:.1f}% | "
                 f"step {row['step_time_s']:.3f}s (data {100 * row['data_time_s'] / max(row['step_time_s'], 1e-12):.1f}%) | "
                 f"mem {row['peak_mem_gb']:.2f} GB" + (f" | skipped {self._interval_skips}" if self._interval_skips else "")
@@ -101,7 +106,7 @@ class Reporter:
         val_ppl = math.exp(val_loss) if val_loss < 50 else float("inf")
         self.tracker.log({"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl})
         if self.is_main:
-            self.bar.write(f"step {state.step:>6}/{self.cfg.train.max_steps} | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
+            self.bar.write(f"step {state.step:>6}/{self.max_steps} | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
         # Evaluation time is not training throughput.
         self._interval_start = time.perf_counter() - self._interval_step_time_s
 

@@ -110,10 +110,3 @@ def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> 
         **extra,
         "config": config,
     }
-
-
-def write_json_atomic(path: str | Path, payload: dict) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)

@@ -1,21 +1,27 @@
-"""The training loop: accumulate / forward / backward / step, then maybe log, maybe eval, maybe save."""
+"""The training loop: ``train_step`` (accumulate / forward / backward / step), then maybe log, maybe eval, maybe save.
+
+``build_run`` sets a run up (Accelerator, data, model, optimizer) and ``train_step`` advances it by one
+optimizer step; ``train`` and every benchmark in ``bench/`` call these two, so what is timed is what trains.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from . import checkpoint as ckpt
+from .checkpoint import EXIT_PREEMPTED, Checkpointer
 from .config import Config, save_config
-from .data import BatchLayout, TrainBatches, ValBatches, load_meta, open_data
-from .distributed import build_accelerator, offloads_optimizer, zero_stage
+from .data import TrainBatches, ValBatches, load_meta, open_data
+from .distributed import Runtime, build_runtime
 from .errors import fail
+from .loss import causal_lm_loss, validation_loss
 from .memory import attach_model_state_probe
 from .model import build_hf_config, build_model, flops_per_token, param_counts
 from .optim import build_optimizer, lr_at, set_lr
@@ -45,31 +51,103 @@ class TrainState:
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
 
 
-def causal_lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy in fp32 (targets are the inputs shifted by one, so no token is dropped)."""
-    logits = model(input_ids=inputs).logits
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
-    return loss if reduction == "mean" else loss.view(targets.shape)
+@dataclass
+class Run:
+    """A set-up training run: what ``train_step`` needs, built once by :func:`build_run`."""
+
+    cfg: Config
+    runtime: Runtime
+    model: torch.nn.Module
+    """The prepared model (DDP wrapper or DeepSpeed engine)."""
+    optimizer: torch.optim.Optimizer
+    train_batches: TrainBatches
+    val_batches: ValBatches
+    n_params: int
+    flops_per_token: float
+
+    @property
+    def accelerator(self):
+        return self.runtime.accelerator
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
 
 
-@torch.no_grad()
-def evaluate(model, val_batches: ValBatches, accelerator) -> float:
-    """Mean validation loss over the fixed windows, identical for any split over ranks."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for inputs, targets, valid in val_batches:
-        per_token = causal_lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device), "none")
-        total[0] += (per_token.sum(dim=1).double() * valid.to(accelerator.device)).sum()
-        total[1] += valid.sum() * targets.shape[1]
-    total = accelerator.reduce(total, reduction="sum")
-    model.train(was_training)
-    return (total[0] / total[1]).item()
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """Mean training loss of this rank's micro-batches (a device tensor: reading it syncs)."""
+    lr: float
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    skipped: bool
+    """The update was skipped (non-finite loss or gradient norm)."""
+    data_time_s: float
+    """Seconds spent fetching and copying the step's batches."""
 
 
-def _optimizer_step(model, optimizer, accelerator, grad_clip: float, uses_deepspeed: bool) -> tuple[float, bool]:
+SectionTimer = Callable[[str, float], None]
+"""Receives (section name, seconds) from ``train_step`` when a benchmark asks for the split of a step."""
+
+
+def build_run(cfg: Config, out_dir: Path) -> Run:
+    """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
+    runtime = build_runtime(cfg)
+    accelerator = runtime.accelerator
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+
+    meta = load_meta(cfg.data.path)
+    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+    _, train_windows, val_windows = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
+    if cfg.data.seq_len > hf_config.max_position_embeddings:
+        raise fail(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
+            f"{hf_config.max_position_embeddings}. Lower data.seq_len or raise model.max_position_embeddings."
+        )
+    if runtime.zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
+        logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, hf_config)
+    counts = param_counts(model)
+    fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    if cfg.logging.measure_model_states:
+        attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
+
+    layout = runtime.layout
+    train_batches = TrainBatches(train_windows, layout, cfg.train.seed)
+    val_batches = ValBatches(val_windows, cfg.data.val_windows, layout.micro_batch_size, layout.world_size, layout.rank)
+    return Run(cfg, runtime, model, optimizer, train_batches, val_batches, counts["total"], fpt)
+
+
+def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
+    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary)."""
+    accelerator, model = run.accelerator, run.model
+    with accelerator.accumulate(model):
+        start = time.perf_counter()
+        loss = causal_lm_loss(model, inputs, targets)
+        forward_done = time.perf_counter()
+        accelerator.backward(loss)
+    if timer is not None:
+        timer("forward+loss", forward_done - start)
+        timer("backward", time.perf_counter() - forward_done)
+    return loss.detach()
+
+
+def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[float, bool]:
     """Clip and step (or skip a non-finite update). Returns the pre-clip global grad norm and whether it skipped."""
-    if uses_deepspeed:
+    if deepspeed:
         # The engine already clipped and stepped inside accelerator.backward at the accumulation boundary,
         # and skips the update itself when gradients are not finite.
         skipped_before = model.skipped_steps
@@ -89,84 +167,114 @@ def _optimizer_step(model, optimizer, accelerator, grad_clip: float, uses_deepsp
     return norm, skipped
 
 
+def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepResult:
+    """Optimizer step ``step`` (0-based): set its learning rate, run its micro-batches, update the weights."""
+    lr = run.lr_at(step)
+    set_lr(run.optimizer, lr)
+    device = run.accelerator.device
+    data_time_s = 0.0
+    loss_sum = torch.zeros((), device=device)
+    batches = run.train_batches.micro_batches(step)
+    for _ in range(run.runtime.layout.accum_steps):
+        fetch_start = time.perf_counter()
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        data_time_s += time.perf_counter() - fetch_start
+        loss_sum += forward_backward_step(run, inputs, targets, timer)
+    optimizer_start = time.perf_counter()
+    grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
+                                        run.runtime.zero.deepspeed)
+    if timer is not None:
+        timer("data", data_time_s)
+        timer("clip+optimizer", time.perf_counter() - optimizer_start)
+    return StepResult(loss_sum / run.runtime.layout.accum_steps, lr, grad_norm, skipped, data_time_s)
+
+
+class PreemptionSignal:
+    """Records SIGTERM / SIGUSR1 so the loop can finish its step, save and exit."""
+
+    def __init__(self):
+        self.name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.name = signal.Signals(signum).name
+
+    def requested(self, accelerator) -> bool:
+        """True on every rank when any rank got the signal (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
+    """Evaluate every ``train.eval_every_steps`` steps and at the last step."""
+    every, last = run.cfg.train.eval_every_steps, run.cfg.train.max_steps
+    if state.step == last or (every > 0 and state.step % every == 0):
+        val_loss = validation_loss(run.model, run.val_batches, run.accelerator)
+        state.record_eval(val_loss)
+        reporter.eval_done(state, val_loss)
+
+
+def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | None:
+    """Export the final checkpoint for inference loaders (main process only; the others need not wait)."""
+    section = run.cfg.checkpoint
+    if not section.export_at_end or checkpoint is None or not run.accelerator.is_main_process:
+        return None
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from .export import export_checkpoint
+
+    # Training is over: detach transformers from the live ZeRO-3 config, or building the export's model would
+    # enter zero.Init and wait for the other ranks, which have left.
+    unset_hf_deepspeed_config()
+    return export_checkpoint(checkpoint, out_dir / "export", dtype=section.export_dtype,
+                             max_shard_size=section.max_shard_size, overwrite=True)
+
+
+def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
+    cfg = run.cfg
+    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=cfg.data.path,
+                        seq_len=cfg.data.seq_len, samples_per_step=cfg.train.global_batch_size,
+                        max_steps=cfg.train.max_steps, run_config=cfg.to_dict(), lr_schedule=run.lr_at)
+
+
+def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
+    cfg, runtime = run.cfg, run.runtime
+    return Reporter(cfg.logging, run.accelerator, out_dir, precision=runtime.precision, max_steps=cfg.train.max_steps,
+                    start_step=start_step, tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
+                    run_config=cfg.to_dict(), run_meta={
+                        "n_params": run.n_params, "flops_per_token": run.flops_per_token,
+                        "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
+                        "n_train_windows": len(run.train_batches.windows), **run_meta})
+
+
 def train(cfg: Config) -> TrainState:
     out_dir = Path(cfg.out_dir)
-    accelerator, ds_config, precision = build_accelerator(cfg)
-    uses_deepspeed = ds_config is not None
-    if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-
-    meta = load_meta(cfg.data.path)
-    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
-    _, train_windows, val_windows = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
-    if cfg.data.seq_len > hf_config.max_position_embeddings:
-        raise fail(
-            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
-            f"{hf_config.max_position_embeddings}. Lower data.seq_len or raise model.max_position_embeddings."
-        )
-    if zero_stage(ds_config) == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
-        logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
-
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, hf_config)
-    counts = param_counts(model)
-    fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
-    if cfg.train.compile:
-        model = torch.compile(model)
-    optimizer = build_optimizer(model, cfg.optim, cpu_offload=offloads_optimizer(ds_config))
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
-    attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
-
-    layout = BatchLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, accelerator.num_processes, accelerator.process_index)
-    train_batches = TrainBatches(train_windows, layout, cfg.train.seed)
-    val_batches = ValBatches(val_windows, cfg.data.val_windows, cfg.train.micro_batch_size, layout.world_size, layout.rank)
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-
-    checkpointer = ckpt.Checkpointer(cfg, accelerator, out_dir)
+    run = build_run(cfg, out_dir)
+    accelerator, layout = run.accelerator, run.runtime.layout
+    checkpointer = build_checkpointer(run, out_dir)
     state = TrainState()
-    resumed_from = checkpointer.maybe_resume(model, state)
+    resumed_from = checkpointer.maybe_resume(run.model, state)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
-    reporter = Reporter(
-        cfg, accelerator, out_dir, precision, start_step=state.step,
-        flops_per_token=fpt, n_params=counts["total"], extra_meta={
-            "n_params": counts["total"], "flops_per_token": fpt, "accum_steps": layout.accum_steps,
-            "deepspeed_config": ds_config, "resumed_from": resumed_from, "n_train_windows": len(train_windows),
-        },
-    )
+    reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from})
     logger.info(
         "model %.2fM params | %d processes x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s",
-        counts["total"] / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
-        cfg.train.global_batch_size, cfg.data.seq_len, precision,
-        f"DeepSpeed ZeRO-{zero_stage(ds_config)}" if uses_deepspeed else "no DeepSpeed",
+        run.n_params / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
+        layout.global_batch_size, cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
     )
 
-    stop = ckpt.PreemptionSignal()
+    stop = PreemptionSignal()
     while state.step < cfg.train.max_steps:
-        lr = lr_at(state.step, cfg.train.max_steps, cfg.optim, cfg.schedule)
-        set_lr(optimizer, lr)
         step_start = time.perf_counter()
-        data_time_s = 0.0
-        loss_sum = torch.zeros((), device=accelerator.device)
-        batches = train_batches.micro_batches(state.step)
-        for _ in range(layout.accum_steps):
-            fetch_start = time.perf_counter()
-            inputs, targets = next(batches)
-            inputs, targets = inputs.to(accelerator.device, non_blocking=True), targets.to(accelerator.device, non_blocking=True)
-            data_time_s += time.perf_counter() - fetch_start
-            with accelerator.accumulate(model):
-                loss = causal_lm_loss(model, inputs, targets)
-                accelerator.backward(loss)
-            loss_sum += loss.detach()
-        grad_norm, skipped = _optimizer_step(model, optimizer, accelerator, cfg.optim.grad_clip, uses_deepspeed)
-
+        result = train_step(run, state.step)
         state.step += 1
-        state.tokens_seen += tokens_per_step
-        state.skipped_steps += int(skipped)
-        state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
-        reporter.step_done(state, loss_sum / layout.accum_steps, lr, grad_norm, skipped, time.perf_counter() - step_start, data_time_s)
+        state.tokens_seen += run.tokens_per_step
+        state.skipped_steps += int(result.skipped)
+        state.consecutive_skips = state.consecutive_skips + 1 if result.skipped else 0
+        reporter.step_done(state, result.loss, result.lr, result.grad_norm, result.skipped,
+                           time.perf_counter() - step_start, result.data_time_s)
         if state.consecutive_skips >= cfg.train.max_consecutive_skips:
             reporter.close(plot=True)
             raise fail(
@@ -175,22 +283,18 @@ def train(cfg: Config) -> TrainState:
                 "optim.grad_clip=1.0, or train.precision=bf16/fp32 instead of fp16, and resume from the last "
                 "checkpoint (checkpoint.resume=auto)."
             )
-        if reporter.should_eval(state.step):
-            val_loss = evaluate(model, val_batches, accelerator)
-            state.record_eval(val_loss)
-            reporter.eval_done(state, val_loss)
+        maybe_evaluate(run, state, reporter)
         preempted = stop.requested(accelerator)
-        checkpointer.maybe_save(model, state, preempted=preempted)
+        checkpointer.maybe_save(run.model, state, preempted=preempted)
         if preempted:
             reporter.close(plot=True)
             logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
                         stop.name or "a signal to another rank", state.step)
             # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
             accelerator.wait_for_everyone()
-            raise SystemExit(ckpt.EXIT_PREEMPTED)
+            raise SystemExit(EXIT_PREEMPTED)
 
-    checkpointer.maybe_export()
+    maybe_export(run, checkpointer.latest, out_dir)
     reporter.close(plot=True)
     accelerator.end_training()
     return state
-

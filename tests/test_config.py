@@ -11,6 +11,7 @@ import yaml
 
 from conftest import ROOT, subprocess_env
 from lmrecipe.config import Config, config_from_dict, load_config, save_config
+from lmrecipe.data import BatchLayout
 from lmrecipe.errors import UserError
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -93,10 +94,10 @@ def test_bad_recipe_types(tmp_path):
 
 def test_accumulation_is_derived():
     cfg = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4"])
-    assert cfg.train.grad_accum_steps(1) == 8
-    assert cfg.train.grad_accum_steps(4) == 2
+    assert BatchLayout.from_config(cfg.train, 1).accum_steps == 8
+    assert BatchLayout.from_config(cfg.train, 4, rank=3).accum_steps == 2
     with pytest.raises(UserError, match="not a multiple of train.micro_batch_size=4 x 3 processes"):
-        cfg.train.grad_accum_steps(3)
+        BatchLayout.from_config(cfg.train, 3)
 
 
 def test_cli_user_error_exits_2_without_traceback():

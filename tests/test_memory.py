@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from lmrecipe.config import load_config
-from lmrecipe.memory import (ModelStateProbe, ZeroSetup, estimate, estimate_activations, model_shape,
+from lmrecipe.distributed import ZeroSetup
+from lmrecipe.memory import (ModelStateProbe, estimate, estimate_activations, model_shape,
                              model_state_bytes, read_measured)
 from lmrecipe.model import build_hf_config
 

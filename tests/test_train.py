@@ -64,19 +64,19 @@ def test_weight_decay_on_matrices_only():
 def test_non_finite_gradients_skip_the_update():
     from accelerate import Accelerator
 
-    from lmrecipe.trainer import _optimizer_step
+    from lmrecipe.trainer import optimizer_step
 
     accelerator = Accelerator(cpu=True)
     model = nn.Linear(3, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.full((2, 3), float("nan"))).sum().backward()
-    norm, skipped = _optimizer_step(model, optimizer, accelerator, grad_clip=1.0, uses_deepspeed=False)
+    norm, skipped = optimizer_step(model, optimizer, accelerator, grad_clip=1.0, deepspeed=False)
     assert skipped and math.isnan(norm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     model(torch.ones(2, 3)).sum().backward()
-    norm, skipped = _optimizer_step(model, optimizer, accelerator, grad_clip=1.0, uses_deepspeed=False)
+    norm, skipped = optimizer_step(model, optimizer, accelerator, grad_clip=1.0, deepspeed=False)
     assert not skipped and math.isfinite(norm)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 

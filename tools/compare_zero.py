@@ -9,7 +9,6 @@ writes OUT/results.csv, OUT/results.md and OUT/memory_throughput.png. Configs ar
 """
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.compare import DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
-from lmrecipe.errors import cli_main, fail  # noqa: E402
+from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
+from lmrecipe.errors import fail  # noqa: E402
 
 
 def default_nproc() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/compare_zero"), help="output folder (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace the run folders of an earlier comparison")
     args = parser.parse_intermixed_args()  # options may come before or after the overrides
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    setup_logging(fmt="%(message)s", stream=sys.stdout)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs:

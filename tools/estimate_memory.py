@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.compare import DEFAULT_CONFIGS, config_label, ds_config_path, estimate_config, recipe_vocab_size  # noqa: E402
 from lmrecipe.config import load_config  # noqa: E402
-from lmrecipe.errors import cli_main, fail  # noqa: E402
+from lmrecipe.data import BatchLayout  # noqa: E402
+from lmrecipe.cli import cli_main  # noqa: E402
+from lmrecipe.errors import fail  # noqa: E402
 
 
 @cli_main
@@ -46,7 +48,7 @@ def main() -> int:
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise fail(f"--vocab-size={args.vocab_size} must be positive.")
     cfg = load_config(args.recipe, args.overrides)
-    accum_steps = cfg.train.grad_accum_steps(args.world_size)  # fails early if the batch does not split
+    accum_steps = BatchLayout.from_config(cfg.train, args.world_size).accum_steps  # fails early if the batch does not split
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
     shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg, args.vocab_size)))
     names = [c.strip() for c in args.configs.split(",") if c.strip()]

@@ -9,14 +9,13 @@ launch), whatever the number of ranks that wrote them. See lmrecipe/export.py.
 """
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 # Run as `python tools/export_hf.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.errors import cli_main  # noqa: E402
+from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
 
 
 @cli_main
@@ -28,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     from lmrecipe.export import export_checkpoint  # heavy imports only after the arguments parsed
 
     export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.config import load_config  # noqa: E402
-from lmrecipe.errors import cli_main  # noqa: E402
+from lmrecipe.cli import cli_main  # noqa: E402
 from lmrecipe.launch import launcher_flags  # noqa: E402
 
 

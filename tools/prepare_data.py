@@ -9,14 +9,13 @@ See lmrecipe/prepare.py for the folder format and the split rule.
 
 import argparse
 import inspect
-import logging
 import sys
 from pathlib import Path
 
 # Run as `python tools/prepare_data.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.errors import cli_main  # noqa: E402
+from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
 from lmrecipe.prepare import prepare  # noqa: E402
 
 # The defaults live once, in prepare()'s signature.
@@ -54,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging()
     prepare(
         output=args.output,
         inputs=args.input,
