@@ -224,13 +224,13 @@ class OursLoop:
         for _ in range(n_steps):
             step_start = time.perf_counter()
             result = train_step(run, state.step, self.sections.add)
-            state.step += 1
-            state.tokens_seen += run.tokens_per_step
-            state.skipped_steps += int(result.skipped)
-            state.consecutive_skips = state.consecutive_skips + 1 if result.skipped else 0
-            self.reporter.step_done(state, result.loss, result.lr, result.grad_norm, result.skipped,
+            state.record_step(result.skipped, run.tokens_per_step)
+            sync_point = self.reporter.should_log(state.step) or self.checkpointer.due(state.step)
+            if sync_point:
+                state.sync()
+            self.reporter.step_done(state, result.loss, result.lr, result.grad_norm,
                                     time.perf_counter() - step_start, result.data_time_s)
-            preempted = self.stop.requested(self.accelerator)
+            preempted = self.stop.requested(self.accelerator, exchange=sync_point)
             self.checkpointer.maybe_save(run.model, state, preempted=preempted)
             if preempted:
                 raise SystemExit("stopped by a signal")

@@ -401,9 +401,10 @@ class Checkpointer:
 
     # ---- save
 
-    def _due(self, step: int, force: bool) -> bool:
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved (every ``checkpoint.every_steps`` steps and the last); preemption saves any."""
         every = self.section.every_steps
-        return force or step == self.max_steps or (every > 0 and step % every == 0)
+        return step == self.max_steps or (every > 0 and step % every == 0)
 
     @torch.no_grad()
     def _probe_logits(self, model) -> torch.Tensor:
@@ -418,7 +419,7 @@ class Checkpointer:
         """Save when the interval, the last step or a preemption asks for it; publish atomically; prune."""
         from safetensors.torch import save_file
 
-        if not self._due(state.step, preempted):
+        if not (preempted or self.due(state.step)):
             return None
         acc = self.accelerator
         final = self.root / step_dir_name(state.step)

@@ -196,6 +196,43 @@ class TrainBatches:
         return step * self.layout.global_batch_size / len(self.windows)
 
 
+class Prefetcher:
+    """Assembles the micro-batches of step ``s + 1`` on a background thread while step ``s`` computes.
+
+    The batches are exactly ``batches.micro_batches(step)`` (same order, same resume behaviour); only where
+    they are built changes. With ``pin_memory`` (CUDA) they land in page-locked memory, so the copy to the
+    device with ``non_blocking=True`` is asynchronous (from pageable memory it is synchronous). Memory-map
+    reads and the numpy/torch copies release the GIL, so the thread overlaps with the training step.
+    """
+
+    def __init__(self, batches: TrainBatches, pin_memory: bool = False):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.batches = batches
+        self.pin_memory = pin_memory
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._next: tuple[int, object] | None = None
+
+    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        loaded = list(self.batches.micro_batches(step))
+        if self.pin_memory:
+            loaded = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in loaded]
+        return loaded
+
+    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of ``step``; starts assembling those of ``step + 1``."""
+        if self._next is not None and self._next[0] == step:
+            loaded = self._next[1].result()
+        else:  # the first step, or a jump (resume): load in this thread
+            loaded = self._load(step)
+        self._next = (step + 1, self._executor.submit(self._load, step + 1))
+        return loaded
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._next = None
+
+
 class ValBatches:
     """A fixed set of validation windows spread over val.bin, the same on every run and rank split.
 

@@ -48,15 +48,38 @@ def build_hf_config(cfg: Config, vocab_size: int):
         raise fail(f"model.arch={m.arch!r} is not a transformers architecture ({err}).") from None
 
 
+CAUSAL_SDPA = "lmrecipe_causal_sdpa"
+"""transformers' SDPA attention, registered under a name that has no mask builder (see :func:`training_attention`)."""
+
+
+def training_attention(name: str) -> str:
+    """The attention implementation the training model runs for ``model.attn_implementation=name``.
+
+    Training windows are contiguous token windows without padding, so the mask is plain causal. For "sdpa",
+    transformers' mask builder would still inspect the position ids on every forward for packed sequences,
+    which reads a tensor on the host (``Tensor.__bool__``: a GPU sync per forward). Registered under a name
+    with no mask function, the same SDPA function gets no mask and runs with ``is_causal=True``: the kernel
+    the stock path picks for such a batch, without the sync. Exports and evaluation keep the stock "sdpa".
+    """
+    if name != "sdpa":
+        return name
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
 def build_model(cfg: Config, hf_config) -> nn.Module:
     """Create (or load) the model. Call after the Accelerator exists, so ZeRO-3 partitions at construction."""
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
+    attention = training_attention(m.attn_implementation)
     if m.init_from is not None:
-        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=m.attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=m.attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
         init_weights_(model, std=m.init_std, seed=cfg.train.seed)
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:

@@ -34,15 +34,20 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool) -> torch.optim.Optimizer:
-    """AdamW; DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on the CPU)."""
+def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW; DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on the CPU).
+
+    ``fused``: torch's fused AdamW, one kernel for all parameters, which can skip its update on the device
+    (``found_inf``) so that a non-finite gradient costs no host sync. Used without DeepSpeed, whose engine
+    makes that decision itself.
+    """
     groups = param_groups(model, optim)
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     if cpu_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
 
 
 def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfig) -> float:

@@ -59,20 +59,27 @@ class Reporter:
         self._interval_steps = 0
         self._interval_step_time_s = 0.0
         self._interval_data_time_s = 0.0
-        self._interval_skips = 0
+        self._skipped_at_interval_start: int | None = None
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.section.log_every_steps == 0 or step == self.max_steps
 
-    def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool,
+    def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | float,
                   step_time_s: float, data_time_s: float) -> None:
+        """Count the step; at a log step read the loss and grad norm (their only host reads) and write a row.
+
+        The loop syncs ``state`` (skip counters) at every log step before calling this.
+        """
         self.bar.update(1)
         self._interval_steps += 1
         self._interval_step_time_s += step_time_s
         self._interval_data_time_s += data_time_s
-        self._interval_skips += int(skipped)
+        if self._skipped_at_interval_start is None:
+            self._skipped_at_interval_start = state.skipped_steps
         if not self.should_log(state.step):
             return
+        interval_skips = state.skipped_steps - self._skipped_at_interval_start
+        grad_norm = float(grad_norm)
         # One collective per log interval: the mean loss over all ranks (this is also a device sync point).
         loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
         now = time.perf_counter()
@@ -98,7 +105,7 @@ class Reporter:
                 f"step {state.step:>6}/{self.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
                 f"grad_norm {grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s | mfu {100 * row['mfu']:.1f}% | "
                 f"step {row['step_time_s']:.3f}s (data {100 * row['data_time_s'] / max(row['step_time_s'], 1e-12):.1f}%) | "
-                f"mem {row['peak_mem_gb']:.2f} GB" + (f" | skipped {self._interval_skips}" if self._interval_skips else "")
+                f"mem {row['peak_mem_gb']:.2f} GB" + (f" | skipped {interval_skips}" if interval_skips else "")
             )
         self._reset_interval(time.perf_counter())
 

@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint import EXIT_PREEMPTED, Checkpointer
 from .config import Config, save_config
-from .data import TrainBatches, ValBatches, load_meta, open_data
+from .data import Prefetcher, TrainBatches, ValBatches, load_meta, open_data
 from .distributed import Runtime, build_runtime
 from .errors import fail
 from .loss import causal_lm_loss, validation_loss
@@ -32,7 +32,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainState:
-    """Everything besides weights and optimizer state that a resume needs; saved as JSON in each checkpoint."""
+    """Everything besides weights and optimizer state that a resume needs; saved as JSON in each checkpoint.
+
+    Skipped updates are counted on the device as steps go (reading a flag would stall a GPU every step) and
+    folded into the fields by :meth:`sync`, which the loop calls at its sync points (log, eval, save, end).
+    """
 
     step: int = 0
     """Optimizer steps completed (the next step to run)."""
@@ -40,11 +44,38 @@ class TrainState:
     """Training tokens consumed over all ranks."""
     best_val_loss: float | None = None
     skipped_steps: int = 0
-    """Updates skipped for a non-finite loss or gradient norm, over the run."""
+    """Updates skipped for a non-finite loss or gradient norm, over the run (as of the last sync)."""
     consecutive_skips: int = 0
+    """Skipped updates in a row up to the last sync."""
     last_val_loss: float | None = None
     last_val_step: int | None = None
     """Step of the latest evaluation (a checkpoint saved at that step is ranked by its loss)."""
+
+    def __post_init__(self):
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def record_step(self, skipped: torch.Tensor | bool, tokens: int) -> None:
+        """Count one optimizer step; ``skipped`` may be a device tensor (no sync) or a bool."""
+        self.step += 1
+        self.tokens_seen += tokens
+        skipped = torch.as_tensor(skipped).long()
+        if self._pending is None:
+            zero = torch.zeros((), dtype=torch.long, device=skipped.device)
+            self._pending = (zero, zero + self.consecutive_skips, zero + self.consecutive_skips)
+        total, run, longest = self._pending
+        skipped = skipped.to(total.device, non_blocking=True)
+        run = (run + 1) * skipped  # length of the current run of skips, 0 after an applied update
+        self._pending = (total + skipped, run, torch.maximum(longest, run))
+
+    def sync(self) -> int:
+        """Fold the device counters into the fields (one host read); return the longest run of skips since."""
+        if self._pending is None:
+            return self.consecutive_skips
+        total, run, longest = torch.stack(self._pending).tolist()
+        self.skipped_steps += total
+        self.consecutive_skips = run
+        self._pending = None
+        return longest
 
     def record_eval(self, val_loss: float) -> None:
         self.last_val_loss, self.last_val_step = val_loss, self.step
@@ -62,6 +93,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     train_batches: TrainBatches
     val_batches: ValBatches
+    prefetcher: Prefetcher
     n_params: int
     flops_per_token: float
 
@@ -79,15 +111,17 @@ class Run:
 
 @dataclass
 class StepResult:
+    """What one optimizer step produced. The tensors stay on the device: reading one is a host sync."""
+
     loss: torch.Tensor
-    """Mean training loss of this rank's micro-batches (a device tensor: reading it syncs)."""
+    """Mean training loss of this rank's micro-batches."""
     lr: float
-    grad_norm: float
+    grad_norm: torch.Tensor | float
     """Global gradient norm before clipping."""
-    skipped: bool
+    skipped: torch.Tensor | bool
     """The update was skipped (non-finite loss or gradient norm)."""
     data_time_s: float
-    """Seconds spent fetching and copying the step's batches."""
+    """Seconds the step waited for its batches (prefetched in the background) and their copy to the device."""
 
 
 SectionTimer = Callable[[str, float], None]
@@ -117,10 +151,13 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     model = build_model(cfg, hf_config)
     counts = param_counts(model)
     fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
-    if cfg.train.compile:
+    if cfg.train.compile and not runtime.zero.deepspeed:
         model = torch.compile(model)
-    optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer)
+    optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer,
+                                fused=not runtime.zero.deepspeed and runtime.precision != "fp16")
     model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.train.compile and runtime.zero.deepspeed:
+        model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
     if cfg.logging.measure_model_states:
         attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
@@ -128,7 +165,8 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     layout = runtime.layout
     train_batches = TrainBatches(train_windows, layout, cfg.train.seed)
     val_batches = ValBatches(val_windows, cfg.data.val_windows, layout.micro_batch_size, layout.world_size, layout.rank)
-    return Run(cfg, runtime, model, optimizer, train_batches, val_batches, counts["total"], fpt)
+    prefetcher = Prefetcher(train_batches, pin_memory=accelerator.device.type == "cuda")
+    return Run(cfg, runtime, model, optimizer, train_batches, val_batches, prefetcher, counts["total"], fpt)
 
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
@@ -145,41 +183,55 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     return loss.detach()
 
 
-def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[float, bool]:
-    """Clip and step (or skip a non-finite update). Returns the pre-clip global grad norm and whether it skipped."""
+def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
+    """Clip and step, or skip a non-finite update. Returns the pre-clip global grad norm and whether it skipped.
+
+    Without DeepSpeed nothing here reads a tensor on the host: the norm stays on the device, and the fused
+    AdamW receives the skip decision as a device flag (``found_inf``, the mechanism GradScaler uses), so a
+    non-finite gradient leaves weights, moments and step counts untouched without the CPU waiting for it.
+    """
     if deepspeed:
         # The engine already clipped and stepped inside accelerator.backward at the accumulation boundary,
         # and skips the update itself when gradients are not finite.
         skipped_before = model.skipped_steps
         norm = model.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
-        return norm, model.skipped_steps > skipped_before or not math.isfinite(norm)
-    norm = float(accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf")))
+        norm = torch.as_tensor(float("nan") if norm is None else norm)
+        return norm, ~torch.isfinite(norm) | (model.skipped_steps > skipped_before)
+    norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if accelerator.scaler is not None:
-        # fp16: the GradScaler must see every step, so it can skip an overflow and lower the scale.
+        # fp16: the GradScaler must see every step, so it can skip an overflow and lower the scale (it syncs).
         optimizer.step()
         skipped = optimizer.step_was_skipped
     else:
-        skipped = not math.isfinite(norm)
-        if not skipped:
+        skipped = ~torch.isfinite(norm)
+        inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = None, skipped.float()
+            optimizer.step()
+            inner.found_inf = None
+        elif not skipped.item():  # an optimizer without device-side skipping (not the recipe's)
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, skipped
 
 
 def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepResult:
-    """Optimizer step ``step`` (0-based): set its learning rate, run its micro-batches, update the weights."""
+    """Optimizer step ``step`` (0-based): set its learning rate, run its micro-batches, update the weights.
+
+    No host synchronisation happens here without DeepSpeed (the loss, norm and skip flag stay on the device);
+    the batches of the next step are assembled in the background meanwhile.
+    """
     lr = run.lr_at(step)
     set_lr(run.optimizer, lr)
     device = run.accelerator.device
-    data_time_s = 0.0
+    fetch_start = time.perf_counter()
+    micro_batches = run.prefetcher.get(step)
+    data_time_s = time.perf_counter() - fetch_start
     loss_sum = torch.zeros((), device=device)
-    batches = run.train_batches.micro_batches(step)
-    for _ in range(run.runtime.layout.accum_steps):
-        fetch_start = time.perf_counter()
-        inputs, targets = next(batches)
+    for inputs, targets in micro_batches:
+        copy_start = time.perf_counter()
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        data_time_s += time.perf_counter() - fetch_start
+        data_time_s += time.perf_counter() - copy_start
         loss_sum += forward_backward_step(run, inputs, targets, timer)
     optimizer_start = time.perf_counter()
     grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
@@ -187,7 +239,7 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     if timer is not None:
         timer("data", data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)
-    return StepResult(loss_sum / run.runtime.layout.accum_steps, lr, grad_norm, skipped, data_time_s)
+    return StepResult(loss_sum / len(micro_batches), lr, grad_norm, skipped, data_time_s)
 
 
 class PreemptionSignal:
@@ -201,16 +253,29 @@ class PreemptionSignal:
     def _handle(self, signum, frame) -> None:
         self.name = signal.Signals(signum).name
 
-    def requested(self, accelerator) -> bool:
-        """True on every rank when any rank got the signal (one tiny all-reduce)."""
+    def requested(self, accelerator, exchange: bool) -> bool:
+        """True on every rank when any rank got the signal.
+
+        One process decides alone at every step. Several exchange their flags (a tiny all-reduce read on the
+        host, so a sync) only when ``exchange`` is set, at the loop's sync points: a signal waits at most until
+        the next one (``logging.log_every_steps`` steps), and every rank stops at the same step.
+        """
+        if accelerator.num_processes == 1:
+            return self.name is not None
+        if not exchange:
+            return False
         flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
+def eval_due(cfg: Config, step: int) -> bool:
+    every = cfg.train.eval_every_steps
+    return step == cfg.train.max_steps or (every > 0 and step % every == 0)
+
+
 def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
     """Evaluate every ``train.eval_every_steps`` steps and at the last step."""
-    every, last = run.cfg.train.eval_every_steps, run.cfg.train.max_steps
-    if state.step == last or (every > 0 and state.step % every == 0):
+    if eval_due(run.cfg, state.step):
         val_loss = validation_loss(run.model, run.val_batches, run.accelerator)
         state.record_eval(val_loss)
         reporter.eval_done(state, val_loss)
@@ -249,6 +314,16 @@ def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> 
                         "n_train_windows": len(run.train_batches.windows), **run_meta})
 
 
+def stop_after_skips(state: TrainState, reporter: Reporter, limit: int) -> None:
+    reporter.close(plot=True)
+    raise fail(
+        f"Stopped at step {state.step}: {limit} or more consecutive updates were skipped because the loss or "
+        "gradient norm was not finite (the weights were left unchanged). Try a lower optim.lr, a longer "
+        "schedule.warmup_steps, optim.grad_clip=1.0, or train.precision=bf16/fp32 instead of fp16, and resume "
+        "from the last checkpoint (checkpoint.resume=auto)."
+    )
+
+
 def train(cfg: Config) -> TrainState:
     out_dir = Path(cfg.out_dir)
     run = build_run(cfg, out_dir)
@@ -269,24 +344,23 @@ def train(cfg: Config) -> TrainState:
     while state.step < cfg.train.max_steps:
         step_start = time.perf_counter()
         result = train_step(run, state.step)
-        state.step += 1
-        state.tokens_seen += run.tokens_per_step
-        state.skipped_steps += int(result.skipped)
-        state.consecutive_skips = state.consecutive_skips + 1 if result.skipped else 0
-        reporter.step_done(state, result.loss, result.lr, result.grad_norm, result.skipped,
-                           time.perf_counter() - step_start, result.data_time_s)
-        if state.consecutive_skips >= cfg.train.max_consecutive_skips:
-            reporter.close(plot=True)
-            raise fail(
-                f"Stopped at step {state.step}: {state.consecutive_skips} consecutive updates were skipped because the "
-                "loss or gradient norm was not finite. Try a lower optim.lr, a longer schedule.warmup_steps, "
-                "optim.grad_clip=1.0, or train.precision=bf16/fp32 instead of fp16, and resume from the last "
-                "checkpoint (checkpoint.resume=auto)."
-            )
+        state.record_step(result.skipped, run.tokens_per_step)
+        # Host reads happen only at sync points: a logged, evaluated or saved step.
+        sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
+        longest_skip_run = state.sync() if sync_point else 0
+        if state.step == 1 and cfg.train.compile:
+            logger.info("Step 1 took %.1f s, torch.compile's compilation included", time.perf_counter() - step_start)
+        reporter.step_done(state, result.loss, result.lr, result.grad_norm, time.perf_counter() - step_start,
+                           result.data_time_s)
+        if longest_skip_run >= cfg.train.max_consecutive_skips:
+            stop_after_skips(state, reporter, cfg.train.max_consecutive_skips)
         maybe_evaluate(run, state, reporter)
-        preempted = stop.requested(accelerator)
+        preempted = stop.requested(accelerator, exchange=sync_point)
+        if preempted:
+            state.sync()  # the checkpoint records the skip counters
         checkpointer.maybe_save(run.model, state, preempted=preempted)
         if preempted:
+            run.prefetcher.close()
             reporter.close(plot=True)
             logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
                         stop.name or "a signal to another rank", state.step)
@@ -294,6 +368,7 @@ def train(cfg: Config) -> TrainState:
             accelerator.wait_for_everyone()
             raise SystemExit(EXIT_PREEMPTED)
 
+    run.prefetcher.close()
     maybe_export(run, checkpointer.latest, out_dir)
     reporter.close(plot=True)
     accelerator.end_training()

@@ -61,23 +61,30 @@ def test_weight_decay_on_matrices_only():
     assert {id(p) for p in param_groups(model, cfg.optim)[0]["params"]} == {id(model[0].weight), id(model[1].weight)}
 
 
-def test_non_finite_gradients_skip_the_update():
+@pytest.mark.parametrize("fused", [True, False])
+def test_non_finite_gradients_skip_the_update(fused):
+    """Fused AdamW (the recipe's) skips on the device; any other optimizer falls back to a host check."""
     from accelerate import Accelerator
 
     from lmrecipe.trainer import optimizer_step
 
     accelerator = Accelerator(cpu=True)
     model = nn.Linear(3, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer_step(model, optimizer, accelerator, grad_clip=1.0, deepspeed=False)  # creates the moments
     before = [p.detach().clone() for p in model.parameters()]
+    moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
     model(torch.full((2, 3), float("nan"))).sum().backward()
     norm, skipped = optimizer_step(model, optimizer, accelerator, grad_clip=1.0, deepspeed=False)
-    assert skipped and math.isnan(norm)
+    assert bool(skipped) and math.isnan(float(norm))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for saved, p in zip(moments, model.parameters()):  # moments and step counts untouched too
+        assert all(torch.equal(saved[k], optimizer.state[p][k]) for k in saved)
     assert all(p.grad is None for p in model.parameters())
     model(torch.ones(2, 3)).sum().backward()
     norm, skipped = optimizer_step(model, optimizer, accelerator, grad_clip=1.0, deepspeed=False)
-    assert not skipped and math.isfinite(norm)
+    assert not bool(skipped) and math.isfinite(float(norm))
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 

@@ -1,0 +1,90 @@
+"""The training step as an accelerator sees it: no host syncs between sync points, prefetched input, compile."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_OVERRIDES, run_train
+from lmrecipe.config import load_config
+from lmrecipe.data import BatchLayout, Prefetcher, TokenWindows, TrainBatches
+from lmrecipe.metrics import HostSyncCounter
+
+
+def count_syncs(tiny_data, out_dir, max_steps: int) -> HostSyncCounter:
+    """Host syncs of a whole in-process ``train()`` whose only sync points are step 1 and the last step."""
+    from lmrecipe.trainer import train
+
+    cfg = load_config("recipes/tiny.yaml", [
+        f"out_dir={out_dir}", f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={max_steps}",
+        "logging.log_every_steps=1000", "train.eval_every_steps=0", "checkpoint.every_steps=0", "checkpoint.resume=none",
+    ])
+    with HostSyncCounter() as counter:
+        train(cfg)
+    return counter
+
+
+def test_unlogged_steps_make_no_host_sync(tmp_path, tiny_data):
+    """Two runs with the same sync points (step 1, the last) differ only by 8 unlogged steps: their counts must match."""
+    short = count_syncs(tiny_data, tmp_path / "short", 3)
+    long = count_syncs(tiny_data, tmp_path / "long", 11)
+    assert short.total > 0  # the counter sees the logged steps' reads, evaluation and checkpoint
+    per_step = (long.total - short.total) / 8
+    assert per_step == 0, f"{per_step} host syncs per unlogged step: short {short.calls}, long {long.calls}"
+
+
+def test_counter_sees_the_syncs_a_gpu_would_pay():
+    t = torch.ones(3)
+    with HostSyncCounter() as counter:
+        t.sum().item()
+        float(t.sum())
+        if t.sum() > 0:
+            pass
+        t + 1  # no read: not counted
+    assert counter.calls == {"item": 1, "__float__": 1, "__bool__": 1}
+
+
+def test_prefetcher_gives_the_loader_order(tiny_data):
+    windows = TokenWindows(tiny_data, "train", 16)
+    batches = TrainBatches(windows, BatchLayout(8, 2, 2, 1), seed=3)
+    prefetcher = Prefetcher(batches)
+    try:
+        for step in [0, 1, 2, 7, 8, 3]:  # in order, then jumps (a resume) both ways
+            got = prefetcher.get(step)
+            want = list(batches.micro_batches(step))
+            assert len(got) == len(want) == 2
+            for (gi, gt), (wi, wt) in zip(got, want):
+                assert torch.equal(gi, wi) and torch.equal(gt, wt)
+    finally:
+        prefetcher.close()
+
+
+# ---------------------------------------------------------------------------------------------- compile
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory, tiny_data):
+    out = tmp_path_factory.mktemp("eager")
+    run_train(out, tiny_data, ["train.max_steps=5"])
+    return train_losses(out)
+
+
+def train_losses(out) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ds_config", ["null", "zero2", "zero3"])
+def test_compiled_training_matches_eager(tmp_path, tiny_data, eager_losses, ds_config):
+    """torch.compile (inductor on CPU): without DeepSpeed, and DeepSpeed's engine.compile() under ZeRO-2/3."""
+    out = tmp_path / "compiled"
+    proc = run_train(out, tiny_data, ["train.max_steps=5", "train.compile=true",
+                                      f"distributed.deepspeed_config={ds_config}"], timeout=900)
+    losses = train_losses(out)
+    assert len(losses) == 5
+    assert np.max(np.abs(np.array(losses) - np.array(eager_losses))) < 1e-5
+    assert "torch.compile's compilation included" in proc.stderr
