@@ -131,9 +131,9 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 100
-    """Optimizer steps of linear warmup from 0 to ``optim.lr``."""
+    """Optimizer steps of linear warmup: step s < warmup_steps trains at ``optim.lr x (s+1) / warmup_steps``."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay from ``optim.lr`` to ``optim.min_lr`` over the remaining steps."""
+    """Shape of the decay from ``optim.lr`` to ``optim.min_lr``, reached at the last step (``train.max_steps - 1``)."""
 
     def validate(self) -> None:
         _non_negative(self, "warmup_steps")
@@ -256,6 +256,12 @@ class Config:
                 value.validate()
         if not self.out_dir:
             raise fail("out_dir must be a non-empty folder path.")
+        if self.schedule.warmup_steps > self.train.max_steps:
+            raise fail(
+                f"schedule.warmup_steps={self.schedule.warmup_steps} exceeds train.max_steps={self.train.max_steps}: "
+                "the learning rate would never reach optim.lr. Lower schedule.warmup_steps (a few percent of the run "
+                "is usual) or raise train.max_steps."
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

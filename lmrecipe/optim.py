@@ -53,15 +53,17 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fus
 def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to ``min_lr``.
 
-    A pure function of the step, so it advances exactly once per optimizer step on any number of
-    processes, and a resumed run needs only the step to continue the schedule.
+    Warmup: step ``s < warmup_steps`` uses ``lr x (s + 1) / warmup_steps`` (the first step already trains, at
+    ``lr / warmup_steps``; step ``warmup_steps - 1`` reaches ``lr``). Decay: from ``lr`` at step ``warmup_steps``
+    to ``min_lr`` at step ``max_steps - 1``, the last step trained. A pure function of the step, so it advances
+    exactly once per optimizer step on any number of processes, and a resumed run needs only the step.
     """
     warmup = schedule.warmup_steps
     if step < warmup:
         return optim.lr * (step + 1) / warmup
     if schedule.decay == "constant":
         return optim.lr
-    decay_steps = max(1, max_steps - warmup)
+    decay_steps = max(1, max_steps - 1 - warmup)
     progress = min(1.0, (step - warmup) / decay_steps)
     if schedule.decay == "linear":
         shape = 1.0 - progress

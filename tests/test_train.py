@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import TINY_OVERRIDES, run_train
 from lmrecipe.config import load_config
+from lmrecipe.errors import UserError
 from lmrecipe.optim import lr_at, param_groups
 from lmrecipe.tracking import read_metrics
 
@@ -40,14 +41,16 @@ def assert_losses_match(a: list[dict], b: list[dict], rel: float) -> float:
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
-    cfg = load_config(None, ["optim.lr=1e-3", "optim.min_lr=1e-4", "schedule.warmup_steps=10", "train.max_steps=110"])
-    lrs = [lr_at(s, 110, cfg.optim, cfg.schedule) for s in range(110)]
+    cfg = load_config(None, ["optim.lr=1e-3", "optim.min_lr=1e-4", "schedule.warmup_steps=10", "train.max_steps=111"])
+    lrs = [lr_at(s, 111, cfg.optim, cfg.schedule) for s in range(111)]
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)  # linear warmup reaches the peak
     assert all(b > a for a, b in zip(lrs[:10], lrs[1:10]))
     assert lrs[10] == pytest.approx(1e-3)
     assert lrs[60] == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half way through the cosine
     assert all(b <= a for a, b in zip(lrs[10:], lrs[11:]))
-    assert lr_at(110, 110, cfg.optim, cfg.schedule) == pytest.approx(1e-4)
+    assert lrs[110] == pytest.approx(1e-4, abs=1e-15)  # the last trained step is at min_lr exactly
+    with pytest.raises(UserError, match="schedule.warmup_steps=50 exceeds train.max_steps=40"):
+        load_config(None, ["schedule.warmup_steps=50", "train.max_steps=40"])
 
 
 def test_weight_decay_on_matrices_only():
