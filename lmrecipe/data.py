@@ -21,12 +21,16 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .errors import fail
+
+# torch is imported where tensors are built, not here: the tokenizer workers of lmrecipe.prepare import this
+# module for the format constants, and torch would cost each of them about 200 MB of memory and a second or two.
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +160,8 @@ class TokenWindows:
 
     def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""
+        import torch
+
         L = self.seq_len
         rows = np.stack([self.tokens[i * L : i * L + L + 1] for i in window_ids]).astype(np.int64)
         return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
@@ -269,6 +275,8 @@ class ValBatches:
 
     def __iter__(self):
         """Yield ``(inputs, targets, valid)`` with ``valid`` 1.0 for real rows and 0.0 for padding."""
+        import torch
+
         for i in range(0, len(self.rank_ids), self.micro_batch_size):
             inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
             yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])

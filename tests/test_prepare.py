@@ -428,3 +428,40 @@ def test_killed_preparation_leaves_nothing_that_training_accepts_and_reruns_clea
     assert result.returncode == 0, result.stderr[-3000:]
     assert leftover in result.stderr and "interrupted preparation" in result.stderr
     assert load_meta(out_dir)["source"].endswith("(first 40 documents)")
+
+
+def test_trained_tokenizer_workers_do_not_import_torch(prepared):
+    # Each worker process imports lmrecipe.prepare and builds its encoder; torch would add ~200 MB to each.
+    code = (
+        "import sys\n"
+        "from lmrecipe import prepare as prep\n"
+        f"encoder = prep._ChunkEncoder(prep._EncoderSpec({str(prepared[0])!r}, True, 0, {VOCAB}, 'uint16'))\n"
+        "data, lengths, top = encoder(['def f(x):\\n    return x\\n'])\n"
+        "assert len(lengths) == 1 and top < {VOCAB}\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    ).replace("{VOCAB}", str(VOCAB))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_hub_datasets_are_streamed_as_records(tmp_path, monkeypatch):
+    import datasets
+
+    records = tmp_path / "hub.jsonl"
+    records.write_text("".join(json.dumps({"text": f"hub record {i}\n" * (i + 1)}) + "\n" for i in range(20)))
+    requested = []
+
+    def fake_hub(name):
+        requested.append(name)
+        return datasets.load_dataset("json", data_files=str(records), split="train", streaming=True)
+
+    monkeypatch.setattr(prep, "_load_hub_dataset", fake_hub)
+    corpus = prep.load_corpus(hub_dataset="org/name")
+    assert corpus.keys == [f"org/name:{i}" for i in range(20)] and corpus.source == "hub:org/name"
+    meta = prep.prepare(output=tmp_path / "out", hub_dataset="org/name", vocab_size=VOCAB, val_fraction=0.2,
+                        num_proc=1)
+    assert meta["source"] == "hub:org/name" and meta["inputs"][0]["name"] == "hub:org/name"
+    assert meta["splits"]["val"]["n_documents"] == len(prep.split_documents(corpus.keys, 0.2)[1]) > 0
+    assert requested == ["org/name"] * 3  # the in-memory reference, the BPE sample, the tokenizing pass
