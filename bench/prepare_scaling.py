@@ -8,8 +8,8 @@ Each trial is a fresh process; the three sides run in rotated order per round (p
 
 - p1, p2: lmrecipe.prepare.prepare(tokenizer=<an existing tokenizer folder>, num_proc=1 or 2), what
   tools/prepare_data.py --tokenizer DIR --num-proc N runs; the figure is meta.json's timing.tokens_per_sec (the
-  tokenization stage: worker start-up, encoding, EOS, the uint16 conversion and the .bin writes; not the corpus
-  read or the tokenizer load). The tokenizer is given, so no BPE training is timed. With --prepare-tokenizer
+  tokenization stage: worker start-up, encoding, EOS, the uint16 conversion and the .bin/.idx writes, and since
+  preparation streams, the corpus read too; not the tokenizer load). The tokenizer is given, so no BPE training is timed. With --prepare-tokenizer
   trained, prepare trains its BPE instead (prepare_data's default; the training is not in the figure) and its
   workers encode with the tokenizers library alone, without importing transformers.
 - map: datasets.Dataset.from_dict({"text": docs}).map(tokenize, batched=True) in one process with the same
@@ -76,13 +76,25 @@ def worker(side: str, tokenizer: str, max_documents: int | None, train_tokenizer
     return {"tokens_per_sec": n_tokens / seconds, "tokens": n_tokens, "tokenize_seconds": seconds}
 
 
+def chunk_texts(texts: list[str], max_chars: int, max_docs: int) -> list[list[str]]:
+    """Consecutive documents in chunks as prepare() cuts them: about ``max_chars`` characters, ``max_docs`` at most."""
+    chunks, current, chars = [], [], 0
+    for text in texts:
+        current.append(text)
+        chars += len(text)
+        if chars >= max_chars or len(current) >= max_docs:
+            chunks.append(current)
+            current, chars = [], 0
+    return chunks + ([current] if current else [])
+
+
 def candidate_encoder(args, report) -> dict:
     """prepare's encoder for a given tokenizer (transformers' __call__) against the tokenizers-library path it uses for
     a trained one, on the same tokenizer.json, in this process, interleaved; the bytes must be identical."""
     from lmrecipe import prepare as P
 
     texts = P.load_corpus(max_documents=args.encoder_documents).texts
-    chunks = [texts[a:b] for a, b in P._chunks(texts)]
+    chunks = chunk_texts(texts, P._CHUNK_CHARS, P._CHUNK_DOCS)
     meta = json.loads((Path(args.tokenizer) / "meta.json").read_text())
     encoders = {
         name: P._ChunkEncoder(P._EncoderSpec(args.tokenizer, name == "tokenizers", meta["eos_id"], meta["vocab_size"],
@@ -94,7 +106,7 @@ def candidate_encoder(args, report) -> dict:
     for order in C.pair_orders(args.pairs, tuple(encoders)):
         for name in order:
             start = time.perf_counter()
-            outputs[name] = b"".join(encoders[name](chunk) for chunk in chunks)
+            outputs[name] = b"".join(encoders[name](chunk)[0] for chunk in chunks)
             seconds[name].append(time.perf_counter() - start)
     identical = outputs["transformers"] == outputs["tokenizers"]
     stats = C.ratio_stats([t / k for t, k in zip(seconds["transformers"], seconds["tokenizers"])])

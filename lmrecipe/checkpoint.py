@@ -452,7 +452,7 @@ class Checkpointer:
         hf_dir.mkdir()
         self.accelerator.unwrap_model(model).config.to_json_file(hf_dir / "config.json")
         for file in self.data_dir.iterdir():
-            if file.is_file() and file.suffix != ".bin":  # tokenizer files and meta.json, not the tokens
+            if file.is_file() and file.suffix not in (".bin", ".idx"):  # tokenizer files and meta.json, not the tokens
                 shutil.copy2(file, hf_dir / file.name)
 
     def _publish(self, tmp: Path, final: Path, state) -> None:

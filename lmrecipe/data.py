@@ -1,5 +1,11 @@
 """Memory-mapped token windows and the deterministic order in which training reads them.
 
+The folder format (version :data:`FORMAT_VERSION`) is written by ``lmrecipe/prepare.py`` and described in its
+docstring: ``train.bin``/``val.bin`` (token ids), ``train.idx``/``val.idx`` (uint64 document offsets) and
+``meta.json``. Start-up reads ``meta.json`` and checks it against the files' sizes and a fixed sample of their
+contents (:class:`TokenWindows`): constant time, whatever the number of tokens. The largest token id comes from
+``meta.json``, not from a scan of the tokens.
+
 The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutation of window indices
 seeded by ``(seed, epoch)``; they are split into accumulation micro-steps and ranks by position only.
 So what a step trains on does not depend on how G is split (processes x micro-batch x accumulation),
@@ -15,23 +21,35 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .config import TrainConfig
 from .errors import fail
 
+# torch is imported where tensors are built, not here: the tokenizer workers of lmrecipe.prepare import this
+# module for the format constants, and torch would cost each of them about 200 MB of memory and a second or two.
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-"""Version of the prepared-data folder format (``meta.json`` ``format_version``) that this code reads and writes."""
+FORMAT_VERSION = 2
+"""Version of the prepared-data folder format (``meta.json`` ``format_version``) that this code reads and writes.
+
+Version 2 added the document index (``<split>.idx``) and each split's ``max_token_id``."""
 SPLITS = ("train", "val")
+INDEX_DTYPE = np.dtype("<u8")
+"""Element type of ``<split>.idx``: token offsets of document starts, then the split's token count."""
 _META_KEYS = ("format_version", "tokenizer", "vocab_size", "eos_id", "dtype", "source", "splits")
+_SPLIT_KEYS = ("n_tokens", "n_documents", "max_token_id")
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-# Scanning for out-of-range ids reads the file in chunks so memory stays flat on large datasets.
-_SCAN_CHUNK_TOKENS = 1 << 26
+# The start-up sample: this many blocks of this many tokens, spread evenly over a split, are checked against
+# meta.json's max_token_id, and this many document ends (spread evenly) must hold EOS. A few MB read, at most.
+_SAMPLE_BLOCKS = 16
+_SAMPLE_BLOCK_TOKENS = 4096
+_SAMPLE_DOCUMENTS = 64
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -51,18 +69,25 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     if missing:
         raise fail(f"{path} lacks {', '.join(missing)}. {remedy}")
     if meta["format_version"] != FORMAT_VERSION:
+        if isinstance(meta["format_version"], int) and meta["format_version"] < FORMAT_VERSION:
+            raise fail(
+                f"{data_dir} was prepared in data format version {meta['format_version']}, which has no document "
+                f"index and no max_token_id; this code reads version {FORMAT_VERSION}. Re-prepare it with the same "
+                f"inputs: `python tools/prepare_data.py --output {data_dir} --overwrite` (plus the --input, "
+                f"--tokenizer or --vocab-size it was made with)."
+            )
         raise fail(f"{path} has format_version {meta['format_version']!r}; this code reads {FORMAT_VERSION}. {remedy}")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise fail(f"{path} has dtype {meta['dtype']!r}; expected uint16 or uint32. {remedy}")
     splits = meta["splits"]
-    if not isinstance(splits, dict) or any(not isinstance(splits.get(s), dict) or "n_tokens" not in splits[s]
+    if not isinstance(splits, dict) or any(not isinstance(splits.get(s), dict) or any(k not in splits[s] for k in _SPLIT_KEYS)
                                            for s in SPLITS):
-        raise fail(f"{path} must describe splits train and val, each with n_tokens. {remedy}")
+        raise fail(f"{path} must describe splits train and val, each with {', '.join(_SPLIT_KEYS)}. {remedy}")
     return meta
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """Read ``meta.json`` (schema checked by read_meta) and check it against the .bin files."""
+    """Read ``meta.json`` (schema checked by read_meta) and check it against the sizes of the .bin and .idx files."""
     data_dir = Path(data_dir)
     how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
     if not data_dir.is_dir():
@@ -83,6 +108,16 @@ def load_meta(data_dir: str | Path) -> dict:
                 f"{path} holds {actual} bytes but meta.json says {n_tokens} {meta['dtype']} tokens "
                 f"({expected} bytes): the file is truncated or from another preparation. Re-create the folder. {how_to_make}"
             )
+        index_path = data_dir / f"{name}.idx"
+        n_documents = int(meta["splits"][name]["n_documents"])
+        expected = (n_documents + 1) * INDEX_DTYPE.itemsize
+        actual = index_path.stat().st_size if index_path.is_file() else None
+        if actual != expected:
+            found = "is missing" if actual is None else f"holds {actual} bytes"
+            raise fail(
+                f"{index_path} {found} but meta.json says {n_documents} documents ({expected} bytes): the folder is "
+                f"incomplete or mixed from two preparations. Re-create the folder. {how_to_make}"
+            )
     return meta
 
 
@@ -95,14 +130,25 @@ def file_sha256(path: str | Path) -> str:
 
 
 class TokenWindows:
-    """Windows of ``seq_len + 1`` tokens over one split's memmap (window i starts at token i*seq_len)."""
+    """Windows of ``seq_len + 1`` tokens over one split's memmap (window i starts at token i*seq_len).
+
+    Opening checks a fixed sample of the split against ``meta.json`` (see :func:`check_sample`): a file
+    swapped or damaged since preparation fails here, in constant time, rather than mid-run.
+    """
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, meta: dict | None = None):
         meta = meta if meta is not None else load_meta(data_dir)
         self.path = Path(data_dir) / f"{split}.bin"
         self.seq_len = seq_len
+        if int(meta["splits"][split]["n_tokens"]) == 0:
+            raise fail(
+                f"The {split} split of {data_dir} is empty (0 tokens in {self.path}). Re-prepare it with more "
+                f"documents, or with a --val-fraction that leaves documents in both splits: "
+                f"`python tools/prepare_data.py --output {data_dir} --overwrite ...`."
+            )
         # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
         self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
+        check_sample(self.tokens, Path(data_dir) / f"{split}.idx", meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise fail(
@@ -115,12 +161,43 @@ class TokenWindows:
 
     def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""
+        import torch
+
         L = self.seq_len
         rows = np.stack([self.tokens[i * L : i * L + L + 1] for i in window_ids]).astype(np.int64)
         return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
 
-    def max_token_id(self) -> int:
-        return max(int(self.tokens[i : i + _SCAN_CHUNK_TOKENS].max()) for i in range(0, len(self.tokens), _SCAN_CHUNK_TOKENS))
+
+def sample_blocks(n_tokens: int) -> list[tuple[int, int]]:
+    """The (start, stop) token ranges that :func:`check_sample` reads: fixed, evenly spread, first and last included."""
+    block = min(_SAMPLE_BLOCK_TOKENS, n_tokens)
+    starts = np.unique(np.linspace(0, n_tokens - block, num=_SAMPLE_BLOCKS).round().astype(np.int64))
+    return [(int(start), int(start) + block) for start in starts]
+
+
+def check_sample(tokens: np.ndarray, index_path: Path, meta: dict, split: str) -> None:
+    """Check a fixed sample of one split against ``meta.json``; UserError naming the fix if it disagrees.
+
+    Reads :func:`sample_blocks` (ids must not exceed ``max_token_id``), the index's first and last entries, and
+    the tokens before up to ``_SAMPLE_DOCUMENTS`` evenly spread document ends (each must be EOS). Constant time:
+    a token past ``max_token_id`` outside the sample is not seen, by design (start-up never reads every token).
+    """
+    info = meta["splits"][split]
+    fix = "Re-create the folder with tools/prepare_data.py (--overwrite)."
+    top = int(info["max_token_id"])
+    for start, stop in sample_blocks(len(tokens)):
+        found = int(tokens[start:stop].max())
+        if found > top:
+            raise fail(f"{index_path.with_suffix('.bin')} holds token id {found} (tokens {start}-{stop}) but meta.json "
+                       f"says the largest id is {top}: the file does not belong to this meta.json. {fix}")
+    offsets = np.memmap(index_path, dtype=INDEX_DTYPE, mode="r")
+    n_documents = len(offsets) - 1
+    picks = np.unique(np.linspace(1, n_documents, num=min(_SAMPLE_DOCUMENTS, n_documents)).round().astype(np.int64))
+    ends = offsets[picks].astype(np.int64)
+    if offsets[0] != 0 or offsets[-1] != len(tokens) or (ends < 1).any() or (ends > len(tokens)).any() \
+            or (tokens[ends - 1] != int(meta["eos_id"])).any():
+        raise fail(f"{index_path} does not match {index_path.with_suffix('.bin')}: document ends do not fall on EOS "
+                   f"tokens. {fix}")
 
 
 class SampleOrder:
@@ -253,13 +330,19 @@ class ValBatches:
 
     def __iter__(self):
         """Yield ``(inputs, targets, valid)`` with ``valid`` 1.0 for real rows and 0.0 for padding."""
+        import torch
+
         for i in range(0, len(self.rank_ids), self.micro_batch_size):
             inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
             yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])
 
 
 def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) -> tuple[dict, TokenWindows, TokenWindows]:
-    """Open both splits with the start-up checks: meta vs files, seq_len vs split sizes, ids vs vocab."""
+    """Open both splits with the start-up checks: meta vs files, seq_len vs split sizes, ids vs vocab.
+
+    The ids are checked against ``meta.json``'s ``max_token_id`` per split and a fixed sample of the files, never
+    by reading every token, so start-up takes the same time for a million tokens or fifty billion.
+    """
     meta = load_meta(data_dir)
     train = TokenWindows(data_dir, "train", seq_len, meta)
     val = TokenWindows(data_dir, "val", seq_len, meta)
@@ -270,11 +353,12 @@ def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) 
                 f"{model_vocab_size}: token ids would index past the embedding. Set model.vocab_size >= "
                 f"{meta['vocab_size']} (or null to take it from the data)."
             )
-        for split in (train, val):
-            top = split.max_token_id()
+        for split, windows in zip(SPLITS, (train, val)):
+            top = int(meta["splits"][split]["max_token_id"])
             if top >= model_vocab_size:
                 raise fail(
-                    f"{split.path} contains token id {top}, which is >= the model's vocab size {model_vocab_size}. "
-                    f"Set model.vocab_size above {top} or re-prepare the data with the model's tokenizer."
+                    f"{windows.path} contains token id {top} (meta.json max_token_id), which is >= the model's vocab "
+                    f"size {model_vocab_size}. Set model.vocab_size above {top} or re-prepare the data with the "
+                    f"model's tokenizer."
                 )
     return meta, train, val

@@ -58,9 +58,10 @@ def evaluate_path(
 
     val = TokenWindows(data_dir, "val", seq_len, meta)
     vocab = model.config.vocab_size
-    if int(meta["vocab_size"]) > vocab or val.max_token_id() >= vocab:
+    top = int(meta["splits"]["val"]["max_token_id"])
+    if int(meta["vocab_size"]) > vocab or top >= vocab:
         raise fail(f"{data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens (largest id "
-                   f"{val.max_token_id()}) but the model has {vocab}: it was prepared with another tokenizer.")
+                   f"{top}) but the model has {vocab}: it was prepared with another tokenizer.")
     data_tokenizer = Path(data_dir) / "tokenizer.json"
     model_tokenizer = Path(getattr(tokenizer, "name_or_path", "")) / "tokenizer.json"
     if data_tokenizer.is_file() and model_tokenizer.is_file() and file_sha256(data_tokenizer) != file_sha256(model_tokenizer):

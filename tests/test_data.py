@@ -1,4 +1,8 @@
-"""The memmap loader: order determinism, rank disjointness, invariance to the batch split, start-up checks."""
+"""The memmap loader: order determinism, rank disjointness, invariance to the batch split, start-up checks.
+
+Data folders here are synthetic (random ids, documents of ``doc_len`` tokens ending in EOS 0), written straight
+in the prepared-folder format, so each test controls exactly what the files and meta.json say.
+"""
 
 from __future__ import annotations
 
@@ -13,24 +17,39 @@ import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
-from lmrecipe.data import BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, load_meta, open_data
+from lmrecipe.data import (INDEX_DTYPE, BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, load_meta,
+                           open_data, sample_blocks)
 from lmrecipe.errors import UserError
 
 SEQ_LEN = 16
 
 
-def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int = 1000, dtype=np.uint16, seed: int = 0) -> Path:
+EOS = 0
+
+
+def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int = 1000, dtype=np.uint16, seed: int = 0,
+               doc_len: int = 50) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     splits = {}
     for name, n in (("train", n_train), ("val", n_val)):
-        ids = rng.integers(0, vocab, size=n).astype(dtype)
+        ids = rng.integers(1, vocab, size=n).astype(dtype)
+        ends = np.append(np.arange(doc_len, n, doc_len), n) if n else np.zeros(0, dtype=np.int64)
+        ids[ends - 1] = EOS
         ids.tofile(folder / f"{name}.bin")
-        splits[name] = {"n_tokens": n, "n_documents": 1, "sha256": ""}
-    meta = {"format_version": 1, "tokenizer": "synthetic", "vocab_size": vocab, "eos_id": 0,
+        np.concatenate([[0], ends]).astype(INDEX_DTYPE).tofile(folder / f"{name}.idx")
+        splits[name] = {"n_tokens": n, "n_documents": len(ends), "max_token_id": int(ids.max()) if n else None,
+                        "sha256": ""}
+    meta = {"format_version": 2, "tokenizer": "synthetic", "vocab_size": vocab, "eos_id": EOS,
             "dtype": np.dtype(dtype).name, "source": "test", "splits": splits}
     (folder / "meta.json").write_text(json.dumps(meta))
     return folder
+
+
+def edit_meta(folder: Path, edit) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    edit(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
 
 
 @pytest.fixture
@@ -136,13 +155,70 @@ def test_token_id_beyond_model_vocab_names_both_numbers(tmp_path):
     folder = write_data(tmp_path / "d", vocab=1000)
     with pytest.raises(UserError, match="vocab_size=1000 but the model's vocab size is 500"):
         open_data(folder, SEQ_LEN, model_vocab_size=500)
-    # meta claims a small vocab, but the file holds a larger id: the scan catches it.
-    meta = json.loads((folder / "meta.json").read_text())
-    meta["vocab_size"] = 10
-    (folder / "meta.json").write_text(json.dumps(meta))
+    # meta claims a small vocab, but its max_token_id (the file's largest id) is larger: that is caught.
+    edit_meta(folder, lambda meta: meta.update(vocab_size=10))
     top = int(np.fromfile(folder / "train.bin", dtype=np.uint16).max())
-    with pytest.raises(UserError, match=f"contains token id {top}, which is >= the model's vocab size 900"):
+    with pytest.raises(UserError, match=rf"contains token id {top} \(meta.json max_token_id\), which is >= the model's vocab size 900"):
         open_data(folder, SEQ_LEN, model_vocab_size=900)
+
+
+def test_start_up_reads_meta_json_and_a_sample_not_every_token(tmp_path):
+    n_train = 64 * 4096  # the sample reads 16 blocks of 4,096 tokens: a quarter of this split
+    folder = write_data(tmp_path / "d", n_train=n_train, vocab=1000)
+    blocks = sample_blocks(n_train)
+    assert len(blocks) == 16 and blocks[0][0] == 0 and blocks[-1][1] == n_train
+    # An id past the vocabulary between two sampled blocks (not at a document end): start-up does not read it, so
+    # open_data trusts meta.json. A start-up that scanned every token would fail here.
+    unsampled = blocks[5][1] + 101
+    assert not any(a <= unsampled < b for a, b in blocks) and unsampled % 50 != 49
+    tokens = np.memmap(folder / "train.bin", dtype=np.uint16, mode="r+")
+    tokens[unsampled] = 5000
+    tokens.flush()
+    _, train, _ = open_data(folder, SEQ_LEN, model_vocab_size=1000)
+    assert int(train.tokens[unsampled]) == 5000
+    # The same id inside a sampled block: the sampled check catches the file that disagrees with meta.json.
+    tokens[blocks[7][0] + 101] = 5000
+    tokens.flush()
+    with pytest.raises(UserError, match="holds token id 5000 .* says the largest id is 999"):
+        open_data(folder, SEQ_LEN, model_vocab_size=1000)
+
+
+def test_document_index_is_checked_against_the_tokens(tmp_path):
+    folder = write_data(tmp_path / "d")
+    index = np.fromfile(folder / "train.idx", dtype=INDEX_DTYPE)
+    index[1:-1] += 1  # every document end off by one: no longer on an EOS
+    index.tofile(folder / "train.idx")
+    with pytest.raises(UserError, match="train.idx does not match .*train.bin.*EOS"):
+        open_data(folder, SEQ_LEN, model_vocab_size=None)
+    index[:-1].tofile(folder / "train.idx")  # one entry short
+    with pytest.raises(UserError, match="train.idx holds 648 bytes but meta.json says 81 documents"):
+        load_meta(folder)
+    (folder / "val.idx").unlink()
+    edit_meta(folder, lambda meta: meta["splits"]["train"].update(n_documents=80))
+    with pytest.raises(UserError, match="val.idx is missing"):
+        load_meta(folder)
+
+
+def test_version_1_folder_is_rejected_with_the_command_that_fixes_it(tmp_path):
+    folder = write_data(tmp_path / "d")
+    (folder / "train.idx").unlink()
+    (folder / "val.idx").unlink()
+
+    def as_version_1(meta):
+        meta["format_version"] = 1
+        for split in meta["splits"].values():
+            del split["max_token_id"]
+
+    edit_meta(folder, as_version_1)
+    with pytest.raises(UserError, match=r"data format version 1.*Re-prepare it .*prepare_data.py --output .* --overwrite"):
+        open_data(folder, SEQ_LEN, model_vocab_size=None)
+
+
+def test_empty_split_names_the_fix(tmp_path):
+    folder = write_data(tmp_path / "d", n_val=0)
+    assert (folder / "val.bin").stat().st_size == 0
+    with pytest.raises(UserError, match=r"The val split of .* is empty \(0 tokens.*--val-fraction.*prepare_data.py"):
+        open_data(folder, SEQ_LEN, model_vocab_size=1000)
 
 
 def test_seq_len_longer_than_split(tmp_path):
@@ -153,8 +229,8 @@ def test_seq_len_longer_than_split(tmp_path):
 
 def test_uint32_data(tmp_path):
     folder = write_data(tmp_path / "d", vocab=70000, dtype=np.uint32)
-    _, train, _ = open_data(folder, SEQ_LEN, model_vocab_size=70000)
-    assert train.tokens.dtype == np.uint32 and train.max_token_id() < 70000
+    meta, train, _ = open_data(folder, SEQ_LEN, model_vocab_size=70000)
+    assert train.tokens.dtype == np.uint32 and int(train.tokens.max()) == meta["splits"]["train"]["max_token_id"] > 65535
 
 
 def test_train_script_reports_bad_data_without_traceback(tmp_path):

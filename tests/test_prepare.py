@@ -1,10 +1,13 @@
-"""Data preparation: tokenizer round trip, .bin contents, determinism, inputs, atomic output, CLI errors."""
+"""Data preparation: tokenizer round trip, .bin/.idx contents, streaming, determinism, inputs, atomic output, CLI errors."""
 
 import hashlib
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lmrecipe.data import read_meta  # noqa: E402
+from lmrecipe.data import FORMAT_VERSION, INDEX_DTYPE, load_meta, read_meta  # noqa: E402
 from lmrecipe import prepare as prep  # noqa: E402
 from lmrecipe.errors import UserError  # noqa: E402
 
@@ -61,6 +64,19 @@ def read_ids(out_dir: Path, split: str, meta: dict) -> np.ndarray:
     return np.fromfile(out_dir / f"{split}.bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
 
 
+def read_index(out_dir: Path, split: str) -> np.ndarray:
+    return np.fromfile(out_dir / f"{split}.idx", dtype=INDEX_DTYPE)
+
+
+def reference_files(texts: list[str], tokenizer, eos_id: int, dtype: str) -> tuple[bytes, np.ndarray]:
+    """What a split's .bin and .idx must hold, computed the simple way: every document in memory, one at a time."""
+    ids, starts = [], [0]
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) + [eos_id]
+        starts.append(len(ids))
+    return np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<")).tobytes(), np.asarray(starts, dtype=INDEX_DTYPE)
+
+
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
@@ -100,19 +116,23 @@ def test_bin_files_hold_each_split_documents_followed_by_eos(prepared, corpus_di
     # Files are read byte-exact (CRLF kept); empty, hidden and unsupported files are skipped.
     assert dict(zip(corpus.keys, corpus.texts)) == DOCUMENTS
     train_idx, val_idx = prep.split_documents(corpus.keys, 0.2)
-    assert meta["dtype"] == "uint16"
+    assert meta["dtype"] == "uint16" and meta["format_version"] == FORMAT_VERSION == 2
     for split, indices in (("train", train_idx), ("val", val_idx)):
         info = meta["splits"][split]
         ids = read_ids(out_dir, split, meta)
         raw = (out_dir / f"{split}.bin").read_bytes()
         assert len(raw) == info["n_tokens"] * 2 and ids.size == info["n_tokens"]
         assert hashlib.sha256(raw).hexdigest() == info["sha256"]
-        assert int(ids.max()) < meta["vocab_size"]
+        assert info["max_token_id"] == int(ids.max()) < meta["vocab_size"]
         assert int((ids == meta["eos_id"]).sum()) == info["n_documents"] == len(indices)
         assert ids[-1] == meta["eos_id"]
         pieces = np.split(ids, np.flatnonzero(ids == meta["eos_id"]) + 1)[:-1]
         decoded = [tokenizer.decode(piece[:-1].tolist()) for piece in pieces]
         assert decoded == [corpus.texts[i] for i in indices]
+        # The index: n_documents + 1 offsets, each document's start, then the split's end.
+        index = read_index(out_dir, split)
+        assert index.tolist() == [0] + (np.flatnonzero(ids == meta["eos_id"]) + 1).tolist()
+        assert [tokenizer.decode(ids[a : b - 1].tolist()) for a, b in zip(index[:-1], index[1:])] == decoded
     # The literal "<|endoftext|>" inside e.txt is text, not a document boundary (checked by the EOS count above).
     assert "e.txt" in corpus.keys
 
@@ -123,7 +143,7 @@ def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared, corpu
     monkeypatch.setattr(prep, "_CHUNK_CHARS", 100)
     out_2 = tmp_path / "two_procs"
     meta_2 = prep.prepare(output=out_2, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=2)
-    for name in ("train.bin", "val.bin", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("train.bin", "val.bin", "train.idx", "val.idx", "tokenizer.json", "tokenizer_config.json"):
         assert (out_1 / name).read_bytes() == (out_2 / name).read_bytes(), name
     assert meta_2["timing"]["num_proc"] == 2
     strip = lambda meta: {k: v for k, v in meta.items() if k != "timing"}  # noqa: E731
@@ -138,18 +158,17 @@ def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared, corpu
 
 
 def test_split_is_deterministic_order_independent_and_seeded():
-    keys = [f"doc{i}.txt" for i in range(200)]
+    keys = [f"doc{i}.txt" for i in range(4000)]
     train, val = prep.split_documents(keys, 0.05)
-    assert len(val) == 10 and sorted(train + val) == list(range(200))
+    assert 160 <= len(val) <= 240 and sorted(train + val) == list(range(4000))  # 200 expected, +-4.5 sigma
     assert (train, val) == prep.split_documents(keys, 0.05)
     reversed_keys = keys[::-1]
     _, val_rev = prep.split_documents(reversed_keys, 0.05)
     assert {reversed_keys[i] for i in val_rev} == {keys[i] for i in val}
     assert prep.split_documents(keys, 0.05, seed=1)[1] != val
-    assert prep.split_documents(keys[:2], 0.5) in (([0], [1]), ([1], [0]))  # train keeps at least one
-    assert len(prep.split_documents(keys[:3], 0.01)[1]) == 1  # val gets at least one
-    with pytest.raises(UserError, match="at least 2"):
-        prep.split_documents(keys[:1], 0.1)
+    # A document's split is its own: the first 100 keep theirs when 3,900 others are dropped.
+    assert prep.split_documents(keys[:100], 0.05)[1] == [i for i in val if i < 100]
+    assert {prep.split_of(keys[i], 0.05) for i in val} == {"val"}
 
 
 def test_jsonl_and_parquet_records_are_documents(tmp_path):
@@ -172,7 +191,8 @@ def test_jsonl_and_parquet_records_are_documents(tmp_path):
     meta = prep.prepare(output=out_dir, inputs=[data], text_field="body", vocab_size=VOCAB, val_fraction=0.2,
                         num_proc=1)
     assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == len(expected)
-    assert meta["splits"]["val"]["n_documents"] == round(0.2 * len(expected))
+    assert meta["splits"]["val"]["n_documents"] == len(prep.split_documents(corpus.keys, 0.2)[1]) > 0
+    assert meta["skipped"] == {"empty_documents": 1, "not_text_files": 0}
 
     from transformers import AutoTokenizer
 
@@ -236,6 +256,10 @@ def _error_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--input", str(tmp_path / "blank")], "No documents"
     if case == "one document":
         return ["--input", str(docs / "a.txt")], "at least 2"
+    if case == "empty val split":  # both documents hash to train at this val fraction
+        return ["--input", str(docs), "--val-fraction", "0.5"], "val split would be empty"
+    if case == "sample size":
+        return ["--input", str(docs), "--tokenizer-sample-mb", "0"], "must be positive"
     if case == "vocab too small":
         return ["--input", str(docs), "--vocab-size", "257"], "at least 258"
     if case == "val fraction":
@@ -250,8 +274,8 @@ def _error_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["missing input", "unknown type", "all empty", "one document", "vocab too small", "val fraction",
-     "missing tokenizer folder", "missing text field"],
+    ["missing input", "unknown type", "all empty", "one document", "empty val split", "sample size",
+     "vocab too small", "val fraction", "missing tokenizer folder", "missing text field"],
 )
 def test_cli_errors_exit_2_with_a_message_and_write_nothing(tmp_path, case):
     args, phrase = _error_case(tmp_path, case)
@@ -286,3 +310,158 @@ def test_read_meta_rejects_missing_and_invalid(tmp_path, prepared):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="eos_id"):
         read_meta(tmp_path)
+
+
+def write_mixed_inputs(root: Path, corpus_dir: Path) -> list[Path]:
+    """Three inputs of three kinds: a folder of text files, a jsonl file and a parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = root / "records.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"record {i}: {'word ' * i}\n"}) + "\n" for i in range(12)))
+    parquet = root / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": f"row {i} ✓ {'x' * i}"} for i in range(9)]), parquet)
+    return [corpus_dir, jsonl, parquet]
+
+
+def test_streaming_writes_what_an_in_memory_reference_computes(prepared, corpus_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    inputs = write_mixed_inputs(tmp_path, corpus_dir)
+    # Chunks of one or two documents, in flight on two processes: chunking and workers must not show in the output.
+    monkeypatch.setattr(prep, "_CHUNK_CHARS", 50)
+    monkeypatch.setattr(prep, "_CHUNK_DOCS", 2)
+    tokenizer_dir = prepared[0]
+    out_dir = tmp_path / "out"
+    meta = prep.prepare(output=out_dir, inputs=inputs, tokenizer=str(tokenizer_dir), val_fraction=0.2, num_proc=2)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    per_input = [prep.load_corpus([path]) for path in inputs]
+    for split, position in (("train", 0), ("val", 1)):
+        texts, first = [], 0
+        for path, corpus, entry in zip(inputs, per_input, meta["inputs"]):
+            chosen = [corpus.texts[i] for i in prep.split_documents(corpus.keys, 0.2)[position]]
+            texts += chosen
+            assert entry["name"] == str(path)
+            assert entry[split]["documents"] == ([first, first + len(chosen)] if chosen else [0, 0])
+            first += len(chosen)
+        expected_bin, expected_index = reference_files(texts, tokenizer, meta["eos_id"], meta["dtype"])
+        assert (out_dir / f"{split}.bin").read_bytes() == expected_bin
+        index = read_index(out_dir, split)
+        assert index.tolist() == expected_index.tolist()
+        for entry in meta["inputs"]:
+            start, stop = entry[split]["documents"]
+            assert entry[split]["n_tokens"] == int(index[stop] - index[start])
+        assert meta["splits"][split]["max_token_id"] == int(read_ids(out_dir, split, meta).max())
+    assert load_meta(out_dir) == meta
+
+
+def test_trained_bpe_learns_from_the_first_megabytes_of_train_documents(corpus_dir, tmp_path):
+    out_dir = tmp_path / "out"
+    limit_mb = 0.0004  # 400 bytes: a few of the small documents
+    meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2,
+                        tokenizer_sample_mb=limit_mb, num_proc=1)
+    corpus = prep.load_corpus([corpus_dir])
+    sample, n_bytes = [], 0
+    for i in prep.split_documents(corpus.keys, 0.2)[0]:
+        if n_bytes >= limit_mb * 1e6:
+            break
+        sample.append(corpus.texts[i])
+        n_bytes += len(corpus.texts[i].encode())
+    assert 1 < len(sample) < len(corpus.texts) - 2
+    assert meta["tokenizer_sample"] == {"max_mb": limit_mb, "n_documents": len(sample), "n_bytes": n_bytes}
+    expected = prep.train_bpe_tokenizer(sample, VOCAB)
+    assert json.loads((out_dir / "tokenizer.json").read_text()) == json.loads(expected.backend_tokenizer.to_str())
+    # Everything is still tokenized with it.
+    assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == len(corpus.texts)
+
+
+def test_files_that_are_not_text_are_skipped_and_counted(tmp_path, caplog):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"ok{i}.txt").write_text(f"a real document number {i}\n")
+    (docs / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))  # not UTF-8
+    (docs / "compiled.py").write_bytes(b"x = 1\n\x00\x00\x00\x01binary")  # UTF-8, but NUL bytes
+    assert [p.name for p in docs.iterdir() if p.name.startswith("ok")] and len(list(docs.iterdir())) == 8
+
+    corpus = prep.load_corpus([docs])
+    assert corpus.keys == [f"ok{i}.txt" for i in range(6)]
+    with caplog.at_level(logging.WARNING, logger=prep.__name__):
+        meta = prep.prepare(output=tmp_path / "out", inputs=[docs], vocab_size=VOCAB, val_fraction=0.3, num_proc=1)
+    assert meta["skipped"] == {"empty_documents": 0, "not_text_files": 2}
+    assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == 6
+    warned = " ".join(record.getMessage() for record in caplog.records)
+    assert "latin1.txt" in warned and "compiled.py" in warned and "not UTF-8 text" in warned
+    # No replacement characters reached the tokens: the tokenizer never saw U+FFFD.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = read_ids(tmp_path / "out", "train", meta)
+    assert "\ufffd" not in tokenizer.decode(ids.tolist())
+
+
+def test_killed_preparation_leaves_nothing_that_training_accepts_and_reruns_cleanly(prepared, tmp_path):
+    out_dir = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    args = [sys.executable, str(SCRIPT), "--output", str(out_dir), "--tokenizer", str(prepared[0]), "--num-proc", "1"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        # Kill it once tokens are being written: the worst moment, with a half-written train.bin on disk.
+        while not any(p.stat().st_size for p in tmp_path.glob("out.tmp-*/train.bin")):
+            assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not out_dir.exists()
+    [leftover] = siblings(out_dir)
+    with pytest.raises(UserError, match="not a prepared data folder"):
+        load_meta(tmp_path / leftover)
+
+    result = run_script("--output", str(out_dir), "--tokenizer", str(prepared[0]), "--max-documents", "40",
+                        "--val-fraction", "0.2", "--num-proc", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert leftover in result.stderr and "interrupted preparation" in result.stderr
+    assert load_meta(out_dir)["source"].endswith("(first 40 documents)")
+
+
+def test_trained_tokenizer_workers_do_not_import_torch(prepared):
+    # Each worker process imports lmrecipe.prepare and builds its encoder; torch would add ~200 MB to each.
+    code = (
+        "import sys\n"
+        "from lmrecipe import prepare as prep\n"
+        f"encoder = prep._ChunkEncoder(prep._EncoderSpec({str(prepared[0])!r}, True, 0, {VOCAB}, 'uint16'))\n"
+        "data, lengths, top = encoder(['def f(x):\\n    return x\\n'])\n"
+        "assert len(lengths) == 1 and top < {VOCAB}\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    ).replace("{VOCAB}", str(VOCAB))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_hub_datasets_are_streamed_as_records(tmp_path, monkeypatch):
+    import datasets
+
+    records = tmp_path / "hub.jsonl"
+    records.write_text("".join(json.dumps({"text": f"hub record {i}\n" * (i + 1)}) + "\n" for i in range(20)))
+    requested = []
+
+    def fake_hub(name):
+        requested.append(name)
+        return datasets.load_dataset("json", data_files=str(records), split="train", streaming=True)
+
+    monkeypatch.setattr(prep, "_load_hub_dataset", fake_hub)
+    corpus = prep.load_corpus(hub_dataset="org/name")
+    assert corpus.keys == [f"org/name:{i}" for i in range(20)] and corpus.source == "hub:org/name"
+    meta = prep.prepare(output=tmp_path / "out", hub_dataset="org/name", vocab_size=VOCAB, val_fraction=0.2,
+                        num_proc=1)
+    assert meta["source"] == "hub:org/name" and meta["inputs"][0]["name"] == "hub:org/name"
+    assert meta["splits"]["val"]["n_documents"] == len(prep.split_documents(corpus.keys, 0.2)[1]) > 0
+    assert requested == ["org/name"] * 3  # the in-memory reference, the BPE sample, the tokenizing pass

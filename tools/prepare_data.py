@@ -1,10 +1,11 @@
-"""Tokenize a corpus into a data folder for training: train.bin, val.bin, meta.json and the tokenizer.
+"""Tokenize a corpus into a data folder for training: train/val .bin and .idx, meta.json and the tokenizer.
 
     python tools/prepare_data.py --output data/stdlib                       # embedded Python stdlib corpus
     python tools/prepare_data.py --input corpus/ --output data/mine --vocab-size 16384
     python tools/prepare_data.py --input docs.jsonl --text-field body --tokenizer gpt2 --output data/docs
 
-See lmrecipe/prepare.py for the folder format and the split rule.
+The corpus is streamed: memory does not grow with its size. See lmrecipe/prepare.py for the folder format, the
+split rule and what happens after an interruption (run the command again; it starts over).
 """
 
 import argparse
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Hugging Face tokenizer name or local folder instead of training one")
     tok.add_argument("--vocab-size", type=int, default=DEFAULTS["vocab_size"],
                      help="size of the trained BPE vocabulary, <|endoftext|> included (default: %(default)s)")
+    tok.add_argument("--tokenizer-sample-mb", type=float, default=DEFAULTS["tokenizer_sample_mb"], metavar="MB",
+                     help="train the BPE on the first MB megabytes of train documents, in reading order; bounds its "
+                          "memory on a large corpus (default: %(default)s)")
     parser.add_argument("--val-fraction", type=float, default=DEFAULTS["val_fraction"],
                         help="share of documents held out for validation, in (0, 0.5] (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         text_field=args.text_field,
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
+        tokenizer_sample_mb=args.tokenizer_sample_mb,
         val_fraction=args.val_fraction,
         num_proc=args.num_proc,
         max_documents=args.max_documents,
