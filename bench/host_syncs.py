@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -81,14 +82,12 @@ def worker(args) -> None:
             C.print_result({"tokens_per_sec": statistics.median(rates), "pid": os.getpid()})
 
 
-def run_side(tree: Path, kind: str, args) -> dict:
-    import os
-
+def run_side(tree: Path, kind: str, args, data: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(args.threads or os.cpu_count()),
                TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--data", str(Path(args.data).resolve()),
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--data", str(Path(data).resolve()),
            "--steps", str(args.steps)] + (["--threads", str(args.threads)] if args.threads else [])
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(C.RESULT_PREFIX)]
@@ -100,7 +99,10 @@ def run_side(tree: Path, kind: str, args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision to compare with (default: %(default)s)")
-    parser.add_argument("--data", default="data/stdlib", help="prepared data folder (default: %(default)s)")
+    parser.add_argument("--data", default="data/stdlib", help="prepared data folder of this tree (default: %(default)s)")
+    parser.add_argument("--baseline-data", default=None,
+                        help="prepared data folder in the baseline's format (default: prepared by the baseline's "
+                             "tools/prepare_data.py on the embedded corpus, into a temporary folder)")
     parser.add_argument("--steps", type=int, default=60, help="steps of each throughput run (default: %(default)s)")
     parser.add_argument("--worker", choices=["syncs", "throughput"], help=argparse.SUPPRESS)
     C.add_common_args(parser, pairs=4, device=False)
@@ -115,15 +117,20 @@ def main() -> int:
         subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(baseline), args.baseline], cwd=C.ROOT, check=True)
         try:
             trees = {"baseline": baseline, "new": C.ROOT}
+            data = {"new": args.data, "baseline": args.baseline_data or str(Path(tmp) / "data")}
+            if args.baseline_data is None:
+                subprocess.run([sys.executable, "tools/prepare_data.py", "--output", data["baseline"], "--vocab-size", "8192"],
+                               cwd=baseline, env={**os.environ, "PYTHONPATH": str(baseline)}, check=True,
+                               capture_output=True)
             report.line(f"baseline {args.baseline}, new = this checkout; recipes/tiny.yaml, 1 process, "
                         f"threads {args.threads or 'default'}")
-            syncs = {side: run_side(tree, "syncs", args) for side, tree in trees.items()}
+            syncs = {side: run_side(tree, "syncs", args, data[side]) for side, tree in trees.items()}
             for side in trees:
                 per = syncs[side]["per_unlogged_step"]
                 report.line(f"{side:>8}: {sum(per.values()):.2f} host syncs per unlogged step {per}")
             ratios, rates = [], {"baseline": [], "new": []}
             for order in C.pair_orders(args.pairs, ("baseline", "new")):
-                got = {side: run_side(trees[side], "throughput", args)["tokens_per_sec"] for side in order}
+                got = {side: run_side(trees[side], "throughput", args, data[side])["tokens_per_sec"] for side in order}
                 for side in got:
                     rates[side].append(got[side])
                 ratios.append(got["new"] / got["baseline"])

@@ -26,14 +26,18 @@ def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) 
 
 
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap a script's ``main`` so a UserError prints one paragraph on stderr and exits non-zero."""
+    """Wrap a script's ``main`` so a UserError prints one paragraph on stderr and exits non-zero.
+
+    Under a launcher every rank meets the same bad input; only rank 0 prints it, so the user reads it once.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> int:
         try:
             code = fn(*args, **kwargs)
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"error: {err}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         return 0 if code is None else int(code)
 

@@ -47,8 +47,8 @@ class Reporter:
             meta = run_metadata(run_config, accelerator.num_processes, precision,
                                 {**run_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
             write_json_atomic(out_dir / "run_meta.json", meta)
-        self.tracker = Tracker(out_dir, section.tracker, section.project,
-                               section.run_name or out_dir.name, run_config, enabled=self.is_main)
+        self.tracker = Tracker(out_dir, section.tracker, section.project, section.run_name or out_dir.name,
+                               run_config, enabled=self.is_main, start_step=start_step)
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
         self._reset_interval(time.perf_counter())

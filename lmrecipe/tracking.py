@@ -11,16 +11,26 @@ from pathlib import Path
 
 import torch
 
+from .fileio import write_text_atomic
+
 logger = logging.getLogger(__name__)
+
+
+METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
 
 
 class Tracker:
     """Appends one JSON object per row to ``metrics.jsonl`` and mirrors numeric values to a tracker backend.
 
     Only the main process writes; other ranks get a Tracker with ``enabled=False`` that does nothing.
+    A run that starts at ``start_step`` (a resume, or 0) first drops the rows of later steps, written by a
+    continuation that was abandoned, so the file, the plots and the trackers show one history. A wandb run keeps
+    its id in ``out_dir/wandb_run_id``, so a resumed or requeued job continues the same wandb run.
     """
 
-    def __init__(self, out_dir: Path, backend: str, project: str, run_name: str, config: dict, enabled: bool):
+    def __init__(self, out_dir: Path, backend: str, project: str, run_name: str, config: dict, enabled: bool,
+                 start_step: int = 0):
         self.enabled = enabled
         self.backend = backend
         self._wandb_run = None
@@ -28,15 +38,23 @@ class Tracker:
         self._file = None
         if not enabled:
             return
-        self._file = open(out_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash loses no row
+        dropped = truncate_metrics(out_dir / METRICS_FILE, start_step)
+        if dropped:
+            logger.info("Dropped %d rows after step %d from %s (an abandoned continuation)", dropped, start_step,
+                        out_dir / METRICS_FILE)
+        self._file = open(out_dir / METRICS_FILE, "a", buffering=1)  # line-buffered: a crash loses no row
         if backend == "wandb":
             import wandb
 
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            self._wandb_run = wandb.init(
-                project=project, name=run_name, dir=str(out_dir), config=config, mode=mode, resume="allow"
-            )
-            logger.info("wandb run in %s mode under %s", mode, out_dir / "wandb")
+            id_file = out_dir / WANDB_ID_FILE
+            run_id = id_file.read_text().strip() if id_file.is_file() else None
+            if run_id is None:
+                run_id = wandb.util.generate_id()
+                write_text_atomic(id_file, run_id + "\n")
+            self._wandb_run = wandb.init(project=project, name=run_name, dir=str(out_dir), config=config, mode=mode,
+                                         id=run_id, resume="allow")
+            logger.info("wandb run %s in %s mode under %s", run_id, mode, out_dir / "wandb")
         elif backend == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -61,6 +79,17 @@ class Tracker:
             self._wandb_run.finish()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the rows of steps <= ``last_step`` (atomically); return how many were dropped."""
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
