@@ -156,14 +156,19 @@ def run_sbatch(tmp_path, srun_exit=None, signal_after_start=False, signal_before
     if signal_before_step:
         env["FAKE_STEP_DELAY"] = "1.5"
     proc = subprocess.Popen(["bash", "slurm/train.sbatch", "recipes/tiny.yaml", "out_dir=runs/x"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     if signal_after_start or signal_before_step:
         deadline = time.time() + 30
         marker = log / ("srun_started" if signal_before_step else "srun_pid")
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` does
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # with the stand-in srun: a lost stop would leave both running
+        out, err = proc.communicate()
+        err += "\n(killed after 60 s)"
     read = lambda name: (log / name).read_text() if (log / name).exists() else ""  # noqa: E731
     return proc.returncode, err, read("srun_args"), read("scontrol"), read("scancel")
 
@@ -233,8 +238,7 @@ def test_launch_keeps_a_stop_that_arrives_during_start_up(tmp_path, when):
                FAKE_LOG=str(log), FAKE_STARTUP="1.5", MASTER_ADDR="127.0.0.1", LMRECIPE_PROCS_PER_NODE="2")
     if when == "before_launcher":
         env["FAKE_FLAGS_DELAY"] = "1.5"
-    proc = subprocess.Popen(["bash", "slurm/launch.sh", "recipes/tiny.yaml"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start_node(["bash", "slurm/launch.sh", "recipes/tiny.yaml"], env)
     marker = log / ("flags_started" if when == "before_launcher" else "launcher_started")
     deadline = time.time() + 30
     while not marker.exists() and time.time() < deadline:
@@ -243,8 +247,11 @@ def test_launch_keeps_a_stop_that_arrives_during_start_up(tmp_path, when):
     assert not (log / "handler_installed").exists()  # the signal comes before the worker could take it
     start = time.time()
     proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 124, out + err
+    try:
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        stop_nodes([proc])
+    assert proc.returncode == 124, out
     assert time.time() - start < 10  # not the worker's 20 s wait: the stop reached it
     assert (log / "launcher_started").exists() == (when == "during_worker_start_up")
 
