@@ -4,27 +4,68 @@
 # Usage: slurm/launch.sh RECIPE [key=value ...]
 #
 # It only computes the topology; every hyperparameter stays in the recipe and the overrides, which are
-# passed through untouched. Topology, each overridable from the environment:
-#   MASTER_ADDR      first host of SLURM_JOB_NODELIST (scontrol show hostnames; without scontrol, the
-#                    first comma-separated entry)
+# passed through untouched. Topology, each overridable from the environment (rules in slurm/topology.sh):
+#   MASTER_ADDR      address of the job's first node: its NodeAddr from `scontrol show node`, else its name
 #   MASTER_PORT      20000 + SLURM_JOB_ID % 20000, so jobs sharing a node do not collide
 #   NUM_MACHINES     SLURM_NNODES (default 1)
 #   MACHINE_RANK     SLURM_NODEID (default 0)
-#   GPUS_PER_NODE    processes per node; default SLURM_GPUS_ON_NODE, else 1
+#   LMRECIPE_PROCS_PER_NODE  processes per node; default the node's GPUs, 1 on a CPU node (no GPUs or 0)
+#   OMP_NUM_THREADS  threads per process; default the task's CPUs / processes per node
 #   PYTHON           interpreter with the project's dependencies (default: python)
 #   LAUNCH_DRY_RUN=1 print the command instead of running it
 # The launcher flags come from tools/launch_flags.py (DeepSpeed's `standard` multinode launcher when the
 # recipe names a DeepSpeed JSON, else --multi_gpu; see lmrecipe/launch.py).
 #
-# Preemption: on SIGUSR1 or SIGTERM this script sends SIGUSR1 to the training processes (the launcher's
-# children, which torch.distributed.run starts in sessions of their own, so signals to this process group
-# miss them). They finish the step, save a checkpoint and exit with code 124; this script then exits 124
-# too, which tells slurm/train.sbatch to requeue. The launcher itself ignores SIGUSR1 (an ignored signal
-# stays ignored across exec and torch.distributed.run installs no handler for it), so it survives a
-# SIGUSR1 that SLURM delivers to every process of the step.
+# Preemption: on SIGUSR1 or SIGTERM this script asks the training processes (the launcher's children, which
+# torch.distributed.run starts in sessions of their own, so signals to this process group miss them) to
+# stop with SIGUSR1. They finish the step, save a checkpoint and exit with code 124; this script then exits
+# 124 too, which tells slurm/train.sbatch to requeue. The launcher itself ignores SIGUSR1 (an ignored signal
+# stays ignored across exec and torch.distributed.run installs no handler for it), so it survives a SIGUSR1
+# that SLURM delivers to every process of the step. Its children inherit that: a training process ignores
+# SIGUSR1 until it installs its handler, just before the first step. A stop that arrives earlier is kept and
+# delivered to each training process once /proc shows it catching SIGUSR1; one that arrives before the
+# launcher starts stops the node at once with exit 124 (there is nothing to save yet).
 set -euo pipefail
 
 EXIT_PREEMPTED=124  # lmrecipe.checkpoint.EXIT_PREEMPTED
+
+stop_requested=0
+launcher_pid=
+delivered=" "
+
+# shellcheck disable=SC2329  # invoked by the traps below
+request_stop() {
+    if [[ $stop_requested -eq 0 ]]; then
+        echo "[launch] node ${SLURM_NODEID:-0}: $1 received, asking the training processes to checkpoint and stop" >&2
+    fi
+    stop_requested=1
+}
+# First thing: a stop during the set-up below must not be lost.
+trap 'request_stop USR1' USR1
+trap 'request_stop TERM' TERM
+
+# True when process $1 has a handler for SIGUSR1 (bit 10 of SigCgt in /proc/PID/status).
+catches_usr1() {
+    local line
+    while read -r line; do
+        if [[ $line == SigCgt:* ]]; then
+            (( (16#${line##*[[:space:]]} >> 9) & 1 ))
+            return
+        fi
+    done 2>/dev/null < "/proc/$1/status"
+    return 1
+}
+
+# SIGUSR1 once to each training process that is ready for it; the others are tried again on the next call.
+deliver_stop() {
+    local pid
+    for pid in $(pgrep -P "$launcher_pid" || true); do
+        if [[ $delivered != *" $pid "* ]] && catches_usr1 "$pid"; then
+            kill -USR1 "$pid" 2>/dev/null || true
+            delivered+="$pid "
+        fi
+    done
+}
 
 if [[ $# -lt 1 ]]; then
     echo "usage: slurm/launch.sh RECIPE [key=value ...]" >&2
@@ -34,30 +75,29 @@ recipe=$1
 shift
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=slurm/topology.sh
+source "$repo/slurm/topology.sh"
 python=${PYTHON:-python}
 num_machines=${NUM_MACHINES:-${SLURM_NNODES:-1}}
 machine_rank=${MACHINE_RANK:-${SLURM_NODEID:-0}}
-gpus_per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
-num_processes=$((num_machines * gpus_per_node))
-
-if [[ -z "${MASTER_ADDR:-}" ]]; then
-    if [[ -z "${SLURM_JOB_NODELIST:-}" ]]; then
-        echo "error: set MASTER_ADDR or run under SLURM (SLURM_JOB_NODELIST is empty)." >&2
-        exit 2
-    fi
-    if command -v scontrol >/dev/null 2>&1; then
-        # Read the whole list: `| head -n 1` would kill scontrol with SIGPIPE, which pipefail turns into an error.
-        mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-        MASTER_ADDR=${hosts[0]:?scontrol show hostnames returned nothing for $SLURM_JOB_NODELIST}
-    else
-        MASTER_ADDR=${SLURM_JOB_NODELIST%%,*}
-    fi
-fi
+procs=$(procs_per_node)
+num_processes=$((num_machines * procs))
+OMP_NUM_THREADS=$(threads_per_process "$procs")
+export OMP_NUM_THREADS
+MASTER_ADDR=${MASTER_ADDR:-$(rendezvous_addr)}
 MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 
 # Checks the recipe and overrides: a bad key fails here, on every node, before any rendezvous.
 flags=$("$python" "$repo/tools/launch_flags.py" "$recipe" "$@")
 read -r -a launcher_flags <<< "$flags"
+if ((num_processes == 1)); then
+    # Accelerate refuses --multi_gpu for a single process (one CPU node); without it, it runs train.py directly.
+    single=()
+    for flag in "${launcher_flags[@]}"; do
+        [[ $flag == --multi_gpu ]] || single+=("$flag")
+    done
+    launcher_flags=("${single[@]}")
+fi
 
 cmd=(
     "$python" -m accelerate.commands.launch
@@ -72,36 +112,33 @@ cmd=(
     "$repo/train.py" "$recipe" "$@"
 )
 
-echo "[launch] node $machine_rank of $num_machines on $(hostname): $num_processes processes in all," \
-     "rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
+echo "[launch] node $machine_rank of $num_machines on $(hostname): $procs processes per node x" \
+     "$OMP_NUM_THREADS threads, $num_processes processes in all, rendezvous $MASTER_ADDR:$MASTER_PORT" >&2
 if [[ "${LAUNCH_DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${cmd[@]}"
     echo
     exit 0
 fi
 
-stop_requested=0
-launcher_pid=
-
-# shellcheck disable=SC2329  # invoked by the traps below
-request_stop() {
-    stop_requested=1
-    echo "[launch] node $machine_rank: $1 received, asking the training processes to checkpoint and stop" >&2
-    if [[ -n "$launcher_pid" ]]; then
-        pkill -USR1 -P "$launcher_pid" || true
-    fi
-}
-trap 'request_stop USR1' USR1
-trap 'request_stop TERM' TERM
-
+if [[ $stop_requested -eq 1 ]]; then
+    echo "[launch] node $machine_rank: stopped before training started" >&2
+    exit "$EXIT_PREEMPTED"
+fi
 (trap '' USR1 && exec "${cmd[@]}") &
 launcher_pid=$!
-# A trapped signal interrupts `wait`; keep waiting until the launcher has really exited.
-status=0
-wait "$launcher_pid" || status=$?
-while kill -0 "$launcher_pid" 2>/dev/null; do
-    status=0
-    wait "$launcher_pid" || status=$?
+
+# A trapped signal interrupts `wait`. Once a stop is requested, poll: deliver it to each training process as
+# soon as it can take it, until the launcher exits.
+status=
+while [[ -z $status ]]; do
+    if [[ $stop_requested -eq 1 ]] && kill -0 "$launcher_pid" 2>/dev/null; then
+        deliver_stop
+        sleep 0.5
+        continue
+    fi
+    rc=0
+    wait "$launcher_pid" || rc=$?
+    kill -0 "$launcher_pid" 2>/dev/null || status=$rc
 done
 
 if [[ $stop_requested -eq 1 && $status -ne 0 ]]; then

@@ -94,3 +94,29 @@ def tiny_data(tmp_path_factory, corpus_dir) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare(output=out, inputs=[corpus_dir], vocab_size=384, val_fraction=0.1, num_proc=1)
     return out
+
+
+def _truthy_env(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real two-node SLURM cluster on this machine (tests/slurm_cluster.py), torn down after the session.
+
+    Needs root and Debian's SLURM packages (installed with apt-get when missing). Where that is impossible the
+    tests are skipped with the reason; with CI set they fail instead, so CI cannot pass without running them.
+    """
+    from slurm_cluster import ClusterUnavailable, SlurmCluster
+
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except ClusterUnavailable as exc:
+        if _truthy_env("CI"):
+            pytest.fail(f"CI is set but no SLURM cluster could be started: {exc}")
+        pytest.skip(f"no SLURM cluster: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -31,13 +31,28 @@ def fake_commands(bin_dir: Path, **scripts: str) -> dict:
 
 def test_shell_scripts_pass_shellcheck():
     shellcheck = Path(sys.executable).with_name("shellcheck")
-    assert {p.name for p in SCRIPTS} >= {"launch.sh", "train.sbatch", "compare_zero.sbatch"}
-    proc = subprocess.run([str(shellcheck), "--shell=bash", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert {p.name for p in SCRIPTS} >= {"launch.sh", "topology.sh", "train.sbatch", "compare_zero.sbatch"}
+    # -x follows `source slurm/topology.sh`, so the sourced functions are checked where they are used.
+    proc = subprocess.run([str(shellcheck), "--shell=bash", "-x", *map(str, SCRIPTS)], cwd=ROOT, capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+# A stand-in scontrol: gpu-[a-d] expands to gpu-a..gpu-d, cpu-[a-b] to cpu-a, cpu-b; gpu-a's address is 10.1.2.3
+# (its name need not resolve), cpu-a has none.
+FAKE_SCONTROL = """
+if [[ "$1 $2 $3" == "show hostnames gpu-[a-d]" ]]; then printf "gpu-a\\ngpu-b\\ngpu-c\\ngpu-d\\n"; fi
+if [[ "$1 $2 $3" == "show hostnames cpu-[a-b]" ]]; then printf "cpu-a\\ncpu-b\\n"; fi
+if [[ "$*" == "-o show node gpu-a" ]]; then echo "NodeName=gpu-a Arch=x86_64 NodeAddr=10.1.2.3 NodeHostName=gpu-a Port=0"; fi
+if [[ "$*" == "-o show node cpu-a" ]]; then exit 1; fi
+"""
+
+
 def dry_run(tmp_path, overrides, **env_vars) -> subprocess.CompletedProcess:
-    env = fake_commands(tmp_path / "bin", scontrol='[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a\\ngpu-b\\ngpu-c\\ngpu-d\\n"')
+    env = fake_commands(tmp_path / "bin", scontrol=FAKE_SCONTROL)
+    for key in ("OMP_NUM_THREADS", "LMRECIPE_PROCS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE",
+                "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        env.pop(key, None)
     env.update(LAUNCH_DRY_RUN="1", **env_vars)
     return subprocess.run(["bash", "slurm/launch.sh", "recipes/tiny.yaml", *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
@@ -51,7 +66,7 @@ def test_launch_command_from_slurm_environment(tmp_path):
     cmd = proc.stdout.split()
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--num_machines"] == "4" and flags["--machine_rank"] == "2"
-    assert flags["--main_process_ip"] == "gpu-a"  # first host of the expanded node list
+    assert flags["--main_process_ip"] == "10.1.2.3"  # NodeAddr of the first host of the expanded node list
     assert flags["--main_process_port"] == str(20000 + 123456 % 20000)
     assert flags["--num_processes"] == "32"  # 4 nodes x 8 GPUs
     assert flags["--deepspeed_multinode_launcher"] == "standard" and "--use_deepspeed" in cmd
@@ -62,11 +77,42 @@ def test_launch_command_from_slurm_environment(tmp_path):
 
 def test_launch_without_deepspeed_uses_multi_gpu(tmp_path):
     proc = dry_run(tmp_path, [], MASTER_ADDR="10.0.0.7", MASTER_PORT="29999", SLURM_NNODES="2", SLURM_NODEID="0",
-                   GPUS_PER_NODE="4")
+                   LMRECIPE_PROCS_PER_NODE="4")
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout.split()
     assert "--multi_gpu" in cmd and "--use_deepspeed" not in cmd
     assert "10.0.0.7" in cmd and "29999" in cmd and cmd[cmd.index("--num_processes") + 1] == "8"
+
+
+@pytest.mark.parametrize("gpus", [None, "0"], ids=["no-gpus", "gpus-per-node-0"])
+def test_launch_on_cpu_nodes(tmp_path, gpus):
+    """No GPUs (or --gpus-per-node=0): one process per node with the node's CPUs as threads, not 0 processes."""
+    env = dict(SLURM_JOB_NODELIST="cpu-[a-b]", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_CPUS_ON_NODE="16")
+    if gpus is not None:
+        env["SLURM_GPUS_PER_NODE"] = gpus
+    proc = dry_run(tmp_path, [], **env)
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.split()
+    assert cmd[cmd.index("--num_processes") + 1] == "2" and "--multi_gpu" in cmd
+    assert "1 processes per node x 16 threads" in proc.stderr
+    assert cmd[cmd.index("--main_process_ip") + 1] == "cpu-a"  # no NodeAddr from scontrol: the node name
+
+    explicit = dry_run(tmp_path, [], **env, LMRECIPE_PROCS_PER_NODE="4")
+    assert explicit.returncode == 0, explicit.stderr
+    assert explicit.stdout.split()[explicit.stdout.split().index("--num_processes") + 1] == "8"
+    assert "4 processes per node x 4 threads" in explicit.stderr
+
+    # A single process in all: Accelerate refuses --multi_gpu for one process, so it is left out.
+    single = dry_run(tmp_path, [], SLURM_JOB_NODELIST="cpu-[a-b]", SLURM_NNODES="1", SLURM_GPUS_PER_NODE="0")
+    assert single.returncode == 0, single.stderr
+    assert "--multi_gpu" not in single.stdout.split() and "--num_processes 1 " in single.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_launch_rejects_a_bad_process_count(tmp_path, value):
+    proc = dry_run(tmp_path, [], MASTER_ADDR="127.0.0.1", LMRECIPE_PROCS_PER_NODE=value)
+    assert proc.returncode == 2
+    assert f"LMRECIPE_PROCS_PER_NODE={value}" in proc.stderr and "accelerate" not in proc.stdout
 
 
 def test_launch_rejects_a_bad_recipe_before_launching(tmp_path):
@@ -76,35 +122,53 @@ def test_launch_rejects_a_bad_recipe_before_launching(tmp_path):
     assert "accelerate" not in proc.stdout
 
 
-# A stand-in srun: records its arguments, then exits with FAKE_SRUN_EXIT, or waits for SIGUSR1 and exits 124
-# the way the training step does after saving a checkpoint.
+# A stand-in srun: records its arguments, then exits with FAKE_SRUN_EXIT, or (after FAKE_STEP_DELAY seconds,
+# the time SLURM takes to start the step) waits for SIGUSR1 and exits 124 the way the training step does after
+# saving a checkpoint. The stand-in squeue lists the step once it has started.
 FAKE_SRUN = """
 echo "$@" > "$FAKE_LOG/srun_args"
 if [[ -n "${FAKE_SRUN_EXIT:-}" ]]; then exit "$FAKE_SRUN_EXIT"; fi
+touch "$FAKE_LOG/srun_started"
+sleep "${FAKE_STEP_DELAY:-0}"
 trap 'exit 124' USR1
 echo $$ > "$FAKE_LOG/srun_pid"
 while true; do sleep 0.1; done
 """
+FAKE_SQUEUE = """
+echo "$SLURM_JOB_ID.batch"
+if [[ -e "$FAKE_LOG/srun_pid" ]]; then echo "$SLURM_JOB_ID.0"; fi
+"""
 
 
-def run_sbatch(tmp_path, srun_exit=None, signal_after_start=False):
+def run_sbatch(tmp_path, srun_exit=None, signal_after_start=False, signal_before_step=False, cpus_per_task="16"):
     log = tmp_path / "log"
     log.mkdir(parents=True)
-    env = fake_commands(tmp_path / "bin", srun=FAKE_SRUN,
+    env = fake_commands(tmp_path / "bin", srun=FAKE_SRUN, squeue=FAKE_SQUEUE,
                         scontrol='echo "$@" >> "$FAKE_LOG/scontrol"',
                         scancel='echo "$@" >> "$FAKE_LOG/scancel"; kill -USR1 "$(cat "$FAKE_LOG/srun_pid")"')
     env.update(FAKE_LOG=str(log), SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(ROOT),
-               SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="16")
+               SLURM_GPUS_ON_NODE="8")
+    env.pop("SLURM_CPUS_PER_TASK", None)
+    if cpus_per_task:
+        env["SLURM_CPUS_PER_TASK"] = cpus_per_task
     if srun_exit is not None:
         env["FAKE_SRUN_EXIT"] = str(srun_exit)
+    if signal_before_step:
+        env["FAKE_STEP_DELAY"] = "1.5"
     proc = subprocess.Popen(["bash", "slurm/train.sbatch", "recipes/tiny.yaml", "out_dir=runs/x"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if signal_after_start:
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if signal_after_start or signal_before_step:
         deadline = time.time() + 30
-        while not (log / "srun_pid").exists() and time.time() < deadline:
+        marker = log / ("srun_started" if signal_before_step else "srun_pid")
+        while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
         proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` does
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # with the stand-in srun: a lost stop would leave both running
+        out, err = proc.communicate()
+        err += "\n(killed after 60 s)"
     read = lambda name: (log / name).read_text() if (log / name).exists() else ""  # noqa: E731
     return proc.returncode, err, read("srun_args"), read("scontrol"), read("scancel")
 
@@ -118,6 +182,15 @@ def test_sbatch_forwards_the_time_limit_signal_and_requeues(tmp_path):
                                  "slurm/launch.sh", "recipes/tiny.yaml", "out_dir=runs/x"]
 
 
+def test_sbatch_keeps_a_stop_that_arrives_before_the_job_step_exists(tmp_path):
+    """SIGUSR1 while srun is still starting its step: forwarded once squeue lists the step, then requeue."""
+    code, err, srun_args, scontrol, scancel = run_sbatch(tmp_path, signal_before_step=True, cpus_per_task=None)
+    assert scancel.split() == ["--signal=USR1", "4242"]  # once, when the step could receive it
+    assert scontrol.split() == ["requeue", "4242"]
+    assert code == 0, err
+    assert "--whole" in srun_args.split()  # no --cpus-per-task given: the step gets all of the job's CPUs
+
+
 def test_sbatch_requeues_on_exit_124_but_not_on_a_crash(tmp_path):
     code, _, _, scontrol, _ = run_sbatch(tmp_path / "preempted", srun_exit=124)
     assert code == 0 and scontrol.split() == ["requeue", "4242"]
@@ -125,6 +198,62 @@ def test_sbatch_requeues_on_exit_124_but_not_on_a_crash(tmp_path):
     assert code == 1 and scontrol == ""
     code, _, _, scontrol, _ = run_sbatch(tmp_path / "finished", srun_exit=0)
     assert code == 0 and scontrol == ""
+
+
+# Stand-ins for the launch of training: `python tools/launch_flags.py` (slow when FAKE_FLAGS_DELAY is set) and
+# `python -m accelerate.commands.launch`, whose child plays a training process: SIGUSR1 stays ignored (inherited
+# from the launcher) through a start-up of FAKE_STARTUP seconds, then it installs a handler, like lmrecipe's
+# trainer, and exits 124 when the signal comes (0 after 20 s without one).
+FAKE_WORKER = """
+import os, signal, sys, time
+time.sleep(float(os.environ["FAKE_STARTUP"]))
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+open(os.path.join(os.environ["FAKE_LOG"], "handler_installed"), "w").close()
+deadline = time.time() + 20
+while not got and time.time() < deadline:
+    time.sleep(0.05)
+sys.exit(124 if got else 0)
+"""
+FAKE_PYTHON = """
+if [[ "$1" == */launch_flags.py ]]; then
+    touch "$FAKE_LOG/flags_started"
+    sleep "${FAKE_FLAGS_DELAY:-0}"
+    echo --multi_gpu
+    exit 0
+fi
+touch "$FAKE_LOG/launcher_started"
+"$REAL_PYTHON" -c "$FAKE_WORKER"
+"""
+
+
+@pytest.mark.parametrize("when", ["before_launcher", "during_worker_start_up"])
+def test_launch_keeps_a_stop_that_arrives_during_start_up(tmp_path, when):
+    """A SIGUSR1 before the training processes can take it is not lost: it reaches them once their handler is
+    installed (exit 124 after a checkpoint), or, before the launcher runs, stops the node at once (exit 124)."""
+    log = tmp_path / "log"
+    log.mkdir()
+    env = fake_commands(tmp_path / "bin", python=FAKE_PYTHON)
+    env.update(PYTHON=str(tmp_path / "bin" / "python"), REAL_PYTHON=sys.executable, FAKE_WORKER=FAKE_WORKER,
+               FAKE_LOG=str(log), FAKE_STARTUP="1.5", MASTER_ADDR="127.0.0.1", LMRECIPE_PROCS_PER_NODE="2")
+    if when == "before_launcher":
+        env["FAKE_FLAGS_DELAY"] = "1.5"
+    proc = start_node(["bash", "slurm/launch.sh", "recipes/tiny.yaml"], env)
+    marker = log / ("flags_started" if when == "before_launcher" else "launcher_started")
+    deadline = time.time() + 30
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert not (log / "handler_installed").exists()  # the signal comes before the worker could take it
+    start = time.time()
+    proc.send_signal(signal.SIGUSR1)
+    try:
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        stop_nodes([proc])
+    assert proc.returncode == 124, out
+    assert time.time() - start < 10  # not the worker's 20 s wait: the stop reached it
+    assert (log / "launcher_started").exists() == (when == "during_worker_start_up")
 
 
 def start_node(args: list[str], env: dict) -> subprocess.Popen:
@@ -149,7 +278,7 @@ def stop_nodes(procs: list[subprocess.Popen]) -> None:
 def node_env(node_id: int, port: int) -> dict:
     env = subprocess_env()
     env.update(SLURM_NNODES="2", SLURM_NODEID=str(node_id), SLURM_JOB_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), GPUS_PER_NODE="1", PYTHON=sys.executable)
+               MASTER_PORT=str(port), LMRECIPE_PROCS_PER_NODE="1", PYTHON=sys.executable)
     return env
 
 
@@ -195,7 +324,7 @@ def test_usr1_checkpoints_and_the_relaunch_resumes(tmp_path, tiny_data):
     args = ["bash", "slurm/launch.sh", "recipes/tiny.yaml", f"out_dir={out_dir}", f"data.path={tiny_data}",
             *TINY_OVERRIDES, "checkpoint.every_steps=0"]
     env = node_env(0, free_port())
-    env.update(SLURM_NNODES="1", GPUS_PER_NODE="2")
+    env.update(SLURM_NNODES="1", LMRECIPE_PROCS_PER_NODE="2")
     proc = start_node([*args, "train.max_steps=100000"], env)
     try:
         deadline = time.time() + 300

@@ -1,0 +1,143 @@
+"""slurm/ on a real two-node SLURM cluster (tests/slurm_cluster.py): train.sbatch on 2 nodes x 1 CPU process
+to completion; a stop during start-up that is not lost, then a SIGUSR1 preemption -> checkpoint -> requeue ->
+exact resume; compare_zero.sbatch. One cluster and one uninterrupted reference run serve every test."""
+
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY_OVERRIDES, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 300  # about 10 s of training: long enough to preempt in the middle
+OVERRIDES = [*TINY_OVERRIDES, f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=0"]
+JOB_TIMEOUT_S = 600
+
+
+def job_env(cluster, **extra) -> dict:
+    """What a user's shell passes to sbatch (SLURM exports it to the job): the project's Python, this cluster."""
+    env = {**subprocess_env(), "SLURM_CONF": cluster.env["SLURM_CONF"], "PYTHON": sys.executable}
+    env.pop("LMRECIPE_PROCS_PER_NODE", None)
+    return {**env, **extra}
+
+
+def submit(cluster, script: str, args: list[str], output: Path, sbatch_args=(), **env) -> tuple[subprocess.Popen, str]:
+    """`sbatch --wait` in the background from the repository root; returns the process and the job id."""
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={output}", *sbatch_args, script, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(cluster, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    job_id = proc.stdout.readline().strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch printed {job_id!r}: {proc.stderr.read() if proc.poll() is not None else ''}"
+    return proc, job_id
+
+
+def finish(cluster, proc: subprocess.Popen, output: Path) -> str:
+    try:
+        _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"job still running after {JOB_TIMEOUT_S} s\n{output.read_text()[-6000:]}\n{cluster.logs()}")
+    log = output.read_text(errors="replace") if output.exists() else ""
+    assert proc.returncode == 0, f"sbatch exited {proc.returncode}: {err}\n{log[-6000:]}\n{cluster.logs()}"
+    return log
+
+
+def train_args(out_dir: Path, data: Path) -> list[str]:
+    return ["recipes/tiny.yaml", f"out_dir={out_dir}", f"data.path={data}", *OVERRIDES]
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    """Loss per step; after a resume the file also holds the rows of the abandoned continuation: keep the last."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def wait_for(condition, what: str, timeout_s: float = 300, proc: subprocess.Popen | None = None, output: Path | None = None):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the job ended before {what}\n{output.read_text()[-6000:] if output else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s:.0f} s\n{output.read_text()[-6000:] if output else ''}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def reference_run(slurm_cluster, tiny_data, tmp_path_factory):
+    """An uninterrupted `sbatch -N2 slurm/train.sbatch` run: its log and out_dir."""
+    tmp = tmp_path_factory.mktemp("slurm_reference")
+    out_dir, output = tmp / "run", tmp / "slurm.out"
+    proc, _ = submit(slurm_cluster, "slurm/train.sbatch", train_args(out_dir, tiny_data), output, ["-N2"])
+    return finish(slurm_cluster, proc, output), out_dir
+
+
+def test_train_sbatch_on_two_cpu_nodes(reference_run):
+    log, out_dir = reference_run
+    # One launcher per node, one process each (no GPUs), rendezvous at n1's NodeAddr rather than its name.
+    for node in (0, 1):
+        assert re.search(rf"\[launch\] node {node} of 2 on .*: 1 processes per node x 1 threads, 2 processes in all, "
+                         r"rendezvous 127\.0\.0\.1:\d+", log), log[-4000:]
+    assert "[sbatch] finished with exit code 0" in log and "requeue" not in log
+    assert json.loads((out_dir / "run_meta.json").read_text())["world_size"] == 2
+    assert sorted(losses(out_dir)) == list(range(1, MAX_STEPS + 1))
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == f"step_{MAX_STEPS:08d}"
+
+
+def test_stops_during_start_up_and_mid_training_requeue_and_resume_exactly(slurm_cluster, tiny_data, tmp_path,
+                                                                          reference_run):
+    """`scancel --signal=USR1 --batch` twice: while the launchers start (no training process can take it yet),
+    then mid-training. Each ends in a requeue; the second saves a checkpoint that the third run resumes from,
+    and the losses equal the uninterrupted run's."""
+    out_dir, output = tmp_path / "run", tmp_path / "slurm.out"
+    metrics = out_dir / "metrics.jsonl"
+    proc, job_id = submit(slurm_cluster, "slurm/train.sbatch", train_args(out_dir, tiny_data), output, ["-N2"])
+
+    def launches() -> int:  # launch.sh starts, one per node and run
+        return output.read_text().count("[launch] node") if output.exists() else 0
+
+    def rows() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+    wait_for(lambda: launches() == 2, "launcher start", proc=proc, output=output)
+    assert rows() == 0  # training has not started
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
+    wait_for(lambda: f"job {job_id} (restart 1)" in output.read_text() and launches() == 4, "restart", proc=proc,
+             output=output)
+    rows_before = rows()  # a step may have been trained when the first stop reached the workers
+    wait_for(lambda: rows() > rows_before, "training step after the restart", proc=proc, output=output)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
+    log = finish(slurm_cluster, proc, output)
+
+    assert log.count(f"requeueing job {job_id}") == 2 and f"job {job_id} (restart 2)" in log, log[-6000:]
+    stopped = re.findall(r"Stopped by SIGUSR1 after step (\d+); checkpoint saved", log)
+    assert stopped, log[-6000:]
+    stopped_at = int(stopped[-1])
+    assert 1 <= stopped_at < MAX_STEPS
+    assert f"Resumed from {out_dir / 'checkpoints' / f'step_{stopped_at:08d}'} at step {stopped_at}" in log
+    assert [c["JobState"] for c in slurm_cluster.completions() if c.get("JobId") == job_id][-1] == "COMPLETED"
+
+    expected, got = losses(reference_run[1]), losses(out_dir)
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_compare_zero_sbatch(slurm_cluster, tiny_data, tmp_path):
+    out, output = tmp_path / "compare", tmp_path / "slurm.out"
+    args = ["recipes/tiny.yaml", f"data.path={tiny_data}", *TINY_OVERRIDES, "--configs", "none,zero2", "--steps", "2",
+            "--out", str(out)]
+    proc, _ = submit(slurm_cluster, "slurm/compare_zero.sbatch", args, output, LMRECIPE_PROCS_PER_NODE="2")
+    log = finish(slurm_cluster, proc, output)
+    rows = {r["config"]: r for r in csv.DictReader((out / "results.csv").open())}
+    assert list(rows) == ["none", "zero2"], log[-4000:]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert float(rows["zero2"]["max_loss_diff_vs_none"]) < 1e-4
+    assert "training 2 steps on 2 processes" in log  # LMRECIPE_PROCS_PER_NODE, passed on as --nproc
+    assert (out / "results.md").exists()
