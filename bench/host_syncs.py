@@ -55,7 +55,7 @@ def worker(args) -> None:
     logging.disable(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = [f"data.path={args.data}", "logging.progress_bar=false", "checkpoint.export_at_end=false",
+    base = [f"data.path={args.data}", "logging.progress_bar=false", "checkpoint.export_at_end=false", "schedule.warmup_steps=2",
             "checkpoint.resume=none"]
     with tempfile.TemporaryDirectory(prefix="bench_syncs_") as tmp:
         if args.worker == "syncs":

@@ -29,6 +29,7 @@ which unpickles; that is the one full-pickle load left, and the shards are check
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -432,21 +433,52 @@ class Checkpointer:
             (tmp / RNG_DIR).mkdir(parents=True)
         acc.wait_for_everyone()
         probe = self._probe_logits(model)
-        acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
-        tensors, metadata = rng_state_tensors()
-        save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
-        if acc.is_main_process:
-            save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
-            self._write_hf_dir(model, tmp / HF_DIR)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            self._publish(tmp, final, state)
-            if preempted:
-                marker = {"step": state.step, "checkpoint": str(final)}
-                write_text_atomic(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n", durable=True)
+        try:
+            acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
+            tensors, metadata = rng_state_tensors()
+            save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
+            if acc.is_main_process:
+                save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
+                self._write_hf_dir(model, tmp / HF_DIR)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                self._publish(tmp, final, state)
+        except (OSError, RuntimeError) as err:
+            full = self._disk_full_error(err, tmp, final)
+            if full is None:
+                raise
+            raise full from None
+        if acc.is_main_process and preempted:
+            marker = {"step": state.step, "checkpoint": str(final)}
+            write_text_atomic(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n", durable=True)
         acc.wait_for_everyone()
         self.latest = final
         return final
+
+    def _disk_full_error(self, err: Exception, tmp: Path, final: Path):
+        """A UserError if ``err`` came from a full disk (after removing the partial folder), else None.
+
+        torch's writer reports a full disk as a RuntimeError without errno ("iostream error"), so the free space is
+        checked too: less than the previous checkpoint's size (or 1 MB without one) counts as full.
+        """
+        previous = self.latest
+        if previous is None and (self.root / LATEST).is_file():
+            previous = _follow_latest(self.root)
+        needed = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file()) if previous else 0
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = 0
+        if getattr(err, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= max(needed, 1 << 20):
+            return None
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"The previous checkpoint {previous} is intact." if previous else "No earlier checkpoint exists."
+        return fail(
+            f"No space left on the device while writing checkpoint {final.name} to {self.root} ({err}). "
+            f"Free: {free / 1e6:.1f} MB; the previous checkpoint took {needed / 1e6:.1f} MB. The partial folder was "
+            f"removed. {kept} Free some space, lower checkpoint.keep_last, or move out_dir to a larger disk, then "
+            "resume with checkpoint.resume=auto."
+        )
 
     def _write_hf_dir(self, model, hf_dir: Path) -> None:
         hf_dir.mkdir()

@@ -7,7 +7,7 @@ optimizer step; ``train`` and every benchmark in ``bench/`` call these two, so w
 from __future__ import annotations
 
 import logging
-import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from .memory import attach_model_state_probe
 from .model import build_hf_config, build_model, flops_per_token, param_counts
 from .optim import build_optimizer, lr_at, set_lr
 from .reporting import Reporter
+from .runlock import RunLock
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +244,15 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
 
 
 class PreemptionSignal:
-    """Records SIGTERM / SIGUSR1 so the loop can finish its step, save and exit."""
+    """Records SIGTERM / SIGUSR1, or the death of the launcher, so the loop can finish its step, save and exit.
+
+    A launcher that dies (``accelerate launch`` exits at once on SIGUSR1) leaves its ranks running as orphans:
+    they notice their parent changed and stop the same way, with a checkpoint.
+    """
 
     def __init__(self):
         self.name: str | None = None
+        self._parent = os.getppid()
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
@@ -254,12 +260,14 @@ class PreemptionSignal:
         self.name = signal.Signals(signum).name
 
     def requested(self, accelerator, exchange: bool) -> bool:
-        """True on every rank when any rank got the signal.
+        """True on every rank when any rank got the signal or lost its launcher.
 
         One process decides alone at every step. Several exchange their flags (a tiny all-reduce read on the
         host, so a sync) only when ``exchange`` is set, at the loop's sync points: a signal waits at most until
         the next one (``logging.log_every_steps`` steps), and every rank stops at the same step.
         """
+        if self.name is None and os.getppid() != self._parent:
+            self.name = "the exit of the launcher (parent process)"
         if accelerator.num_processes == 1:
             return self.name is not None
         if not exchange:
@@ -325,9 +333,22 @@ def stop_after_skips(state: TrainState, reporter: Reporter, limit: int) -> None:
 
 
 def train(cfg: Config) -> TrainState:
+    """Train ``cfg`` to ``train.max_steps`` (resuming as ``checkpoint.resume`` says); one run per ``out_dir``."""
     out_dir = Path(cfg.out_dir)
     run = build_run(cfg, out_dir)
-    accelerator, layout = run.accelerator, run.runtime.layout
+    lock = RunLock(out_dir)
+    if run.accelerator.is_main_process:
+        lock.acquire()  # before anything in out_dir is cleaned up or written
+    run.accelerator.wait_for_everyone()
+    try:
+        return train_loop(run, out_dir)
+    finally:
+        run.prefetcher.close()
+        lock.release()
+
+
+def train_loop(run: Run, out_dir: Path) -> TrainState:
+    cfg, accelerator, layout = run.cfg, run.accelerator, run.runtime.layout
     checkpointer = build_checkpointer(run, out_dir)
     state = TrainState()
     resumed_from = checkpointer.maybe_resume(run.model, state)
@@ -360,7 +381,6 @@ def train(cfg: Config) -> TrainState:
             state.sync()  # the checkpoint records the skip counters
         checkpointer.maybe_save(run.model, state, preempted=preempted)
         if preempted:
-            run.prefetcher.close()
             reporter.close(plot=True)
             logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
                         stop.name or "a signal to another rank", state.step)
@@ -368,7 +388,6 @@ def train(cfg: Config) -> TrainState:
             accelerator.wait_for_everyone()
             raise SystemExit(EXIT_PREEMPTED)
 
-    run.prefetcher.close()
     maybe_export(run, checkpointer.latest, out_dir)
     reporter.close(plot=True)
     accelerator.end_training()

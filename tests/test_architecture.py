@@ -19,7 +19,7 @@ PACKAGE = ROOT / "lmrecipe"
 LAYERS = {
     # foundation: no knowledge of training
     "errors": 0, "fileio": 0, "metrics": 0,
-    "cli": 1, "config": 1,
+    "cli": 1, "config": 1, "runlock": 1,
     # components: each one concern, unaware of the loop
     "data": 2, "model": 2, "optim": 2, "tracking": 2, "plots": 2, "launch": 2,
     "distributed": 3, "loss": 3, "prepare": 3,
