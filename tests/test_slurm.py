@@ -290,7 +290,7 @@ def losses(out_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_two_simulated_nodes_match_one_node(tmp_path, tiny_data):
     overrides = [f"data.path={tiny_data}", *TINY_OVERRIDES, "train.max_steps=3",
-                 "distributed.deepspeed_config=ds_configs/zero2.json"]
+                 "distributed.deepspeed_config=ds_configs/zero2.json", "logging.measure_model_states=true"]
     two_nodes = tmp_path / "two_nodes"
     port = free_port()
     nodes = [start_node(["bash", "slurm/launch.sh", "recipes/tiny.yaml", f"out_dir={two_nodes}", *overrides], node_env(i, port))
