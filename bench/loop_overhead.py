@@ -6,10 +6,11 @@
 
 Both sides run in this process, in alternating blocks of --block-steps optimizer steps (A B, B A, ...):
 
-- ours: the per-step body of lmrecipe.trainer.train (accelerator.accumulate, causal_lm_loss, accelerator.backward,
-  _optimizer_step with clipping, lr_at/set_lr, Reporter.step_done with its log line every logging.log_every_steps,
-  PreemptionSignal.requested, Checkpointer.maybe_save, the TrainBatches fetch from the memory map), built by the
-  same build_* functions (bench/_common.py: OursLoop);
+- ours: lmrecipe.trainer's own build_run / build_checkpointer / build_reporter, then per step trainer.train_step
+  (the prefetched batches, accelerator.accumulate, causal_lm_loss, accelerator.backward, optimizer_step with
+  clipping, lr_at/set_lr) and what train's loop does after it (TrainState.record_step, Reporter.step_done with its
+  log line every logging.log_every_steps, PreemptionSignal.requested, Checkpointer.maybe_save)
+  (bench/_common.py: OursLoop);
 - raw: the same Hugging Face model and initial weights, AdamW with the same groups, the same micro-batches and
   accumulation, fp32 cross-entropy, (loss / accum).backward(), clip_grad_norm_, step, zero_grad - nothing else.
   By default its batches are pre-built tensors, so the data fetch counts as ours' overhead (--raw-data fetch
