@@ -236,6 +236,17 @@ def _data_signature(data_dir: Path) -> dict:
     }
 
 
+def _mixture_key(mixture: list[dict] | None) -> list[tuple] | None:
+    """What fixes the order of a mixture: source names (their permutations' seeds) and quotas (the pattern)."""
+    return None if mixture is None else [(s["name"], s["quota"]) for s in mixture]
+
+
+def _describe_mixture(mixture: list[dict] | None) -> str:
+    if mixture is None:
+        return "one folder (data.path)"
+    return "mixture " + ", ".join(f"{s['name']} {s['weight']:.4g}" for s in mixture)
+
+
 # --------------------------------------------------------------------------------------------------
 # RNG state in a safe format (one safetensors file per rank)
 
@@ -296,12 +307,16 @@ class Checkpointer:
     """
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
-                 seq_len: int, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float]):
+                 seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float]):
         """
         Args:
             section: the recipe's ``checkpoint`` section (interval, retention, resume).
             zero: the run's DeepSpeed setup (recorded, and compared on resume).
-            data_dir, seq_len: the training data (its signature is recorded; a probe window is read from it).
+            data_dir, seq_len: the training data (its signature is recorded; a probe window is read from it); for a
+                mixture, the first source (all share the tokenizer).
+            mixture: a data mixture's sources (name, path, weight, quota per block, train sha256), recorded; a resume
+                must keep the names and quotas (the global sample index maps to the same source and sample). None
+                for one folder.
             samples_per_step: the global batch size (the data position of a step is ``step x samples_per_step``).
             max_steps: the last step of the run, which is always saved.
             run_config: the resolved configuration as a dict, saved with each checkpoint and compared on resume.
@@ -313,6 +328,7 @@ class Checkpointer:
         self.root = out_dir / "checkpoints"
         self.zero = zero
         self.data_dir = Path(data_dir)
+        self.mixture = mixture
         self.samples_per_step = samples_per_step
         self.max_steps = max_steps
         self.run_config = run_config
@@ -357,10 +373,14 @@ class Checkpointer:
         new_hf = self.accelerator.unwrap_model(model).config.to_dict()
         problems += [f"model config {k}: {old_hf[k]!r} -> {new_hf[k]!r}"
                      for k in _HF_SHAPE_KEYS if k in old_hf and k in new_hf and old_hf[k] != new_hf[k]]
-        old_data, new_data = saved.get("data", {}), _data_signature(self.data_dir)
+        old_data, new_data = saved.get("data", {}), self._data_signature()
         problems += [f"data {k}: {old_data[k]!r} -> {new_data[k]!r}"
                      for k in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256")
                      if old_data.get(k) is not None and new_data.get(k) is not None and old_data[k] != new_data[k]]
+        old_mix, new_mix = _mixture_key(old_data.get("mixture")), _mixture_key(new_data.get("mixture"))
+        if old_mix != new_mix:
+            problems.append(f"data sources: {_describe_mixture(old_data.get('mixture'))} -> "
+                            f"{_describe_mixture(new_data.get('mixture'))}")
         topo = saved["topology"]
         if topo["deepspeed"] != self.zero.deepspeed or topo["zero_stage"] != self.zero.stage:
             problems.append(f"ZeRO stage: {topo['zero_stage'] if topo['deepspeed'] else 'no DeepSpeed'} -> "
@@ -379,15 +399,24 @@ class Checkpointer:
                    if k not in fixed_keys and old.get(k) != new.get(k)]
         if changed:
             logger.info("Resuming with changed settings (allowed): %s", "; ".join(changed))
-        if new_data.get("train_sha256") != old_data.get("train_sha256"):
+        if new_mix is None and new_data.get("train_sha256") != old_data.get("train_sha256"):
             logger.warning("The training data differs from the checkpoint's (train.bin sha256); the run continues "
                            "at the same sample index of the new data.")
+        for old_source, new_source in zip(old_data.get("mixture") or [], new_data.get("mixture") or []):
+            if old_source.get("train_sha256") != new_source.get("train_sha256"):
+                logger.warning("The training data of source %s differs from the checkpoint's (%s -> %s, train.bin "
+                               "sha256); the run continues at the same sample index of the new data.",
+                               new_source["name"], old_source.get("path"), new_source.get("path"))
         step = saved["state"]["step"]
         lr_now = self.lr_schedule(step)
         lr_saved = saved["schedule"]["next_lr"]
         if not math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
             logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
                            "schedule.", step, lr_saved, lr_now)
+
+    def _data_signature(self) -> dict:
+        signature = _data_signature(self.data_dir)
+        return signature if self.mixture is None else {**signature, "mixture": self.mixture}
 
     def _restore_rng(self, path: Path) -> None:
         from safetensors import safe_open
@@ -494,7 +523,7 @@ class Checkpointer:
             "format_version": FORMAT_VERSION,
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
             "val_loss": val_loss,
-            "data": {"next_sample": state.step * self.samples_per_step, **_data_signature(self.data_dir)},
+            "data": {"next_sample": state.step * self.samples_per_step, **self._data_signature()},
             "schedule": {
                 "last_lr": self.lr_schedule(state.step - 1) if state.step else None,
                 "next_lr": self.lr_schedule(state.step),

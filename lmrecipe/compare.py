@@ -191,10 +191,11 @@ def recipe_vocab_size(cfg: Config, override: int | None = None) -> int:
         return override
     if cfg.model.vocab_size is not None:
         return cfg.model.vocab_size
-    if (Path(cfg.data.path) / "meta.json").is_file():
-        return int(load_meta(cfg.data.path)["vocab_size"])
+    folder = cfg.data.source_list()[0].path  # the sources of a mixture share one tokenizer
+    if (Path(folder) / "meta.json").is_file():
+        return int(load_meta(folder)["vocab_size"])
     raise fail(
-        f"The vocabulary size is unknown: model.vocab_size is null and {cfg.data.path}/meta.json does not exist. "
+        f"The vocabulary size is unknown: model.vocab_size is null and {folder}/meta.json does not exist. "
         "Set model.vocab_size=N, prepare the data, or pass --vocab-size N."
     )
 

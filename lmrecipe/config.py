@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -86,17 +88,74 @@ class ModelConfig:
         return -(-(8 * self.hidden_size // 3) // 64) * 64
 
 
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass
+class DataSource:
+    """One prepared folder of a weighted mixture (``data.sources``)."""
+
+    path: str
+    """Folder written by ``tools/prepare_data.py``."""
+    weight: float = 1.0
+    """Share of training samples drawn from this folder, relative to the other sources' weights (0 = evaluated only)."""
+    name: Optional[str] = None
+    """Name in metrics (``val_loss/<name>``, ``tokens_seen/<name>``); null means the folder's name."""
+
+    def resolved_name(self) -> str:
+        return self.name if self.name is not None else Path(self.path).name
+
+
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib"
-    """Folder written by ``tools/prepare_data.py`` (train.bin, val.bin, meta.json, tokenizer)."""
+    path: Optional[str] = "data/stdlib"
+    """Folder written by ``tools/prepare_data.py`` (train.bin, val.bin, meta.json, tokenizer); null with ``sources``."""
+    sources: list[DataSource] = field(default_factory=list)
+    """A weighted mixture of prepared folders, e.g. ``[{path: data/code, weight: 0.7}, {path: data/prose, weight: 0.3}]``,
+    used instead of ``path``. All must share one tokenizer. Setting one of ``path`` / ``sources`` in a recipe or on the
+    command line clears the other one from lower layers; setting both in the same layer is an error."""
     seq_len: int = _fixed(256)
     """Tokens per training sequence (each window reads ``seq_len + 1`` tokens)."""
     val_windows: int = 64
-    """Validation sequences evaluated each time (a fixed set, spread over val.bin)."""
+    """Validation sequences evaluated each time (a fixed set, spread over val.bin), per source for a mixture."""
 
     def validate(self) -> None:
         _positive(self, "seq_len", "val_windows")
+        if self.sources and self.path is not None:
+            raise fail(
+                f"data.path={self.path!r} and data.sources are both set: train either on one folder (data.path) or on a "
+                "mixture (data.sources). Remove one of them, or set data.path=null to use the mixture."
+            )
+        if not self.sources and not self.path:
+            raise fail("No training data: set data.path to a prepared folder, or data.sources to a list of them "
+                       "(e.g. data.sources='[{path: data/code, weight: 0.7}, {path: data/prose, weight: 0.3}]').")
+        names: dict[str, int] = {}
+        for i, source in enumerate(self.sources):
+            where = f"data.sources[{i}]"
+            if not source.path:
+                raise fail(f"{where}.path is empty: name a folder written by tools/prepare_data.py.")
+            if not math.isfinite(source.weight) or source.weight < 0:
+                raise fail(f"{where}.weight={source.weight} ({source.path}) must be a finite number >= 0 (weights are "
+                           "relative shares of the training samples; 0 evaluates a source without training on it).")
+            name = source.resolved_name()
+            if not _SOURCE_NAME.match(name):
+                raise fail(f"{where} has the name {name!r}, which cannot label metrics: set {where}.name to letters, "
+                           "digits, '_', '-' or '.' (e.g. name: code).")
+            if name in names:
+                raise fail(f"data.sources[{names[name]}] and {where} are both named {name!r} (names default to the "
+                           f"folder's name): give each source a distinct name, e.g. {{path: {source.path}, name: "
+                           f"{name}_2}}.")
+            names[name] = i
+        if self.sources and sum(s.weight for s in self.sources) <= 0:
+            raise fail(f"The weights of data.sources sum to zero ({', '.join(str(s.weight) for s in self.sources)}): "
+                       "give at least one source a positive weight.")
+
+    def source_list(self) -> list[DataSource]:
+        """The training data as sources: ``sources``, or ``path`` as one source of weight 1."""
+        return list(self.sources) if self.sources else [DataSource(path=self.path)]
+
+    def is_mixture(self) -> bool:
+        return bool(self.sources)
 
 
 @dataclass
@@ -335,13 +394,29 @@ def load_config(recipe_path: str | os.PathLike | None, overrides: list[str] | tu
         if not isinstance(data, dict):
             raise fail(f"Recipe {str(path)!r} must hold a mapping of sections (model:, data:, ...).")
         _merge(cfg, data, prefix="")
+        section = data.get("data")
+        _choose_data(cfg, set(section) if isinstance(section, dict) else set(), f"recipe {path}")
+    cli_keys = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise fail(f"Override {item!r} must look like key=value, e.g. optim.lr=3e-4.")
         _set_dotted(cfg, key.strip(), raw.strip(), from_cli=True)
+        cli_keys.add(key.strip())
+    _choose_data(cfg, {k.partition(".")[2] for k in cli_keys if k.startswith("data.")}, "command line")
     cfg.validate()
     return cfg
+
+
+def _choose_data(cfg: Config, keys: set[str], layer: str) -> None:
+    """``data.path`` and ``data.sources`` are one choice: the layer that sets one clears the other."""
+    data = cfg.data
+    if "sources" in keys and "path" in keys and data.sources and data.path is not None:
+        raise fail(f"The {layer} sets both data.path and data.sources: keep one (a single folder, or the mixture).")
+    if "sources" in keys and data.sources and "path" not in keys:
+        data.path = None
+    elif "path" in keys and data.path is not None and "sources" not in keys:
+        data.sources = []
 
 
 def config_from_dict(data: dict) -> Config:
@@ -441,6 +516,19 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
         if from_cli or isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise fail(f"{key}={value!r} must be a string.")
+    if origin is list:
+        if isinstance(value, str) and from_cli:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise fail(f"{key}={value!r} is not valid YAML ({err}).") from None
+        if value is None:
+            value = []
+        if not isinstance(value, list):
+            raise fail(f"{key}={value!r} must be a list, e.g. {key}='[{{path: data/code, weight: 0.7}}]'.")
+        return [_coerce(f"{key}[{i}]", item, args[0], from_cli=False) for i, item in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        return _record(key, value, hint)
     if hint is dict or origin is dict:
         if isinstance(value, str) and from_cli:
             try:
@@ -451,6 +539,30 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
             return value
         raise fail(f"{key}={value!r} must be a mapping, e.g. {key}='{{rms_norm_eps: 1e-5}}'.")
     raise UserError(f"{key}: unsupported config type {hint!r}.")
+
+
+def _record(key: str, value: Any, cls: type) -> Any:
+    """A list item such as a :class:`DataSource` from a mapping, with the same strict key and type checks."""
+    if isinstance(value, cls):
+        return value
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if not isinstance(value, dict):
+        raise fail(f"{key}={value!r} must be a mapping with keys {', '.join(names)} (required: {', '.join(required)}).")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, item in value.items():
+        name = str(name)
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" Did you mean {key}.{close[0]}?" if close else ""
+            raise fail(f"Unknown config key {key}.{name}.{hint} Valid keys here: {', '.join(f'{key}.{n}' for n in names)}.")
+        kwargs[name] = _coerce(f"{key}.{name}", item, hints[name], from_cli=False)
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        raise fail(f"{key} lacks {', '.join(missing)}: write e.g. {{path: data/code, weight: 0.7}}.")
+    return cls(**kwargs)
 
 
 def _positive(section: Any, *keys: str) -> None:

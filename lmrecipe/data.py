@@ -201,19 +201,28 @@ def check_sample(tokens: np.ndarray, index_path: Path, meta: dict, split: str) -
 
 
 class SampleOrder:
-    """Global sample index -> window index: a permutation per epoch, seeded by (seed, epoch)."""
+    """Sample index -> window index: a permutation per epoch, seeded by (seed, epoch).
 
-    def __init__(self, n_windows: int, seed: int):
+    ``stream`` (a source of a mixture, see ``lmrecipe/mixture.py``) seeds by (seed, stream, epoch) instead, so each
+    source of a mixture has its own permutation; None keeps the single-folder order.
+    """
+
+    def __init__(self, n_windows: int, seed: int, stream: int | None = None):
         self.n_windows = n_windows
         self.seed = seed
+        self.stream = stream
 
     @lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        entropy = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
+        return np.random.default_rng(entropy).permutation(self.n_windows)
 
     def windows(self, first_sample: int, count: int) -> np.ndarray:
-        samples = np.arange(first_sample, first_sample + count)
-        epochs, positions = np.divmod(samples, self.n_windows)
+        return self.at(np.arange(first_sample, first_sample + count))
+
+    def at(self, samples: np.ndarray) -> np.ndarray:
+        """Window indices of the given sample indices (any order, repeats allowed)."""
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
         return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
 
 

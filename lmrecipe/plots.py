@@ -18,8 +18,13 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_training(rows: list[dict], path: str | Path) -> None:
-    """Train/val loss, learning rate, grad norm and tokens/s against optimizer step."""
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    """Train/val loss, learning rate, grad norm and tokens/s against optimizer step.
+
+    A data mixture's rows (``val_loss/<name>``, ``tokens_seen/<name>``) add a third column: validation loss and
+    tokens seen per source.
+    """
+    per_source = sorted({k.partition("/")[0] for r in rows for k in r if k.startswith(("val_loss/", "tokens_seen/"))})
+    fig, axes = plt.subplots(2, 3 if per_source else 2, figsize=(16 if per_source else 11, 7), constrained_layout=True)
     ax = axes[0, 0]
     ax.plot(*_series(rows, "loss"), label="train loss", lw=1)
     steps, val = _series(rows, "val_loss")
@@ -34,6 +39,13 @@ def plot_training(rows: list[dict], path: str | Path) -> None:
     ):
         ax.plot(*_series(rows, key), lw=1)
         ax.set_ylabel(label)
+    if per_source:
+        for ax, prefix, label, style in ((axes[0, 2], "val_loss/", "val loss per source (nats/token)", "o-"),
+                                         (axes[1, 2], "tokens_seen/", "tokens seen per source", "-")):
+            for key in sorted({k for r in rows for k in r if k.startswith(prefix)}):
+                ax.plot(*_series(rows, key), style, label=key[len(prefix):], ms=4, lw=1)
+            ax.set_ylabel(label)
+            ax.legend()
     for ax in axes.flat:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)

@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 class Reporter:
     def __init__(self, section: LoggingConfig, accelerator, out_dir: Path, *, precision: str, max_steps: int,
-                 start_step: int, tokens_per_step: int, flops_per_token: float, run_config: dict, run_meta: dict):
+                 start_step: int, tokens_per_step: int, flops_per_token: float, run_config: dict, run_meta: dict,
+                 source_tokens: Callable[[int], dict[str, int]] | None = None):
         """
         Args:
             section: the recipe's ``logging`` section (interval, tracker, progress bar, peak TFLOP/s).
@@ -34,6 +36,7 @@ class Reporter:
             tokens_per_step: tokens of one optimizer step over all ranks.
             run_config: the resolved configuration (``run_meta.json`` and the tracker's config).
             run_meta: further facts for ``run_meta.json`` (parameters, topology, resume).
+            source_tokens: step -> ``{"tokens_seen/<name>": tokens}`` of a data mixture, added to every row.
         """
         self.section = section
         self.accelerator = accelerator
@@ -42,6 +45,7 @@ class Reporter:
         self.is_main = accelerator.is_main_process
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
+        self.source_tokens = source_tokens or (lambda step: {})
         self.peak_tflops, peak_source = metrics.device_peak_tflops(accelerator.device, precision, section.peak_tflops)
         if self.is_main:
             meta = run_metadata(run_config, accelerator.num_processes, precision,
@@ -88,6 +92,7 @@ class Reporter:
         row = {
             "step": state.step,
             "tokens_seen": state.tokens_seen,
+            **self.source_tokens(state.step),
             "loss": loss_value,
             "lr": lr,
             "grad_norm": grad_norm,
@@ -109,11 +114,15 @@ class Reporter:
             )
         self._reset_interval(time.perf_counter())
 
-    def eval_done(self, state, val_loss: float) -> None:
+    def eval_done(self, state, val_loss: float, per_source: dict[str, float] | None = None) -> None:
+        """Write an evaluation row; ``per_source`` (a mixture) adds ``val_loss/<name>`` for each source."""
         val_ppl = math.exp(val_loss) if val_loss < 50 else float("inf")
-        self.tracker.log({"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl})
+        sources = {f"val_loss/{name}": loss for name, loss in (per_source or {}).items()}
+        self.tracker.log({"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
+                          **sources})
         if self.is_main:
-            self.bar.write(f"step {state.step:>6}/{self.max_steps} | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}")
+            self.bar.write(f"step {state.step:>6}/{self.max_steps} | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
+                           + "".join(f" | {key} {loss:.4f}" for key, loss in sources.items()))
         # Evaluation time is not training throughput.
         self._interval_start = time.perf_counter() - self._interval_step_time_s
 

@@ -18,11 +18,12 @@ import torch
 
 from .checkpoint import EXIT_PREEMPTED, Checkpointer
 from .config import Config, save_config
-from .data import Prefetcher, TrainBatches, ValBatches, load_meta, open_data
+from .data import Prefetcher, TrainBatches, ValBatches
 from .distributed import Runtime, build_runtime
 from .errors import fail
 from .loss import causal_lm_loss, validation_loss
 from .memory import attach_model_state_probe
+from .mixture import MixtureBatches, TrainingData, check_sources, open_training_data
 from .model import build_hf_config, build_model, flops_per_token, param_counts
 from .optim import build_optimizer, lr_at, set_lr
 from .reporting import Reporter
@@ -92,11 +93,13 @@ class Run:
     model: torch.nn.Module
     """The prepared model (DDP wrapper or DeepSpeed engine)."""
     optimizer: torch.optim.Optimizer
-    train_batches: TrainBatches
+    train_batches: TrainBatches | MixtureBatches
     val_batches: ValBatches
+    """The first source's validation windows (the only ones for one folder); ``data.val_sets`` has every source's."""
     prefetcher: Prefetcher
     n_params: int
     flops_per_token: float
+    data: TrainingData
 
     @property
     def accelerator(self):
@@ -133,13 +136,13 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
     runtime = build_runtime(cfg)
     accelerator = runtime.accelerator
+    # The data is checked before out_dir is touched: bad data writes nothing.
+    meta = check_sources(cfg.data)
+    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-
-    meta = load_meta(cfg.data.path)
-    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
-    _, train_windows, val_windows = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
     if cfg.data.seq_len > hf_config.max_position_embeddings:
         raise fail(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
@@ -163,11 +166,9 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     if cfg.logging.measure_model_states:
         attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
-    layout = runtime.layout
-    train_batches = TrainBatches(train_windows, layout, cfg.train.seed)
-    val_batches = ValBatches(val_windows, cfg.data.val_windows, layout.micro_batch_size, layout.world_size, layout.rank)
-    prefetcher = Prefetcher(train_batches, pin_memory=accelerator.device.type == "cuda")
-    return Run(cfg, runtime, model, optimizer, train_batches, val_batches, prefetcher, counts["total"], fpt)
+    prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
+    return Run(cfg, runtime, model, optimizer, data.train_batches, data.val_sets[data.names[0]], prefetcher,
+               counts["total"], fpt, data)
 
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
@@ -284,9 +285,11 @@ def eval_due(cfg: Config, step: int) -> bool:
 def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
     """Evaluate every ``train.eval_every_steps`` steps and at the last step."""
     if eval_due(run.cfg, state.step):
-        val_loss = validation_loss(run.model, run.val_batches, run.accelerator)
+        per_source = {name: validation_loss(run.model, batches, run.accelerator)
+                      for name, batches in run.data.val_sets.items()}
+        val_loss = run.data.val_loss(per_source)
         state.record_eval(val_loss)
-        reporter.eval_done(state, val_loss)
+        reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None)
 
 
 def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | None:
@@ -307,19 +310,21 @@ def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | Non
 
 def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
     cfg = run.cfg
-    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=cfg.data.path,
-                        seq_len=cfg.data.seq_len, samples_per_step=cfg.train.global_batch_size,
-                        max_steps=cfg.train.max_steps, run_config=cfg.to_dict(), lr_schedule=run.lr_at)
+    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=run.data.tokenizer_dir,
+                        mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
+                        samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
+                        run_config=cfg.to_dict(), lr_schedule=run.lr_at)
 
 
 def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
     cfg, runtime = run.cfg, run.runtime
     return Reporter(cfg.logging, run.accelerator, out_dir, precision=runtime.precision, max_steps=cfg.train.max_steps,
                     start_step=start_step, tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
-                    run_config=cfg.to_dict(), run_meta={
+                    run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, run_meta={
                         "n_params": run.n_params, "flops_per_token": run.flops_per_token,
                         "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
-                        "n_train_windows": len(run.train_batches.windows), **run_meta})
+                        "n_train_windows": run.data.n_train_windows,
+                        **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta})
 
 
 def stop_after_skips(state: TrainState, reporter: Reporter, limit: int) -> None:

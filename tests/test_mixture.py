@@ -1,0 +1,279 @@
+"""Weighted data mixtures: config records, the order as a pure function of the global sample index, realised
+proportions, per-source metrics end to end, exact resume, and bad input stopping before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, TINY_OVERRIDES, run_script
+from lmrecipe.config import DataConfig, DataSource, config_from_dict, load_config
+from lmrecipe.data import BatchLayout, TokenWindows, TrainBatches
+from lmrecipe.errors import UserError
+from lmrecipe.mixture import MIX_BLOCK, MixtureBatches, MixtureOrder, check_sources, open_training_data
+from lmrecipe.tracking import read_metrics
+from test_data import SEQ_LEN, write_data
+
+LOSS_TOL = 1e-5
+
+
+def sources_arg(*sources: tuple[Path, float, str | None]) -> str:
+    items = [{"path": str(p), "weight": w, **({"name": n} if n else {})} for p, w, n in sources]
+    return "data.sources=" + yaml.safe_dump(items, default_flow_style=True).strip()
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_sources_from_a_recipe_and_from_the_command_line(tmp_path):
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text("data:\n  sources:\n    - {path: data/code, weight: 0.7, name: code}\n"
+                      "    - {path: data/prose, weight: 0.3}\n  seq_len: 64\n")
+    cfg = load_config(recipe)
+    assert cfg.data.path is None  # the recipe's layer chose the mixture over the default folder
+    assert cfg.data.sources == [DataSource("data/code", 0.7, "code"), DataSource("data/prose", 0.3)]
+    assert [s.resolved_name() for s in cfg.data.sources] == ["code", "prose"]
+    assert config_from_dict(cfg.to_dict()) == cfg  # what config.yaml and checkpoints hold reloads the same
+    # A command-line mixture replaces the recipe's data.path, and a command-line data.path replaces a mixture.
+    cfg = load_config(ROOT / "recipes/tiny.yaml", ["data.sources=[{path: a, weight: 2}, {path: b, weight: 1, name: bee}]"])
+    assert cfg.data.path is None and [(s.path, s.weight, s.resolved_name()) for s in cfg.data.sources] == [
+        ("a", 2.0, "a"), ("b", 1.0, "bee")]
+    cfg = load_config(recipe, ["data.path=data/stdlib"])
+    assert cfg.data.path == "data/stdlib" and cfg.data.sources == []
+    assert load_config(ROOT / "recipes/tiny.yaml").data.source_list() == [DataSource("data/stdlib")]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.sources=[{path: a, wieght: 1}]"], "Unknown config key data.sources[0].wieght. Did you mean data.sources[0].weight?"),
+    (["data.sources=[{path: a, weight: heavy}]"], "data.sources[0].weight='heavy' must be a number"),
+    (["data.sources=[{weight: 1}]"], "data.sources[0] lacks path"),
+    (["data.sources={path: a}"], "must be a list"),
+    (["data.sources=[a, b]"], "data.sources[0]='a' must be a mapping with keys path, weight, name"),
+    (["data.sources=[{path: a, weight: -0.5}, {path: b}]"], "data.sources[0].weight=-0.5 (a) must be a finite number >= 0"),
+    (["data.sources=[{path: a, weight: 0}, {path: b, weight: 0}]"], "The weights of data.sources sum to zero"),
+    (["data.sources=[{path: x/code}, {path: y/code}]"], "data.sources[0] and data.sources[1] are both named 'code'"),
+    (["data.sources=[{path: a}]", "data.path=b"], "The command line sets both data.path and data.sources"),
+    (["data.path=null"], "No training data: set data.path"),
+])
+def test_bad_sources_name_the_key(overrides, expected):
+    with pytest.raises(UserError) as err:
+        load_config(ROOT / "recipes/tiny.yaml", overrides)
+    assert expected in str(err.value)
+
+
+def test_both_in_one_recipe_is_an_error(tmp_path):
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text("data:\n  path: data/stdlib\n  sources: [{path: data/code}]\n")
+    with pytest.raises(UserError, match="sets both data.path and data.sources"):
+        load_config(recipe)
+
+
+# ---------------------------------------------------------------------------------------------- order
+
+
+@pytest.fixture
+def two_folders(tmp_path) -> list[Path]:
+    # Different sizes, so the two sources wrap into new epochs at different global indices.
+    return [write_data(tmp_path / "a", n_train=4001, seed=0), write_data(tmp_path / "b", n_train=1601, seed=1)]
+
+
+def mixture(folders, layout: BatchLayout, weights=(0.7, 0.3), seed=11) -> MixtureBatches:
+    windows = [TokenWindows(f, "train", SEQ_LEN) for f in folders]
+    return MixtureBatches(windows, [f.name for f in folders], list(weights), layout, seed)
+
+
+def step_samples(batches: MixtureBatches, step: int) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in row) for m in range(batches.layout.accum_steps) for row in batches.window_ids(step, m)]
+
+
+@pytest.mark.parametrize("world_size, micro", [(1, 4), (2, 4), (3, 8), (4, 2), (6, 1)])
+def test_step_contents_do_not_depend_on_the_split(two_folders, world_size, micro):
+    reference = mixture(two_folders, BatchLayout(24, 24, 1, 0))
+    for step in (0, 1, 9, 40, 120):  # source b (100 windows) is past its 10th epoch by step 120
+        expected = Counter(step_samples(reference, step))
+        got = Counter()
+        for rank in range(world_size):
+            got.update(step_samples(mixture(two_folders, BatchLayout(24, micro, world_size, rank)), step))
+        assert got == expected
+
+
+def test_resume_needs_no_skipping_and_reads_the_right_rows(two_folders):
+    a = mixture(two_folders, BatchLayout(8, 4, 1, 0))
+    b = mixture(two_folders, BatchLayout(8, 4, 1, 0))
+    windows = [TokenWindows(f, "train", SEQ_LEN) for f in two_folders]
+    for (xa, ya), (xb, yb), ids in zip(a.micro_batches(17), b.micro_batches(17), (a.window_ids(17, m) for m in range(2))):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        for row, (k, w) in zip(xa, ids):
+            assert torch.equal(row, windows[k].batch([w])[0][0])
+    # Sources are drawn from, and each source's own permutation differs from the other's.
+    assert {k for m in range(2) for k, _ in a.window_ids(17, m)} == {0, 1}
+
+
+def test_per_source_index_is_a_pure_function_of_the_global_index():
+    order = MixtureOrder([0.5, 0.3, 0.2])
+    n = 2 * MIX_BLOCK + 5000
+    sources, counters = order.assign(np.arange(n))
+    seen = np.zeros(3, dtype=np.int64)  # replay the history: the per-source counter is the number of earlier picks
+    replay = np.empty(n, dtype=np.int64)
+    for g, k in enumerate(sources):
+        replay[g] = seen[k]
+        seen[k] += 1
+    assert (replay == counters).all()
+    assert (order.counts(n) == seen).all()
+    # Any index alone, in constant time: its source's counter is the number of that source's samples before it.
+    for g in (7, 70_000, 131_071, 131_072, 3_000_000_001):
+        (k,), (counter,) = order.assign(np.array([g]))
+        assert counter == order.counts(g)[k] and order.counts(g + 1)[k] == counter + 1
+        if g < n:
+            assert (k, counter) == (sources[g], counters[g])
+
+
+def test_one_source_keeps_the_single_folder_order(two_folders):
+    sources, counters = MixtureOrder([1.0]).assign(np.arange(3 * MIX_BLOCK))
+    assert (sources == 0).all() and (counters == np.arange(3 * MIX_BLOCK)).all()
+    layout = BatchLayout(8, 4, 1, 0)
+    data = open_training_data(DataConfig(path=str(two_folders[0]), seq_len=SEQ_LEN), 1000, layout, seed=5)
+    assert isinstance(data.train_batches, TrainBatches) and not data.is_mixture and data.tokens_seen(10) == {}
+    plain = TrainBatches(TokenWindows(two_folders[0], "train", SEQ_LEN), layout, seed=5)
+    assert (data.train_batches.window_ids(17, 1) == plain.window_ids(17, 1)).all()
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (0.5, 0.3, 0.2), (0.9, 0.05, 0.05), (3, 1)])
+@pytest.mark.parametrize("global_batch", [1, 8, 96])
+def test_realised_proportions_over_1000_steps(weights, global_batch):
+    order = MixtureOrder(list(weights))
+    target = np.array(weights) / sum(weights)
+    n = 1000 * global_batch
+    realised = order.counts(n) / n
+    assert np.abs(realised - target).max() <= 0.01, realised
+    # Also every window of 100 steps (the pattern spreads each source evenly, not in runs).
+    sources, _ = order.assign(np.arange(n))
+    for start in range(0, n, 100 * global_batch):
+        share = np.bincount(sources[start : start + 100 * global_batch], minlength=len(weights)) / (100 * global_batch)
+        assert np.abs(share - target).max() <= 0.01 + 1 / (100 * global_batch)
+
+
+# ---------------------------------------------------------------------------------------------- real folders
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory, corpus_dir) -> list[Path]:
+    """Two prepared folders of different documents sharing one tokenizer: a trained BPE, then ``--tokenizer`` it."""
+    from lmrecipe.prepare import prepare
+
+    root = tmp_path_factory.mktemp("mix")
+    files = sorted(corpus_dir.iterdir())
+    for name, part in (("code_corpus", files[::2]), ("prose_corpus", files[1::2])):
+        (root / name).mkdir()
+        for f in part:
+            shutil.copy(f, root / name / f.name)
+    prepare(output=root / "code", inputs=[root / "code_corpus"], vocab_size=384, val_fraction=0.1, num_proc=1)
+    prepare(output=root / "prose", inputs=[root / "prose_corpus"], tokenizer=str(root / "code"), val_fraction=0.1,
+            num_proc=1)
+    return [root / "code", root / "prose"]
+
+
+def mix_args(out: Path, sources: str, *overrides: str) -> list[str]:
+    return ["train.py", "recipes/tiny.yaml", f"out_dir={out}", *TINY_OVERRIDES, sources, *overrides]
+
+
+def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path, two_sources):
+    code, prose = two_sources
+    mix = sources_arg((code, 0.7, None), (prose, 0.3, None))
+    steps = ["train.max_steps=6", "train.eval_every_steps=3", "checkpoint.every_steps=3"]
+    full = tmp_path / "full"
+    run_script(mix_args(full, mix, *steps))
+    rows = read_metrics(full / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    val_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in val_rows] == [3, 6]
+    for r in train_rows:  # every sample is counted once, by its source; 8 x 32 tokens per step
+        assert r["tokens_seen/code"] + r["tokens_seen/prose"] == r["tokens_seen"] == r["step"] * 8 * 32
+    assert train_rows[-1]["tokens_seen/code"] == round(6 * 8 * 0.7) * 32  # 48 samples, 0.7 of them within one
+    for r in val_rows:
+        assert r["val_loss/code"] > 0 and r["val_loss/prose"] > 0
+        assert r["val_loss"] == pytest.approx(0.7 * r["val_loss/code"] + 0.3 * r["val_loss/prose"], rel=1e-12)
+    assert (full / "training.png").stat().st_size > 10_000
+    meta = json.loads((full / "run_meta.json").read_text())
+    assert [(s["name"], s["weight"]) for s in meta["data_mixture"]] == [("code", 0.7), ("prose", 0.3)]
+    saved = json.loads((full / "checkpoints/step_00000003/train_state.json").read_text())
+    assert saved["data"]["next_sample"] == 24 and [s["name"] for s in saved["data"]["mixture"]] == ["code", "prose"]
+
+    # Resume from the step-3 checkpoint in a new run folder: the same losses and per-source figures.
+    resumed = tmp_path / "resumed"
+    proc = run_script(mix_args(resumed, mix, *steps, f"checkpoint.resume={full}/checkpoints/step_00000003"))
+    assert "Resumed from" in proc.stderr
+    again = {(r["step"], "val_loss" in r): r for r in read_metrics(resumed / "metrics.jsonl")}
+    assert sorted(again) == [(4, False), (5, False), (6, False), (6, True)]
+    worst = 0.0
+    for r in rows:
+        if r["step"] > 3:
+            twin = again[r["step"], "val_loss" in r]
+            for key in ("loss", "val_loss", "val_loss/code", "val_loss/prose"):
+                if key in r:
+                    worst = max(worst, abs(twin[key] - r[key]))
+                    assert abs(twin[key] - r[key]) <= LOSS_TOL, (r["step"], key, twin[key], r[key])
+            assert all(twin[k] == r[k] for k in r if k.startswith("tokens_seen"))
+    print(f"2-source mixture, 1 process: max |loss difference| after resume = {worst:.3g}")
+
+    # Other weights on resume would remap every global sample index: refused, naming the change.
+    changed = tmp_path / "changed"
+    proc = run_script(mix_args(changed, sources_arg((code, 0.5, None), (prose, 0.5, None)), *steps,
+                               f"checkpoint.resume={full}/checkpoints/step_00000003"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "data sources: mixture code 0.7, prose 0.3 -> mixture code 0.5, prose 0.5" in proc.stderr
+
+
+def test_sources_with_different_tokenizers_are_refused(tmp_path, two_sources, corpus_dir):
+    from lmrecipe.prepare import prepare
+
+    other = tmp_path / "other"
+    prepare(output=other, inputs=[corpus_dir], vocab_size=300, val_fraction=0.1, num_proc=1)
+    cfg = load_config(None, [sources_arg((two_sources[0], 1, None), (other, 1, None))])
+    with pytest.raises(UserError) as err:
+        check_sources(cfg.data)
+    message = str(err.value)
+    assert f"data.sources[1] (other, {other}) does not share the tokenizer of data.sources[0] (code, {two_sources[0]})" in message
+    assert "vocab_size 384 vs 300" in message and "tokenizer.json sha256" in message and "--tokenizer" in message
+    check_sources(load_config(None, [sources_arg((two_sources[0], 1, None), (two_sources[1], 1, None))]).data)
+
+
+def bad_inputs(tmp_path: Path, two_sources: list[Path]) -> dict[str, tuple[str, str]]:
+    code, prose = two_sources
+    (tmp_path / "empty").mkdir()
+    empty_train = tmp_path / "empty_train"  # same tokenizer, no training tokens
+    shutil.copytree(prose, empty_train)
+    (empty_train / "train.bin").write_bytes(b"")
+    np.zeros(1, dtype="<u8").tofile(empty_train / "train.idx")
+    meta = json.loads((empty_train / "meta.json").read_text())
+    meta["splits"]["train"].update(n_tokens=0, n_documents=0)
+    (empty_train / "meta.json").write_text(json.dumps(meta))
+    other = tmp_path / "other_tok"  # the same vocabulary size and EOS, another tokenizer.json
+    shutil.copytree(prose, other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + "\n")
+    return {
+        "negative": (sources_arg((code, 1, None), (prose, -1, None)), "data.sources[1].weight=-1.0"),
+        "zero_sum": (sources_arg((code, 0, None), (prose, 0, None)), "sum to zero"),
+        "duplicate": (sources_arg((code, 1, "x"), (prose, 1, "x")), "both named 'x'"),
+        "missing": (sources_arg((code, 1, None), (tmp_path / "nope", 1, None)), "data.sources[1] (nope"),
+        "empty_folder": (sources_arg((code, 1, None), (tmp_path / "empty", 1, None)), "is empty"),
+        "empty_split": (sources_arg((code, 1, None), (empty_train, 1, None)), "The train split of"),
+        "tokenizer": (sources_arg((code, 1, None), (other, 1, None)), "does not share the tokenizer"),
+    }
+
+
+@pytest.mark.parametrize("case", ["negative", "zero_sum", "duplicate", "missing", "empty_folder", "empty_split", "tokenizer"])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, two_sources, case):
+    arg, expected = bad_inputs(tmp_path, two_sources)[case]
+    out = tmp_path / "run"
+    proc = run_script(mix_args(out, arg, "train.max_steps=2"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
