@@ -55,6 +55,16 @@ def test_profiler_writes_a_trace_and_a_breakdown_that_sums_to_one(profiled_run):
     assert "optimizer steps 2-3" in summary and "| 0 | 2 |" in summary and "100.0 %" in summary
 
 
+@pytest.mark.slow
+def test_profiler_on_two_processes_reports_every_rank(tmp_path, tiny_data):
+    run_train(tmp_path, tiny_data, ["train.max_steps=4", "profile.first_step=2", "profile.last_step=3"], nproc=2)
+    for rank in (0, 1):
+        fractions = json.loads((tmp_path / "profile" / f"rank{rank}.json").read_text())["fractions"]
+        assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-6) and fractions["communication"] > 0
+    summary = (tmp_path / "profile" / "summary.md").read_text()
+    assert "| 0 | 2 |" in summary and "| 1 | 2 |" in summary
+
+
 def test_breakdown_takes_communication_out_of_its_section():
     def event(name, start, end, thread=1):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
