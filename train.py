@@ -20,7 +20,7 @@ def main() -> int:
     cfg = load_config(args.recipe, args.overrides)
     from lmrecipe.trainer import train  # heavy imports only after the config is known to be valid
 
-    train(cfg)
+    train(cfg, recipe=args.recipe)
     return 0
 
 

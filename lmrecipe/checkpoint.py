@@ -429,6 +429,14 @@ class Checkpointer:
         with safe_open(rng_file, framework="pt") as fh:
             set_rng_state({k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata())
 
+    def best(self) -> Path | None:
+        """The complete checkpoint with the lowest validation loss (what ``checkpoints/best`` names), or None."""
+        pointer = self.root / BEST
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if (path / STATE_FILE).is_file() else None
+
     # ---- save
 
     def due(self, step: int) -> bool:

@@ -220,10 +220,16 @@ class TrainConfig:
     """Evaluate on the validation windows every this many optimizer steps (and at the end); 0 = end only."""
     max_consecutive_skips: int = 5
     """Stop the run after this many consecutive updates skipped for a non-finite loss or gradient norm."""
+    early_stopping_patience: int = 0
+    """Stop after this many evaluations in a row without improvement of the validation loss; 0 = never."""
+    early_stopping_min_delta: float = 0.0
+    """An evaluation improves when its loss is below the best so far by more than this (loss units)."""
+    deterministic: bool = False
+    """Deterministic kernels (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``) for debugging."""
 
     def validate(self) -> None:
         _positive(self, "max_steps", "global_batch_size", "micro_batch_size", "max_consecutive_skips")
-        _non_negative(self, "eval_every_steps")
+        _non_negative(self, "eval_every_steps", "early_stopping_patience", "early_stopping_min_delta")
         if self.global_batch_size % self.micro_batch_size:
             raise fail(
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
@@ -269,6 +275,8 @@ class LoggingConfig:
     """Show a progress bar on the main process."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per device for MFU; null looks the GPU up in a table or probes the CPU with a matmul."""
+    cost_per_device_hour: Optional[float] = None
+    """Price of one device (GPU, or CPU process) for one hour, for the cost line of ``out_dir/report.md``."""
     measure_model_states: bool = False
     """Measure the bytes of weights, gradients and optimizer states each rank holds, during the second optimizer
     step, into ``out_dir/memory_rank{N}.json`` (``tools/compare_zero.py`` turns it on)."""
@@ -277,6 +285,8 @@ class LoggingConfig:
         _positive(self, "log_every_steps")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise fail(f"logging.peak_tflops={self.peak_tflops} must be positive (or null).")
+        if self.cost_per_device_hour is not None and self.cost_per_device_hour < 0:
+            raise fail(f"logging.cost_per_device_hour={self.cost_per_device_hour} must be zero or positive (or null).")
 
 
 @dataclass
@@ -296,6 +306,27 @@ class DistributedConfig:
 
 
 @dataclass
+class ProfileConfig:
+    first_step: Optional[int] = None
+    """First optimizer step (1-based, as numbered in metrics.jsonl) run under ``torch.profiler``; null = off."""
+    last_step: Optional[int] = None
+    """Last profiled step (inclusive); null = ``first_step``."""
+    ranks: Literal["all", "main"] = "all"
+    """Processes that profile: every rank, or the main process only."""
+
+    def validate(self) -> None:
+        if self.first_step is None:
+            return
+        last = self.last()
+        if self.first_step < 1 or last < self.first_step:
+            raise fail(f"profile.first_step={self.first_step}, profile.last_step={self.last_step}: need "
+                       "1 <= first_step <= last_step (optimizer steps, 1-based).")
+
+    def last(self) -> int:
+        return self.first_step if self.last_step is None else self.last_step
+
+
+@dataclass
 class Config:
     out_dir: str = "runs/default"
     """Run folder: resolved config, metrics, checkpoints, export and plots."""
@@ -307,6 +338,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -315,11 +347,17 @@ class Config:
                 value.validate()
         if not self.out_dir:
             raise fail("out_dir must be a non-empty folder path.")
-        if self.schedule.warmup_steps > self.train.max_steps:
+        if self.profile.first_step is not None and self.profile.last() > self.train.max_steps:
+            raise fail(f"profile.last_step={self.profile.last()} is beyond train.max_steps={self.train.max_steps}: "
+                       "the profile would never be written. Choose steps within the run.")
+        train, every_save = self.train, self.checkpoint.every_steps
+        if train.early_stopping_patience and (train.eval_every_steps == 0 or every_save == 0
+                                              or train.eval_every_steps % every_save):
             raise fail(
-                f"schedule.warmup_steps={self.schedule.warmup_steps} exceeds train.max_steps={self.train.max_steps}: "
-                "the learning rate would never reach optim.lr. Lower schedule.warmup_steps (a few percent of the run "
-                "is usual) or raise train.max_steps."
+                f"train.early_stopping_patience={train.early_stopping_patience} needs a checkpoint at every evaluation "
+                f"(the export is taken from the best one): train.eval_every_steps={train.eval_every_steps} must be a "
+                f"positive multiple of checkpoint.every_steps={every_save}. Set checkpoint.every_steps="
+                f"{train.eval_every_steps or 100} (and train.eval_every_steps to the same if it is 0)."
             )
 
     def to_dict(self) -> dict:

@@ -81,6 +81,46 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
 
 
+@functools.lru_cache(maxsize=16)
+def _nvml_handle(index: int):
+    """NVML's handle of CUDA device ``index`` (matched by UUID, so CUDA_VISIBLE_DEVICES is respected), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no nvidia-ml-py, or no driver: utilisation is simply not reported
+        return None
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        try:
+            return pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:
+            return None
+
+
+def device_utilisation(device: torch.device) -> dict:
+    """GPU utilisation (%, over NVML's last sample period) and memory in use (GB, all processes), or nulls.
+
+    Read from NVML (``nvidia-ml-py``) at log steps only; on a CPU, or without NVML, both are None.
+    """
+    empty = {"gpu_util_pct": None, "gpu_mem_used_gb": None}
+    if device.type != "cuda":
+        return empty
+    handle = _nvml_handle(device.index if device.index is not None else torch.cuda.current_device())
+    if handle is None:
+        return empty
+    import pynvml
+
+    try:
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    except Exception:
+        return empty
+    return {"gpu_util_pct": float(util.gpu), "gpu_mem_used_gb": memory.used / 1e9}
+
+
 def mfu(tokens_per_sec: float, flops_per_token: float, world_size: int, peak_tflops: float) -> float:
     """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
     return tokens_per_sec * flops_per_token / (world_size * peak_tflops * 1e12)

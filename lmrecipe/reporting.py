@@ -56,6 +56,7 @@ class Reporter:
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
         self._reset_interval(time.perf_counter())
+        self._clock = time.perf_counter()
         metrics.reset_peak_memory(accelerator.device)
 
     def _reset_interval(self, now: float) -> None:
@@ -72,8 +73,12 @@ class Reporter:
                   step_time_s: float, data_time_s: float) -> None:
         """Count the step; at a log step read the loss and grad norm (their only host reads) and write a row.
 
-        The loop syncs ``state`` (skip counters) at every log step before calling this.
+        The loop syncs ``state`` (skip counters) at every log step before calling this. ``state.wall_time_s``
+        (training time over all sessions, for the report's cost) advances here.
         """
+        now = time.perf_counter()
+        state.wall_time_s += now - self._clock
+        self._clock = now
         self.bar.update(1)
         self._interval_steps += 1
         self._interval_step_time_s += step_time_s
@@ -102,6 +107,7 @@ class Reporter:
             "data_time_s": self._interval_data_time_s / self._interval_steps,
             "peak_mem_gb": metrics.peak_memory_gb(self.accelerator.device),
             "skipped_steps": state.skipped_steps,
+            **metrics.device_utilisation(self.accelerator.device),
         }
         self.tracker.log(row)
         self.bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_sec:,.0f}")

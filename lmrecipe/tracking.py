@@ -100,13 +100,33 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit, or the one a container image was built from (``LMRECIPE_GIT_COMMIT``)."""
+    built = os.environ.get("LMRECIPE_GIT_COMMIT")
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
         )
-        return out.stdout.strip() or None
+        return out.stdout.strip() or built
     except (OSError, subprocess.SubprocessError):
+        return built
+
+
+IMAGE_ENV = "LMRECIPE_IMAGE"
+"""Set in the project's Docker and Apptainer images (``Dockerfile``, ``containers/lmrecipe.def``) to the image's tag."""
+
+
+def container_info() -> dict | None:
+    """The container this process runs in (image tag from the project's images, runtime), or None on the host."""
+    runtime = None
+    if os.environ.get("APPTAINER_CONTAINER") or os.environ.get("SINGULARITY_CONTAINER"):
+        runtime = "apptainer"
+    elif Path("/.dockerenv").exists():
+        runtime = "docker"
+    image = os.environ.get(IMAGE_ENV)
+    if runtime is None and image is None:
         return None
+    return {"image": image, "runtime": runtime,
+            "sif": os.environ.get("APPTAINER_CONTAINER") or os.environ.get("SINGULARITY_CONTAINER")}
 
 
 def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> dict:
@@ -134,6 +154,7 @@ def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> 
             "deepspeed": ds_version,
         },
         "hardware": hardware,
+        "container": container_info(),
         "world_size": world_size,
         "precision": precision,
         **extra,

@@ -19,13 +19,17 @@ import torch
 from .checkpoint import EXIT_PREEMPTED, Checkpointer
 from .config import Config, save_config
 from .data import Prefetcher, TrainBatches, ValBatches
+from .determinism import maybe_set_deterministic
 from .distributed import Runtime, build_runtime
 from .errors import fail
 from .loss import causal_lm_loss, validation_loss
 from .memory import attach_model_state_probe
 from .mixture import MixtureBatches, TrainingData, check_sources, open_training_data
 from .model import build_hf_config, build_model, flops_per_token, param_counts
+from .oom import OOMGuard
 from .optim import build_optimizer, lr_at, set_lr
+from .profiling import StepProfiler, region
+from .report import write_run_end
 from .reporting import Reporter
 from .runlock import RunLock
 
@@ -52,6 +56,10 @@ class TrainState:
     last_val_loss: float | None = None
     last_val_step: int | None = None
     """Step of the latest evaluation (a checkpoint saved at that step is ranked by its loss)."""
+    evals_without_improvement: int = 0
+    """Evaluations in a row whose loss was not below the best before by more than ``train.early_stopping_min_delta``."""
+    wall_time_s: float = 0.0
+    """Seconds of training over all sessions of the run (as of the last step), for the report's device-hours."""
 
     def __post_init__(self):
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -79,8 +87,10 @@ class TrainState:
         self._pending = None
         return longest
 
-    def record_eval(self, val_loss: float) -> None:
+    def record_eval(self, val_loss: float, min_delta: float = 0.0) -> None:
         self.last_val_loss, self.last_val_step = val_loss, self.step
+        improved = self.best_val_loss is None or val_loss < self.best_val_loss - min_delta
+        self.evals_without_improvement = 0 if improved else self.evals_without_improvement + 1
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
 
 
@@ -112,6 +122,11 @@ class Run:
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
 
+    def stops_early(self, state: TrainState) -> bool:
+        """Early stopping: ``train.early_stopping_patience`` evaluations in a row without improvement."""
+        patience = self.cfg.train.early_stopping_patience
+        return patience > 0 and state.last_val_step == state.step and state.evals_without_improvement >= patience
+
 
 @dataclass
 class StepResult:
@@ -134,6 +149,7 @@ SectionTimer = Callable[[str, float], None]
 
 def build_run(cfg: Config, out_dir: Path) -> Run:
     """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
+    maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
     runtime = build_runtime(cfg)
     accelerator = runtime.accelerator
     # The data is checked before out_dir is touched: bad data writes nothing.
@@ -176,9 +192,11 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     accelerator, model = run.accelerator, run.model
     with accelerator.accumulate(model):
         start = time.perf_counter()
-        loss = causal_lm_loss(model, inputs, targets)
+        with region("forward"):
+            loss = causal_lm_loss(model, inputs, targets)
         forward_done = time.perf_counter()
-        accelerator.backward(loss)
+        with region("backward"):
+            accelerator.backward(loss)
     if timer is not None:
         timer("forward+loss", forward_done - start)
         timer("backward", time.perf_counter() - forward_done)
@@ -227,17 +245,20 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     set_lr(run.optimizer, lr)
     device = run.accelerator.device
     fetch_start = time.perf_counter()
-    micro_batches = run.prefetcher.get(step)
+    with region("data"):
+        micro_batches = run.prefetcher.get(step)
     data_time_s = time.perf_counter() - fetch_start
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         copy_start = time.perf_counter()
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with region("data"):
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         data_time_s += time.perf_counter() - copy_start
         loss_sum += forward_backward_step(run, inputs, targets, timer)
     optimizer_start = time.perf_counter()
-    grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
-                                        run.runtime.zero.deepspeed)
+    with region("optimizer"):
+        grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
+                                            run.runtime.zero.deepspeed)
     if timer is not None:
         timer("data", data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)
@@ -288,12 +309,19 @@ def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
         per_source = {name: validation_loss(run.model, batches, run.accelerator)
                       for name, batches in run.data.val_sets.items()}
         val_loss = run.data.val_loss(per_source)
-        state.record_eval(val_loss)
+        state.record_eval(val_loss, run.cfg.train.early_stopping_min_delta)
         reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None)
 
 
+def export_source(run: Run, checkpointer: Checkpointer) -> Path | None:
+    """The checkpoint the end-of-run export is taken from: with early stopping on, the best by validation loss."""
+    if run.cfg.train.early_stopping_patience > 0 and checkpointer.best() is not None:
+        return checkpointer.best()
+    return checkpointer.latest
+
+
 def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | None:
-    """Export the final checkpoint for inference loaders (main process only; the others need not wait)."""
+    """Export ``checkpoint`` for inference loaders (main process only; the others need not wait)."""
     section = run.cfg.checkpoint
     if not section.export_at_end or checkpoint is None or not run.accelerator.is_main_process:
         return None
@@ -337,8 +365,11 @@ def stop_after_skips(state: TrainState, reporter: Reporter, limit: int) -> None:
     )
 
 
-def train(cfg: Config) -> TrainState:
-    """Train ``cfg`` to ``train.max_steps`` (resuming as ``checkpoint.resume`` says); one run per ``out_dir``."""
+def train(cfg: Config, recipe: str | None = None) -> TrainState:
+    """Train ``cfg`` to ``train.max_steps`` (resuming as ``checkpoint.resume`` says); one run per ``out_dir``.
+
+    ``recipe``: the recipe file ``cfg`` was loaded from, which the run report compares the configuration with.
+    """
     out_dir = Path(cfg.out_dir)
     run = build_run(cfg, out_dir)
     lock = RunLock(out_dir)
@@ -346,30 +377,39 @@ def train(cfg: Config) -> TrainState:
         lock.acquire()  # before anything in out_dir is cleaned up or written
     run.accelerator.wait_for_everyone()
     try:
-        return train_loop(run, out_dir)
+        return train_loop(run, out_dir, recipe)
     finally:
         run.prefetcher.close()
         lock.release()
 
 
-def train_loop(run: Run, out_dir: Path) -> TrainState:
+def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState:
     cfg, accelerator, layout = run.cfg, run.accelerator, run.runtime.layout
     checkpointer = build_checkpointer(run, out_dir)
     state = TrainState()
     resumed_from = checkpointer.maybe_resume(run.model, state)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
-    reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from})
+    reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from, "recipe": recipe})
     logger.info(
         "model %.2fM params | %d processes x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s",
         run.n_params / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
         layout.global_batch_size, cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
     )
+    if cfg.schedule.warmup_steps > cfg.train.max_steps:
+        # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
+        logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
+                       "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
+                       run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
 
     stop = PreemptionSignal()
+    profiler = StepProfiler(cfg.profile, out_dir, rank=accelerator.process_index, is_main=accelerator.is_main_process,
+                            barrier=accelerator.wait_for_everyone)
+    oom = OOMGuard(cfg, run.runtime, run.model)
     while state.step < cfg.train.max_steps:
         step_start = time.perf_counter()
-        result = train_step(run, state.step)
+        with profiler.step(state.step + 1), oom.step(state.step + 1):
+            result = train_step(run, state.step)
         state.record_step(result.skipped, run.tokens_per_step)
         # Host reads happen only at sync points: a logged, evaluated or saved step.
         sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
@@ -392,8 +432,25 @@ def train_loop(run: Run, out_dir: Path) -> TrainState:
             # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
             accelerator.wait_for_everyone()
             raise SystemExit(EXIT_PREEMPTED)
+        if run.stops_early(state):
+            logger.info("Early stopping at step %d: %d evaluations without improvement (best val_loss %.4f).",
+                        state.step, state.evals_without_improvement, state.best_val_loss)
+            break
 
-    maybe_export(run, checkpointer.latest, out_dir)
+    source = export_source(run, checkpointer)
+    export = maybe_export(run, source, out_dir)
+    if export is not None:
+        logger.info("Exported %s from %s", export, source)
     reporter.close(plot=True)
+    if accelerator.is_main_process:
+        write_run_end(out_dir, run_outcome(run, state, source, export), cfg.logging.cost_per_device_hour)
     accelerator.end_training()
     return state
+
+
+def run_outcome(run: Run, state: TrainState, export_from: Path | None, export: Path | None) -> dict:
+    """How the run ended, for ``final.json`` and ``run_meta.json``."""
+    return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < run.cfg.train.max_steps,
+            "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
+            "evals_without_improvement": state.evals_without_improvement, "wall_time_s": state.wall_time_s,
+            "export": str(export) if export else None, "export_from": str(export_from) if export_from else None}

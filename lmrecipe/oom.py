@@ -1,0 +1,172 @@
+"""Out-of-memory diagnosis: an OOM during a step ends the run with one message that says what to change.
+
+The loop runs each step inside :meth:`OOMGuard.step`. A ``torch.OutOfMemoryError`` (device memory) or a
+``MemoryError`` (host memory, e.g. under offload) becomes a :class:`UserError` (exit 2) naming the step, the
+micro-batch, the estimate of :mod:`lmrecipe.memory` for this configuration next to the capacity (the GPU's total
+memory, or the host's RAM), and the ways out in order, each with its own estimate. Nothing is saved: the error
+leaves the loop before the step's checkpoint, so no partial checkpoint is written.
+
+Fault injection for tests: ``LMRECIPE_FAULT_OOM_AT_STEP=N`` (read once, when the guard is built) makes the
+model's forward raise ``torch.OutOfMemoryError`` during optimizer step N (1-based), as a real OOM would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import replace
+from typing import Iterator
+
+import torch
+
+from .config import Config
+from .distributed import Runtime, ZeroSetup
+from .errors import UserError, fail
+from .memory import estimate, format_bytes, model_shape
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "LMRECIPE_FAULT_OOM_AT_STEP"
+
+
+class OOMGuard:
+    def __init__(self, cfg: Config, runtime: Runtime, model):
+        """
+        Args:
+            cfg: the run's configuration (batch sizes, checkpointing, sequence length, attention kernel).
+            runtime: the run's topology (precision, batch layout, ZeRO setup).
+            model: the prepared model (its config gives the shape; the fault hook is attached to it).
+        """
+        self.cfg = cfg
+        self.runtime = runtime
+        self.model = runtime.accelerator.unwrap_model(model)
+        self._step: int | None = None
+        fault = os.environ.get(FAULT_ENV, "").strip()
+        self.fault_step = int(fault) if fault else None
+        if self.fault_step is not None:
+            self.model.register_forward_pre_hook(self._inject_fault)
+
+    def _inject_fault(self, module, args):
+        if self._step == self.fault_step:
+            raise torch.OutOfMemoryError(f"out of memory (injected by {FAULT_ENV}={self.fault_step})")
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run optimizer step ``step`` (1-based); an out-of-memory error in it becomes the diagnosis."""
+        self._step = step
+        try:
+            yield
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            diagnosis = self.diagnose(step, err)
+            if self.runtime.accelerator.process_index != 0:  # the script prints rank 0's message only
+                logger.error("%s", diagnosis)
+            raise diagnosis from None
+        finally:
+            self._step = None
+
+    def diagnose(self, step: int, err: BaseException) -> UserError:
+        cfg, runtime = self.cfg, self.runtime
+        layout, zero, device = runtime.layout, runtime.zero, runtime.accelerator.device
+        host = isinstance(err, MemoryError) or device.type != "cuda"
+        what = "host memory (RAM)" if host else f"GPU memory ({device})"
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        capacity, capacity_name = _capacity(device, host)
+        lines = [
+            f"Out of {what} in optimizer step {step} on rank {runtime.accelerator.process_index}: {first_line}",
+            f"Configuration: train.micro_batch_size={layout.micro_batch_size} sequences of data.seq_len="
+            f"{cfg.data.seq_len} tokens, accumulation {layout.accum_steps}, {layout.world_size} processes, "
+            f"{zero.describe()}, precision {runtime.precision}, train.gradient_checkpointing="
+            f"{str(cfg.train.gradient_checkpointing).lower()}.",
+        ]
+        try:
+            estimates = self._estimates(host)
+        except Exception as exc:  # the diagnosis must never hide the OOM itself
+            logger.warning("No memory estimate for the OOM message: %r", exc)
+            estimates = None
+        if estimates is not None:
+            now = estimates.pop(0)[1]
+            lines.append(f"Estimated need per {'node' if host and zero.offload_optimizer else 'rank'} "
+                         f"(lmrecipe/memory.py): {now}; {capacity_name}: {format_bytes(capacity) if capacity else 'unknown'}.")
+        else:
+            lines.append(f"{capacity_name}: {format_bytes(capacity) if capacity else 'unknown'}.")
+        lines.append("Ways out, in this order (the optimization stays the same with each):")
+        for i, (change, est) in enumerate(estimates or self._ways_out(), 1):
+            lines.append(f"  {i}. {change}" + (f" (estimate: {est})" if est else ""))
+        lines.append("Then run the same command again; it resumes from the last checkpoint (no partial checkpoint "
+                     "was written).")
+        return fail("\n".join(lines))
+
+    def _ways_out(self) -> list[tuple[str, str | None]]:
+        return [(change, None) for change, _ in self._alternatives()]
+
+    def _alternatives(self) -> list[tuple[str, dict]]:
+        """(the change, the estimate's arguments after it), cumulatively, skipping what is already in effect."""
+        cfg, layout, zero = self.cfg, self.runtime.layout, self.runtime.zero
+        args = {"setup": zero, "micro_batch_size": layout.micro_batch_size,
+                "gradient_checkpointing": cfg.train.gradient_checkpointing}
+        out = []
+        smaller = _largest_proper_divisor(layout.micro_batch_size)
+        if smaller:
+            accum = layout.global_batch_size // (smaller * layout.world_size)
+            args = {**args, "micro_batch_size": smaller}
+            out.append((f"train.micro_batch_size={smaller}: train.global_batch_size stays {layout.global_batch_size}, "
+                        f"accumulation becomes {accum}", args))
+        if not cfg.train.gradient_checkpointing:
+            args = {**args, "gradient_checkpointing": True}
+            out.append(("train.gradient_checkpointing=true (recompute activations in the backward pass)", args))
+        if zero.stage < 3:
+            args = {**args, "setup": ZeroSetup(stage=3, persistence_threshold=zero.persistence_threshold, deepspeed=True)}
+            out.append(("distributed.deepspeed_config=zero3 (shard weights, gradients and optimizer states)", args))
+        if not (zero.offload_optimizer and zero.offload_param):
+            args = {**args, "setup": replace(args["setup"], stage=3, offload_optimizer=True, offload_param=True,
+                                             deepspeed=True)}
+            out.append(("distributed.deepspeed_config=zero3_offload (optimizer states and weights in CPU memory)", args))
+        return out
+
+    def _estimates(self, host: bool) -> list[tuple[str, str]]:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        cfg, runtime = self.cfg, self.runtime
+        layout = runtime.layout
+        # The run is over: detach transformers from a live ZeRO-3 config, or building the shape on the meta
+        # device would enter zero.Init and wait for the other ranks.
+        unset_hf_deepspeed_config()
+        shape = model_shape(self.model.config)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+        nodes = max(1, layout.world_size // max(local, 1))
+
+        def describe(setup, micro_batch_size, gradient_checkpointing) -> str:
+            est = estimate(shape, setup, layout.world_size, nodes, runtime.precision, layout.accum_steps,
+                           micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation)
+            activations = est.activations_checkpointed if gradient_checkpointing else est.activations
+            if host and setup.offload_optimizer:
+                return f"{format_bytes(est.cpu_per_node)} offloaded per node, {format_bytes(est.device_total)} per device"
+            text = (f"{format_bytes(est.device_total)} (model states {format_bytes(est.model_states_device)}, "
+                    f"activations {format_bytes(activations)}")
+            text += f", gathered layer {format_bytes(est.gathered)})" if est.gathered else ")"
+            if est.model_states_cpu:
+                text += f" + {format_bytes(est.cpu_per_node)} of CPU memory per node"
+            return text
+
+        current = ("now", describe(runtime.zero, layout.micro_batch_size, cfg.train.gradient_checkpointing))
+        return [current] + [(change, describe(**args)) for change, args in self._alternatives()]
+
+
+def _largest_proper_divisor(n: int) -> int | None:
+    for d in range(2, n + 1):
+        if n % d == 0:
+            return n // d
+    return None
+
+
+def _capacity(device: torch.device, host: bool) -> tuple[float | None, str]:
+    if not host:
+        props = torch.cuda.get_device_properties(device)
+        return float(props.total_memory), f"capacity of the {props.name}"
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().total), "host RAM"
+    except ImportError:
+        return None, "host RAM"

@@ -1,0 +1,186 @@
+"""The end of a run on paper: ``final.json`` (how it ended), ``run_meta.json``'s ``outcome`` and ``report.md``.
+
+``report.md`` is readable on its own: the curves (``training.png``), tokens, wall time, device-hours and their
+cost at ``logging.cost_per_device_hour``, peak memory, final and best validation loss, throughput and MFU, the
+environment, and how the configuration differs from the recipe file and from the defaults. Every figure comes
+from ``metrics.jsonl``, ``run_meta.json`` and the outcome passed in, so it matches them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from .config import Config, load_config
+from .errors import UserError
+from .fileio import write_json_atomic, write_text_atomic
+from .tracking import METRICS_FILE, read_metrics
+
+logger = logging.getLogger(__name__)
+
+FINAL_FILE = "final.json"
+REPORT_FILE = "report.md"
+
+
+def write_run_end(out_dir: Path, outcome: dict, cost_per_device_hour: float | None) -> None:
+    """Main process, at the end of a run: ``final.json``, ``run_meta.json["outcome"]``, ``report.md``."""
+    write_json_atomic(out_dir / FINAL_FILE, outcome)
+    meta_path = out_dir / "run_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta["outcome"] = outcome
+    write_json_atomic(meta_path, meta)
+    write_text_atomic(out_dir / REPORT_FILE, build_report(out_dir, meta, outcome, cost_per_device_hour))
+    logger.info("Run report written to %s", out_dir / REPORT_FILE)
+
+
+def summarize_metrics(rows: list[dict]) -> dict:
+    """The report's figures from metrics rows (throughput and MFU: mean over the logged intervals after the
+    first, which holds start-up and compilation, when there are several)."""
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    steady = train[1:] if len(train) > 1 else train
+    util = [r["gpu_util_pct"] for r in train if r.get("gpu_util_pct") is not None]
+
+    def mean(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "last_step": train[-1]["step"] if train else None,
+        "tokens_seen": max((r["tokens_seen"] for r in rows if "tokens_seen" in r), default=0),
+        "final_loss": train[-1]["loss"] if train else None,
+        "final_val_loss": val[-1]["val_loss"] if val else None,
+        "best_val_loss": min((r["val_loss"] for r in val), default=None),
+        "best_val_step": min(val, key=lambda r: r["val_loss"])["step"] if val else None,
+        "tokens_per_sec": mean("tokens_per_sec"),
+        "mfu": mean("mfu"),
+        "peak_mem_gb": max((r["peak_mem_gb"] for r in train if r.get("peak_mem_gb") is not None), default=None),
+        "gpu_util_pct": sum(util) / len(util) if util else None,
+        "gpu_mem_used_gb": max((r["gpu_mem_used_gb"] for r in train if r.get("gpu_mem_used_gb") is not None),
+                               default=None),
+    }
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "extra":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(config: dict, recipe: str | None) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
+    """(key, recipe value, run value) where the run differs from its recipe file, and (key, default, recipe value)
+    where the recipe differs from the defaults. Without a readable recipe, the first list compares with the
+    defaults and the second is empty."""
+    run = _flatten(config)
+    defaults = _flatten(Config().to_dict())
+    recipe_values = None
+    if recipe:
+        try:
+            recipe_values = _flatten(load_config(recipe).to_dict())
+        except UserError as err:
+            logger.warning("Recipe %s not readable for the report (%s); comparing with the defaults", recipe, err)
+    base = recipe_values if recipe_values is not None else defaults
+    from_recipe = [(k, base.get(k), v) for k, v in run.items() if base.get(k) != v]
+    from_defaults = ([(k, defaults.get(k), v) for k, v in recipe_values.items() if defaults.get(k) != v]
+                     if recipe_values is not None else [])
+    return from_recipe, from_defaults
+
+
+def _fmt(value, digits: int = 4, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:,.{digits}f}{unit}"
+    return f"{value:,}{unit}" if isinstance(value, int) else f"{value}{unit}"
+
+
+def _hours(seconds: float) -> str:
+    h, rest = divmod(int(round(seconds)), 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour: float | None) -> str:
+    rows = read_metrics(out_dir / METRICS_FILE)
+    figures = summarize_metrics(rows)
+    world = meta.get("world_size", 1)
+    wall_s = float(outcome.get("wall_time_s") or 0.0)
+    device_hours = wall_s * world / 3600
+    cost = f"{device_hours * cost_per_device_hour:,.2f}" if cost_per_device_hour is not None else \
+        "n/a (set logging.cost_per_device_hour)"
+    versions = meta.get("versions", {})
+    hardware = meta.get("hardware", {})
+    device = hardware.get("gpu") or f"CPU ({hardware.get('cpu_count')} cores, {hardware.get('torch_threads')} torch threads)"
+    ended = "stopped early (no improvement of the validation loss)" if outcome.get("stopped_early") else \
+        "preempted" if outcome.get("preempted") else "reached train.max_steps"
+    lines = [
+        f"# Run report: {out_dir.name}",
+        "",
+        f"Ended at step {outcome.get('step')} of {meta.get('config', {}).get('train', {}).get('max_steps')}: {ended}.",
+        (f"Export: `{outcome['export']}`, taken from checkpoint `{outcome['export_from']}`."
+         if outcome.get("export") else "Export: none (checkpoint.export_at_end=false)."),
+        "",
+        "![training curves](training.png)",
+        "",
+        "## Figures",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| tokens seen | {_fmt(outcome.get('tokens_seen', figures['tokens_seen']))} |",
+        f"| parameters | {_fmt(meta.get('n_params'))} |",
+        f"| training wall time (all sessions) | {_hours(wall_s)} ({wall_s:,.1f} s) |",
+        f"| devices | {world} x {device} |",
+        f"| device-hours | {device_hours:,.4f} |",
+        f"| cost at {_fmt(cost_per_device_hour, 2)} per device-hour | {cost} |",
+        f"| final training loss | {_fmt(figures['final_loss'])} |",
+        f"| final validation loss | {_fmt(figures['final_val_loss'])} |",
+        f"| best validation loss | {_fmt(figures['best_val_loss'])} (step {_fmt(figures['best_val_step'])}) |",
+        f"| throughput (tokens/s, mean of logged intervals) | {_fmt(figures['tokens_per_sec'], 1)} |",
+        f"| MFU (mean of logged intervals) | {_fmt(None if figures['mfu'] is None else 100 * figures['mfu'], 2, ' %')} |",
+        f"| peak MFU reference | {_fmt(meta.get('peak_tflops_per_device'), 2)} TFLOP/s per device "
+        f"({meta.get('peak_tflops_source', 'n/a')}) |",
+        f"| peak memory per process | {_fmt(figures['peak_mem_gb'], 3, ' GB')} |",
+        f"| GPU utilisation (NVML, mean of logged steps) | {_fmt(figures['gpu_util_pct'], 1, ' %')} |",
+        f"| GPU memory in use (NVML, max) | {_fmt(figures['gpu_mem_used_gb'], 3, ' GB')} |",
+        "",
+        "## Environment",
+        "",
+        f"- code: git commit `{meta.get('git_commit')}`",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        f"- platform: {hardware.get('platform')}; precision {meta.get('precision')}; "
+        f"{world} process(es); accumulation {meta.get('accum_steps')}",
+        f"- container: {_container(meta.get('container'))}",
+        f"- recipe: `{meta.get('recipe') or 'none'}`; resumed from: {meta.get('resumed_from') or 'no (fresh start)'}",
+        "",
+    ]
+    from_recipe, from_defaults = config_differences(meta.get("config", {}), meta.get("recipe"))
+    lines += _table("## Configuration: differences from the recipe file" if meta.get("recipe") else
+                    "## Configuration: differences from the defaults", ("recipe" if meta.get("recipe") else "default"),
+                    "this run", from_recipe)
+    if meta.get("recipe"):
+        lines += _table("## The recipe file's differences from the defaults", "default", "recipe", from_defaults)
+    lines.append("The resolved configuration is in `config.yaml`; every logged step is in `metrics.jsonl`.")
+    return "\n".join(lines) + "\n"
+
+
+def _container(info: dict | None) -> str:
+    if not info:
+        return "none (ran on the host)"
+    return f"{info.get('runtime') or 'unknown runtime'}, image {info.get('image') or 'unknown'}"
+
+
+def _table(title: str, base_name: str, new_name: str, diffs: list) -> list[str]:
+    lines = [title, ""]
+    if not diffs:
+        return lines + ["None.", ""]
+    lines += [f"| key | {base_name} | {new_name} |", "| --- | --- | --- |"]
+    lines += [f"| `{k}` | {json.dumps(old)} | {json.dumps(new)} |" for k, old, new in diffs]
+    return lines + [""]
