@@ -11,7 +11,6 @@ from torch import nn
 
 from conftest import TINY_OVERRIDES, run_train
 from lmrecipe.config import load_config
-from lmrecipe.errors import UserError
 from lmrecipe.optim import lr_at, param_groups
 from lmrecipe.tracking import read_metrics
 
