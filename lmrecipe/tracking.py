@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import subprocess
+import uuid
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ class Tracker:
             id_file = out_dir / WANDB_ID_FILE
             run_id = id_file.read_text().strip() if id_file.is_file() else None
             if run_id is None:
-                run_id = wandb.util.generate_id()
+                run_id = uuid.uuid4().hex[:8]  # wandb's id form: 8 lowercase alphanumerics
                 write_text_atomic(id_file, run_id + "\n")
             self._wandb_run = wandb.init(project=project, name=run_name, dir=str(out_dir), config=config, mode=mode,
                                          id=run_id, resume="allow")

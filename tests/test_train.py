@@ -132,9 +132,14 @@ def test_tensorboard_tracker(tmp_path, tiny_data):
 
 @pytest.mark.slow
 def test_wandb_tracker_offline(tmp_path, tiny_data):
+    """Offline wandb; a resumed run continues the same wandb run id."""
     out = tmp_path / "run"
     run_train(out, tiny_data, ["train.max_steps=2", "logging.tracker=wandb"])
-    assert list((out / "wandb").glob("offline-run-*"))
+    run_id = (out / "wandb_run_id").read_text().strip()
+    assert [p.name.endswith(f"-{run_id}") for p in (out / "wandb").glob("offline-run-*")] == [True]
+    run_train(out, tiny_data, ["train.max_steps=3", "logging.tracker=wandb"])  # resumes from step 2
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(p.name.endswith(f"-{run_id}") for p in runs)
 
 
 # ---------------------------------------------------------------------------------------------- the ZeRO matrix
