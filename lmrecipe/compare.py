@@ -25,6 +25,7 @@ from .config import Config, load_config, resolve_deepspeed_config
 from .data import BatchLayout, load_meta
 from .distributed import ZeroSetup, load_deepspeed_config, resolve_precision
 from .errors import fail
+from .fileio import atomic_path, write_text_atomic
 from .launch import accelerate_launch_cmd
 from .memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape, read_measured
 from .model import build_hf_config
@@ -232,12 +233,12 @@ def add_loss_differences(results: list[ConfigResult], out: Path) -> None:
 def write_results(results: list[ConfigResult], out: Path, steps: int, num_processes: int) -> None:
     """results.csv, results.md and memory_throughput.png under ``out``."""
     names = [f.name for f in fields(ConfigResult)]
-    with open(out / "results.csv", "w", newline="") as fh:
+    with atomic_path(out / "results.csv") as tmp, open(tmp, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=names)
         writer.writeheader()
         for result in results:
             writer.writerow({k: ("" if v is None else v) for k, v in asdict(result).items()})
-    (out / "results.md").write_text(results_markdown(results, steps, num_processes))
+    write_text_atomic(out / "results.md", results_markdown(results, steps, num_processes))
     ok = [r for r in results if r.status == "ok" and r.memory_per_rank_gb is not None and r.tokens_per_sec is not None]
     if ok:
         plot_memory_throughput([r.config for r in ok], [r.memory_per_rank_gb for r in ok],
