@@ -44,7 +44,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import CheckpointConfig, fixed_on_resume_keys
+from .config import CheckpointConfig, fixed_on_resume_keys, flatten_config
 from .data import TokenWindows, file_sha256
 from .distributed import ZeroSetup
 from .errors import fail
@@ -210,16 +210,6 @@ def _follow_latest(root: Path) -> Path:
     return target
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key != "extra":
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _file_sha256(path: Path) -> str | None:
     return file_sha256(path) if path.is_file() else None
 
@@ -367,7 +357,7 @@ class Checkpointer:
 
     def _check_compatible(self, saved: dict, path: Path, model) -> None:
         fixed_keys = fixed_on_resume_keys()
-        old, new = _flatten(saved["config"]), _flatten(self.run_config)
+        old, new = flatten_config(saved["config"]), flatten_config(self.run_config)
         problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed_keys if old.get(k) != new.get(k)]
         old_hf = saved.get("hf_config", {})
         new_hf = self.accelerator.unwrap_model(model).config.to_dict()

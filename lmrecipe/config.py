@@ -364,6 +364,17 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def flatten_config(data: dict, prefix: str = "") -> dict[str, Any]:
+    """A ``Config.to_dict()`` as ``{"section.key": value}`` (``model.extra`` stays one value)."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "extra":
+            flat.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def fixed_on_resume_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Dotted keys whose value a resume may not change (fields declared with ``_fixed``)."""
     keys = []

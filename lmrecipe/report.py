@@ -13,7 +13,7 @@ import logging
 import math
 from pathlib import Path
 
-from .config import Config, load_config
+from .config import Config, flatten_config, load_config
 from .errors import UserError
 from .fileio import write_json_atomic, write_text_atomic
 from .tracking import METRICS_FILE, read_metrics
@@ -63,26 +63,16 @@ def summarize_metrics(rows: list[dict]) -> dict:
     }
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key != "extra":
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def config_differences(config: dict, recipe: str | None) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
     """(key, recipe value, run value) where the run differs from its recipe file, and (key, default, recipe value)
     where the recipe differs from the defaults. Without a readable recipe, the first list compares with the
     defaults and the second is empty."""
-    run = _flatten(config)
-    defaults = _flatten(Config().to_dict())
+    run = flatten_config(config)
+    defaults = flatten_config(Config().to_dict())
     recipe_values = None
     if recipe:
         try:
-            recipe_values = _flatten(load_config(recipe).to_dict())
+            recipe_values = flatten_config(load_config(recipe).to_dict())
         except UserError as err:
             logger.warning("Recipe %s not readable for the report (%s); comparing with the defaults", recipe, err)
     base = recipe_values if recipe_values is not None else defaults
