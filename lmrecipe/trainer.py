@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint import EXIT_PREEMPTED, Checkpointer
 from .config import Config, save_config
-from .data import Prefetcher, TrainBatches, ValBatches
+from .data import Prefetcher, TrainBatches
 from .determinism import maybe_set_deterministic
 from .distributed import Runtime, build_runtime
 from .errors import fail
@@ -103,13 +103,15 @@ class Run:
     model: torch.nn.Module
     """The prepared model (DDP wrapper or DeepSpeed engine)."""
     optimizer: torch.optim.Optimizer
-    train_batches: TrainBatches | MixtureBatches
-    val_batches: ValBatches
-    """The first source's validation windows (the only ones for one folder); ``data.val_sets`` has every source's."""
+    data: TrainingData
+    """The training data: the sample order and every source's validation windows."""
     prefetcher: Prefetcher
     n_params: int
     flops_per_token: float
-    data: TrainingData
+
+    @property
+    def train_batches(self) -> TrainBatches | MixtureBatches:
+        return self.data.train_batches
 
     @property
     def accelerator(self):
@@ -183,8 +185,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
-    return Run(cfg, runtime, model, optimizer, data.train_batches, data.val_sets[data.names[0]], prefetcher,
-               counts["total"], fpt, data)
+    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt)
 
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
