@@ -47,8 +47,12 @@ import torch
 from .config import CheckpointConfig, fixed_on_resume_keys, flatten_config
 from .data import TokenWindows, file_sha256
 from .distributed import ZeroSetup
-from .errors import fail
+from .errors import UserError, fail
 from .fileio import fsync_dir, write_text_atomic
+from .optim import optimizer_param_names
+from .portable import (
+    cached_portable, convert, layout_changes, layout_of, load_portable, needs_conversion, portable_dir, state_sha256,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -278,12 +282,14 @@ def set_rng_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) ->
 
 
 def _remove_tree(path: Path) -> None:
-    """Delete a folder so that no half-deleted folder ever carries a checkpoint's name."""
+    """Delete a checkpoint folder (so that no half-deleted folder ever carries a checkpoint's name) and the
+    topology-free form cached beside it."""
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}")
     if trash.exists():
         shutil.rmtree(trash)
     os.rename(path, trash)
     shutil.rmtree(trash)
+    shutil.rmtree(portable_dir(path), ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,23 +343,83 @@ class Checkpointer:
 
     # ---- resume
 
-    def maybe_resume(self, model, state) -> str | None:
-        """Restore weights, optimizer, training state and every rank's RNG from the chosen checkpoint."""
+    def maybe_resume(self, model, optimizer, state) -> str | None:
+        """Restore weights, optimizer, training state and every rank's RNG from the chosen checkpoint.
+
+        A checkpoint saved on another layout (process count under DeepSpeed, ZeRO stage, offload, DeepSpeed or
+        not) is converted to its topology-free form first (``portable.py``); the log says what changed.
+        """
         path = find_resume_checkpoint(self.section.resume, self.root)
         if path is None:
             return None
         saved = read_checkpoint(path)
         self._check_compatible(saved, path, model)
-        # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
-        self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        saved_layout, layout = layout_of(saved["topology"]), self.layout()
+        if needs_conversion(saved_layout, layout):
+            folder = self._portable_form(path, saved, model)
+            load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
+                          samples_per_step=self.samples_per_step)
+        else:
+            # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
+            self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
         names = {f.name for f in fields(state)}
         for key, value in saved["state"].items():
             if key in names:
                 setattr(state, key, value)
-        self._restore_rng(path)
+        self._restore_rng(path, saved_layout["world_size"])
         self.resumed_from = self.latest = path
-        logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
+        changes = layout_changes(saved_layout, layout)
+        if changes:
+            logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
+                        "step counts were loaded by parameter name; the data continues at sample %d.", path, state.step,
+                        state.tokens_seen, "; ".join(changes), state.step * self.samples_per_step)
+        else:
+            logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
         return str(path)
+
+    def layout(self) -> dict:
+        """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
+        return {"world_size": self.accelerator.num_processes, "deepspeed": self.zero.deepspeed,
+                "zero_stage": self.zero.stage, "offload_optimizer": self.zero.offload_optimizer,
+                "offload_param": self.zero.offload_param}
+
+    def _portable_form(self, path: Path, saved: dict, model) -> Path:
+        """The checkpoint's topology-free form: converted once by the main process, cached beside it
+        (``step_XXXXXXXX.portable``; the checkpoint itself is not modified).
+
+        A checkpoint in a folder that cannot be written to (read-only storage) gets its cache in this run's
+        ``checkpoints/`` instead.
+        """
+        from accelerate.utils import broadcast_object_list
+
+        acc = self.accelerator
+        digest = state_sha256(path, STATE_FILE)
+        outcome = [None, None]  # (folder, error) decided by the main process
+        if acc.is_main_process:
+            saved_layout = layout_of(saved["topology"])
+            names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
+            for dest in dict.fromkeys((portable_dir(path), portable_dir(path, self.root))):
+                if cached_portable(dest, digest):
+                    logger.info("Using the topology-free form of %s cached in %s", path, dest)
+                    outcome = [str(dest), None]
+                    break
+                try:
+                    convert(path, dest, deepspeed_dir=path / DS_TAG if saved_layout["deepspeed"] else None,
+                            param_names=names, source_layout=saved_layout, source_sha256=digest)
+                    outcome = [str(dest), None]
+                    break
+                except UserError as err:
+                    outcome = [None, str(err)]
+                    break
+                except OSError as err:  # read-only checkpoint storage: try the run's own folder
+                    if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                        raise
+                    outcome = [None, f"Cannot write the topology-free form of {path} to {dest}: {err}."]
+        broadcast_object_list(outcome)
+        folder, error = outcome
+        if error is not None:
+            raise fail(error)
+        return Path(folder)
 
     def _check_compatible(self, saved: dict, path: Path, model) -> None:
         fixed_keys = fixed_on_resume_keys()
@@ -371,16 +437,9 @@ class Checkpointer:
         if old_mix != new_mix:
             problems.append(f"data sources: {_describe_mixture(old_data.get('mixture'))} -> "
                             f"{_describe_mixture(new_data.get('mixture'))}")
-        topo = saved["topology"]
-        if topo["deepspeed"] != self.zero.deepspeed or topo["zero_stage"] != self.zero.stage:
-            problems.append(f"ZeRO stage: {topo['zero_stage'] if topo['deepspeed'] else 'no DeepSpeed'} -> "
-                            f"{self.zero.stage if self.zero.deepspeed else 'no DeepSpeed'}")
-        if self.zero.deepspeed and topo["world_size"] != self.accelerator.num_processes:
-            # DeepSpeed's ZeRO shards are cut for one data-parallel size (DeepSpeed #3810).
-            problems.append(f"processes: {topo['world_size']} -> {self.accelerator.num_processes}")
         if problems:
             raise fail(
-                f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer shards or data "
+                f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer state or data "
                 f"position depend on ({'; '.join(problems)}). Resume with the checkpoint's settings, or start a new run "
                 f"from its weights: python tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT "
                 "checkpoint.resume=none."
@@ -408,13 +467,17 @@ class Checkpointer:
         signature = _data_signature(self.data_dir)
         return signature if self.mixture is None else {**signature, "mixture": self.mixture}
 
-    def _restore_rng(self, path: Path) -> None:
+    def _restore_rng(self, path: Path, saved_world_size: int) -> None:
+        """Each rank's RNG streams as saved. Ranks beyond the saving run's count keep fresh streams: RNG state is
+        per rank and cannot be split or merged. The default model draws no random numbers while training (no
+        dropout; the sample order is a function of the step), so losses do not depend on it."""
         from safetensors import safe_open
 
-        rng_file = path / RNG_DIR / f"rank_{self.accelerator.process_index:05d}.safetensors"
-        if not rng_file.is_file():
-            logger.warning("%s has no RNG state for rank %d (saved with fewer processes); keeping a fresh one.",
-                           path, self.accelerator.process_index)
+        rank = self.accelerator.process_index
+        rng_file = path / RNG_DIR / f"rank_{rank:05d}.safetensors"
+        if rank >= saved_world_size or not rng_file.is_file():
+            logger.info("%s holds no RNG state for rank %d (saved with %d processes); it starts fresh streams "
+                        "(seeded by train.seed).", path, rank, saved_world_size)
             return
         with safe_open(rng_file, framework="pt") as fh:
             set_rng_state({k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata())
@@ -526,8 +589,7 @@ class Checkpointer:
                 "last_lr": self.lr_schedule(state.step - 1) if state.step else None,
                 "next_lr": self.lr_schedule(state.step),
             },
-            "topology": {"world_size": self.accelerator.num_processes, "deepspeed": self.zero.deepspeed,
-                         "zero_stage": self.zero.stage},
+            "topology": self.layout(),
             "hf_config": json.loads((tmp / HF_DIR / "config.json").read_text()),
             "config": self.run_config,
             "manifest": manifest,

@@ -15,8 +15,8 @@ def _ndim(param: nn.Parameter) -> int:
     return len(getattr(param, "ds_shape", param.shape))
 
 
-def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
-    """Two groups: matrices (decayed) and biases, norm gains and, unless configured, embeddings (not decayed)."""
+def split_params(model: nn.Module, decay_embeddings: bool) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Matrices (decayed), then biases, norm gains and, unless ``decay_embeddings``, embeddings (not decayed)."""
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     decay, no_decay, seen = [], [], set()
     for param in model.parameters():
@@ -24,14 +24,29 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
             continue
         seen.add(id(param))
         is_embedding = id(param) in embedding_ids
-        if _ndim(param) >= 2 and (optim.decay_embeddings or not is_embedding):
+        if _ndim(param) >= 2 and (decay_embeddings or not is_embedding):
             decay.append(param)
         else:
             no_decay.append(param)
+    return decay, no_decay
+
+
+def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
+    """Two groups: matrices (decayed) and biases, norm gains and, unless configured, embeddings (not decayed)."""
+    decay, no_decay = split_params(model, optim.decay_embeddings)
     return [
         {"params": decay, "weight_decay": optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def optimizer_param_names(model: nn.Module, decay_embeddings: bool) -> list[tuple[str, ...]]:
+    """The optimizer's parameters in its order (group by group), each with every name it goes by (tied weights
+    have several): what gives the entries of a saved ``optimizer.bin``, which are numbered, their names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tuple(names[id(p)]) for params in split_params(model, decay_embeddings) for p in params]
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fused: bool = False) -> torch.optim.Optimizer:

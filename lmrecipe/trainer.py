@@ -388,7 +388,7 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
     cfg, accelerator, layout = run.cfg, run.accelerator, run.runtime.layout
     checkpointer = build_checkpointer(run, out_dir)
     state = TrainState()
-    resumed_from = checkpointer.maybe_resume(run.model, state)
+    resumed_from = checkpointer.maybe_resume(run.model, run.optimizer, state)
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
     reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from, "recipe": recipe})

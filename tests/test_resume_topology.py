@@ -1,0 +1,168 @@
+"""Resuming on another number of processes or another ZeRO stage: exact losses and exact optimizer state.
+
+Each case resumes step HALF of an uninterrupted run on a new layout (same recipe, same global batch) and
+compares the losses of the steps after the resume with the uninterrupted run's; the probes load the checkpoint
+the way training does and read the AdamW moments back through the optimizer, against the saved ones read
+directly from the source files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_OVERRIDES, run_script, run_train
+from lmrecipe.checkpoint import DS_TAG, read_checkpoint, step_dir_name
+from lmrecipe.optim import optimizer_param_names
+from lmrecipe.portable import layout_changes, layout_of, needs_conversion, portable_dir
+from test_checkpoint import HALF, LOSS_TOL, STEPS, cached_run, losses, max_loss_diff, tree_digest, zero_pair
+
+PARAM = "model.layers.0.mlp.gate_proj.weight"
+ZERO = {stage: f"distributed.deepspeed_config=ds_configs/zero{stage}.json" for stage in (1, 2, 3)}
+
+
+# ---------------------------------------------------------------------------------------------- unit
+
+
+def layout(world_size: int, stage: int | None, offload: bool = False) -> dict:
+    return layout_of({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
+                      "offload_optimizer": offload})
+
+
+def test_which_layout_changes_need_a_conversion():
+    assert not needs_conversion(layout(2, None), layout(4, None))  # DDP state is whole on every rank
+    assert layout_changes(layout(2, None), layout(4, None)) == ["processes 2 -> 4"]
+    assert not needs_conversion(layout(2, 2), layout(2, 2)) and layout_changes(layout(2, 2), layout(2, 2)) == []
+    assert needs_conversion(layout(2, 2), layout(1, 2))
+    assert layout_changes(layout(2, 2), layout(2, 3)) == ["ZeRO-2 -> ZeRO-3"]
+    assert layout_changes(layout(2, 3), layout(1, None)) == ["processes 2 -> 1", "ZeRO-3 -> no DeepSpeed"]
+    assert layout_changes(layout(2, 2), layout(2, 2, offload=True)) == ["ZeRO-2 -> ZeRO-2 (offload optimizer)"]
+    # Checkpoints written before offload was recorded read as "no offload".
+    assert layout_of({"world_size": 1, "deepspeed": True, "zero_stage": 1}) == layout(1, 1)
+
+
+def test_optimizer_names_follow_the_optimizer_groups():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, tie_word_embeddings=True))
+    names = optimizer_param_names(model, decay_embeddings=False)
+    flat = [n for group in names for n in group]
+    assert len(names) == len(list(model.parameters()))
+    assert ("model.embed_tokens.weight", "lm_head.weight") in names  # a tied weight goes by both names
+    assert flat.index("model.layers.0.self_attn.q_proj.weight") < flat.index("model.embed_tokens.weight")
+    assert flat.index("model.embed_tokens.weight") < flat.index("model.norm.weight")  # not decayed: second group
+    with_decay = optimizer_param_names(model, decay_embeddings=True)
+    assert with_decay.index(("model.embed_tokens.weight", "lm_head.weight")) < with_decay.index(("model.norm.weight",))
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+
+
+def plain_source(tmp_path_factory, data: Path) -> Path:
+    """1 process, no DeepSpeed, STEPS steps saving every HALF: the source of the none -> ZeRO-1 case."""
+    out, _ = cached_run(tmp_path_factory, "plain_half", data, [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tiny_data) -> dict:
+    """The uninterrupted runs whose step-HALF checkpoints are resumed, with each checkpoint's digest before any."""
+    runs = {"zero2": zero_pair(tmp_path_factory, tiny_data, 2)["a"], "zero3": zero_pair(tmp_path_factory, tiny_data, 3)["a"],
+            "plain": plain_source(tmp_path_factory, tiny_data)}
+    out = {}
+    for name, run in runs.items():
+        ckpt = run / "checkpoints" / step_dir_name(HALF)
+        digest_file = run.parent / f"{run.name}_half_digest.json"
+        if not digest_file.is_file():
+            digest_file.write_text(json.dumps(tree_digest(ckpt)))
+        out[name] = {"run": run, "checkpoint": ckpt, "digest": json.loads(digest_file.read_text())}
+    return out
+
+
+CASES = {
+    # name: (source, processes, overrides of the resumed run, what the log must say changed)
+    "zero2-2p-to-zero2-1p": ("zero2", 1, [ZERO[2]], "processes 2 -> 1"),
+    "zero2-to-zero3": ("zero2", 2, [ZERO[3]], "ZeRO-2 -> ZeRO-3"),
+    "zero3-2p-to-none-1p": ("zero3", 1, ["model.tie_embeddings=true"], "processes 2 -> 1; ZeRO-3 -> no DeepSpeed"),
+    "none-1p-to-zero1-2p": ("plain", 2, [ZERO[1]], "processes 1 -> 2; no DeepSpeed -> ZeRO-1"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_on_another_layout_continues_the_losses_exactly(tmp_path, tiny_data, sources, case):
+    source_name, nproc, overrides, change = CASES[case]
+    source = sources[source_name]
+    out = tmp_path / "run"
+    proc = run_train(out, tiny_data, [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}",
+                                      f"checkpoint.resume={source['checkpoint']}", *overrides], nproc=nproc)
+    assert f"on a new layout: {change}." in proc.stderr
+    resumed = losses(out)
+    assert [step for step, _ in resumed] == list(range(HALF + 1, STEPS + 1))
+    diff = max_loss_diff(resumed, losses(source["run"]))
+    print(f"{case}: max |loss difference| after resume = {diff:.3g}")
+    assert diff <= LOSS_TOL
+    # The checkpoint was not modified; its topology-free form is cached beside it, and the new run's own
+    # checkpoints record the new layout.
+    assert tree_digest(source["checkpoint"]) == source["digest"]
+    assert (portable_dir(source["checkpoint"]) / "portable.json").is_file()
+    saved = read_checkpoint(out / "checkpoints" / step_dir_name(STEPS))
+    assert saved["topology"]["world_size"] == nproc
+
+
+def probe(tmp_path: Path, data: Path, checkpoint: Path, nproc: int, overrides: list[str]) -> dict[str, torch.Tensor]:
+    out = tmp_path / "probe.safetensors"
+    args = [str(ROOT / "tests" / "resume_probe.py"), str(out), PARAM, "recipes/tiny.yaml", f"out_dir={tmp_path / 'run'}",
+            f"data.path={data}", *TINY_OVERRIDES, f"train.max_steps={STEPS}", f"checkpoint.resume={checkpoint}", *overrides]
+    proc = run_script(args, nproc=nproc)
+    assert "on a new layout" in proc.stderr
+    return load_file(out)
+
+
+def saved_zero2(checkpoint: Path, name: str) -> dict[str, torch.Tensor]:
+    """A parameter's fp32 weight and moments straight from ZeRO-1/2 shards, by the slice map DeepSpeed records."""
+    shards = sorted((checkpoint / DS_TAG).glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    pieces = {"fp32": [], "exp_avg": [], "exp_avg_sq": []}
+    shape = None
+    for shard in shards:
+        osd = torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for group, mapping in enumerate(osd["param_slice_mappings"]):
+            if name in mapping:
+                address = mapping[name]
+                flats = {"fp32": osd["single_partition_of_fp32_groups"][group],
+                         **{k: osd["base_optimizer_state"]["state"][group][k] for k in ("exp_avg", "exp_avg_sq")}}
+                for key, flat in flats.items():
+                    pieces[key].append(flat.narrow(0, address.start, address.numel))
+    model_states = torch.load(checkpoint / DS_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    shape = next(shapes[name] for shapes in model_states["param_shapes"] if name in shapes)
+    return {key: torch.cat(parts).view(shape) for key, parts in pieces.items()}
+
+
+def saved_plain(checkpoint: Path, name: str) -> dict[str, torch.Tensor]:
+    """A parameter's weight and moments from model.safetensors and optimizer.bin (numbered in optimizer order)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint / "hf"))
+    index = [names[0] for names in optimizer_param_names(model, decay_embeddings=False)].index(name)
+    optim = torch.load(checkpoint / "optimizer.bin", map_location="cpu", weights_only=True)
+    return {"fp32": load_file(checkpoint / "model.safetensors")[name], **{k: optim["state"][index][k] for k in ("exp_avg", "exp_avg_sq")}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero2-to-zero3", "none-1p-to-zero1-2p"])
+def test_adamw_moments_after_loading_equal_the_saved_ones(tmp_path, tiny_data, sources, case):
+    source_name, nproc, overrides, _ = CASES[case]
+    checkpoint = sources[source_name]["checkpoint"]
+    loaded = probe(tmp_path, tiny_data, checkpoint, nproc, overrides)
+    saved = (saved_zero2 if source_name == "zero2" else saved_plain)(checkpoint, PARAM)
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert loaded[key].shape == saved[key].shape
+        assert torch.equal(loaded[key], saved[key].float()), f"{key}: max |difference| {(loaded[key] - saved[key]).abs().max()}"
+    assert saved["exp_avg_sq"].abs().sum() > 0  # real moments, not a fresh optimizer's zeros
+    assert loaded["steps"].tolist() == [float(HALF)] * len(loaded["steps"])
