@@ -32,14 +32,17 @@ def val_rows(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r}
 
 
-def export_val_loss(export: Path, data: Path, n_windows: int = 16, seq_len: int = 32) -> float:
-    """Loss of an export on the run's validation windows (the same ``ValBatches`` the training run evaluates)."""
+def export_val_loss(export: Path, data: Path) -> float:
     from transformers import AutoModelForCausalLM
 
+    return model_val_loss(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval(), data)
+
+
+def model_val_loss(model, data: Path, n_windows: int = 16, seq_len: int = 32) -> float:
+    """Loss on the run's validation windows (the same ``ValBatches`` the training run evaluates), in this process."""
     from lmrecipe.data import TokenWindows, ValBatches
     from lmrecipe.loss import causal_lm_loss
 
-    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     total, count = 0.0, 0.0
     with torch.no_grad():
         for inputs, targets, valid in ValBatches(TokenWindows(data, "val", seq_len), n_windows, 8, 1, 0):
@@ -277,3 +280,22 @@ def test_zero3_ema_export_loads_in_transformers_and_gives_the_logged_loss(ema_ze
     row = val_rows(a)[STEPS]
     assert export_val_loss(tmp_path / "ema", tiny_data) == pytest.approx(row["val_loss_ema"], abs=LOSS_TOL)
     assert export_val_loss(tmp_path / "raw", tiny_data) == pytest.approx(row["val_loss"], abs=LOSS_TOL)
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-2, 2 processes
+
+
+@pytest.mark.slow
+def test_zero2_ema_is_saved_whole_once_and_evaluates_as_logged(tmp_path_factory, tiny_data):
+    from lmrecipe.export import load_for_inference
+
+    out, _ = cached_run(tmp_path_factory, "ema_zero2", tiny_data, [
+        "train.max_steps=4", "checkpoint.every_steps=4", "train.eval_every_steps=2", f"train.ema_decay={DECAY}",
+        "distributed.deepspeed_config=zero2"], nproc=2)
+    ckpt = out / "checkpoints" / step_dir_name(4)
+    assert FULL_FILE in read_checkpoint(ckpt)["manifest"] and not (ckpt / "ema").exists()
+    assert load_tensors(ckpt / FULL_FILE)[COUNT_KEY].item() == 4
+    row = val_rows(out)[4]
+    for weights, logged in (("ema", row["val_loss_ema"]), ("raw", row["val_loss"])):
+        model, _, _ = load_for_inference(ckpt, weights=weights)
+        assert model_val_loss(model, tiny_data) == pytest.approx(logged, abs=LOSS_TOL), weights
