@@ -29,13 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", metavar="PROMPT", help="sample a continuation of PROMPT")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    parser.add_argument("--weights", choices=("raw", "ema"), default="raw",
+                        help="a checkpoint's trained weights or their moving average (train.ema_decay) (default: %(default)s)")
     args = parser.parse_args(argv)
     setup_logging()
     from lmrecipe.evaluate import evaluate_path  # heavy imports only after the arguments parsed
 
     result, is_main = evaluate_path(
         args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
-        generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed, weights=args.weights,
     )
     if is_main:
         print(json.dumps(result), flush=True)

@@ -13,6 +13,8 @@ A checkpoint folder holds what ``accelerator.save_state`` writes (DeepSpeed's pe
 - ``hf/``: the transformers ``config.json``, the tokenizer files and the data's ``meta.json``, so an export
   or an evaluation needs neither the recipe's data folder nor ``model.init_from``;
 - ``probe.safetensors``: logits of the training-time model on a fixed input, to check exports against;
+- with ``train.ema_decay`` > 0, the weight EMA (``ema.safetensors``, or ``ema/rank_NNNNN.safetensors`` under
+  ZeRO-3; see ``lmrecipe/ema.py``), written by the ``extra_state`` the trainer passes in;
 - ``train_state.json``: step, tokens seen, data position, best validation loss, the schedule's values, the
   resolved config, the topology and a manifest of every file with its size. Written last.
 
@@ -303,7 +305,8 @@ class Checkpointer:
     """
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
-                 seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float]):
+                 seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
+                 extra_state=None):
         """
         Args:
             section: the recipe's ``checkpoint`` section (interval, retention, resume).
@@ -317,6 +320,8 @@ class Checkpointer:
             max_steps: the last step of the run, which is always saved.
             run_config: the resolved configuration as a dict, saved with each checkpoint and compared on resume.
             lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
+            extra_state: state saved and restored with each checkpoint besides Accelerate's (the weight EMA): an
+                object whose ``save(folder)`` and ``load(folder)`` every rank calls; None for none.
         """
         self.section = section
         self.accelerator = accelerator
@@ -329,6 +334,7 @@ class Checkpointer:
         self.max_steps = max_steps
         self.run_config = run_config
         self.lr_schedule = lr_schedule
+        self.extra_state = extra_state
         self.probe_ids = TokenWindows(self.data_dir, "val", seq_len).batch([0])[0][:, :PROBE_TOKENS]
         self.resumed_from: Path | None = None
         self.latest: Path | None = None
@@ -367,6 +373,8 @@ class Checkpointer:
             if key in names:
                 setattr(state, key, value)
         self._restore_rng(path, saved_layout["world_size"])
+        if self.extra_state is not None:
+            self.extra_state.load(path)
         self.resumed_from = self.latest = path
         changes = layout_changes(saved_layout, layout)
         if changes:
@@ -527,6 +535,8 @@ class Checkpointer:
             acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
             tensors, metadata = rng_state_tensors()
             save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
+            if self.extra_state is not None:
+                self.extra_state.save(tmp)
             if acc.is_main_process:
                 save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
                 self._write_hf_dir(model, tmp / HF_DIR)

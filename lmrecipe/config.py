@@ -226,10 +226,17 @@ class TrainConfig:
     """An evaluation improves when its loss is below the best so far by more than this (loss units)."""
     deterministic: bool = False
     """Deterministic kernels (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``) for debugging."""
+    ema_decay: float = 0.0
+    """Decay per applied optimizer step of an exponential moving average of the weights (bias-corrected, fp32; an
+    average over about ``1 / (1 - ema_decay)`` steps, e.g. 0.999: 1,000 steps), evaluated as ``val_loss_ema`` and
+    saved in checkpoints (``lmrecipe/ema.py``); 0 = off. In [0, 1)."""
 
     def validate(self) -> None:
         _positive(self, "max_steps", "global_batch_size", "micro_batch_size", "max_consecutive_skips")
         _non_negative(self, "eval_every_steps", "early_stopping_patience", "early_stopping_min_delta")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise fail(f"train.ema_decay={self.ema_decay} must be in [0, 1): e.g. 0.999 averages over about 1,000 "
+                       "optimizer steps; 0 turns the weight EMA off.")
         if self.global_batch_size % self.micro_batch_size:
             raise fail(
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
@@ -251,6 +258,8 @@ class CheckpointConfig:
     """Weight dtype of the export."""
     max_shard_size: str = "2GB"
     """Largest safetensors shard of the export (e.g. 500MB, 5GB)."""
+    export_weights: Literal["raw", "ema"] = "raw"
+    """Weights of the end-of-run export: the trained ones, or their moving average (needs ``train.ema_decay`` > 0)."""
 
     def validate(self) -> None:
         _non_negative(self, "every_steps")
@@ -351,6 +360,9 @@ class Config:
             raise fail(f"profile.last_step={self.profile.last()} is beyond train.max_steps={self.train.max_steps}: "
                        "the profile would never be written. Choose steps within the run.")
         train, every_save = self.train, self.checkpoint.every_steps
+        if self.checkpoint.export_weights == "ema" and train.ema_decay == 0:
+            raise fail("checkpoint.export_weights=ema needs a weight EMA: set train.ema_decay (e.g. 0.999), or "
+                       "checkpoint.export_weights=raw.")
         if train.early_stopping_patience and (train.eval_every_steps == 0 or every_save == 0
                                               or train.eval_every_steps % every_save):
             raise fail(

@@ -30,6 +30,7 @@ def evaluate_path(
     generate: str | None = None,
     max_new_tokens: int = 64,
     seed: int = 0,
+    weights: str = "raw",
 ) -> tuple[dict, bool]:
     """Evaluate ``path`` (export folder or training checkpoint) on the val split of ``data_dir``.
 
@@ -40,6 +41,7 @@ def evaluate_path(
         seq_len: tokens per window; None uses the training seq_len (a checkpoint's recipe, an export's
             ``max_position_embeddings``).
         generate: a prompt to sample a continuation of (main process only), seeded by ``seed``.
+        weights: a checkpoint's trained weights (``raw``) or their moving average (``ema``).
 
     Returns:
         ``({"loss", "perplexity", "tokens"[, "prompt", "continuation"]}, is_main_process)``.
@@ -50,7 +52,7 @@ def evaluate_path(
             raise fail(f"{name}={value} must be positive.")
     accelerator = build_eval_accelerator()
     meta = load_meta(data_dir)  # a wrong data folder fails before the model is loaded
-    model, tokenizer, trained_seq_len = load_for_inference(path)
+    model, tokenizer, trained_seq_len = load_for_inference(path, weights=weights)
     seq_len = seq_len or trained_seq_len
     if seq_len > model.config.max_position_embeddings:
         raise fail(f"--seq-len={seq_len} exceeds the model's max_position_embeddings={model.config.max_position_embeddings}.")

@@ -8,6 +8,8 @@ Weights always come from a checkpoint on disk, never from a live engine, so one 
 training and ``tools/export_hf.py``: DeepSpeed ZeRO-1/2/3 shards are consolidated offline by DeepSpeed's own
 ``get_fp32_state_dict_from_zero_checkpoint`` (the fp32 master weights; it works for any rank count and whether
 or not ZeRO-3 gathered 16-bit weights at save time); checkpoints without DeepSpeed hold ``model.safetensors``.
+``weights="ema"`` takes the weight EMA saved beside them instead (``lmrecipe/ema.py``; ZeRO-3 partitions are
+consolidated the same way, offline).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import torch
 
 from .checkpoint import DS_TAG, HF_DIR, looks_like_checkpoint, read_checkpoint, resolve_checkpoint
 from .config import parse_shard_size
+from .ema import read_ema_state_dict
 from .errors import fail
 from .fileio import building_dir, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHTS = ("raw", "ema")
 INDEX_FILE = "model.safetensors.index.json"
 # Files of the checkpoint's hf/ folder that are not tokenizer files.
 _NOT_TOKENIZER = {"config.json", "meta.json"}
@@ -76,6 +80,13 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     return out
 
 
+def weights_state_dict(ckpt: Path, dtype: torch.dtype, weights: str = "raw") -> dict[str, torch.Tensor]:
+    """The trained weights (``raw``) or their moving average (``ema``) of a checkpoint, full, by name, in ``dtype``."""
+    if weights not in WEIGHTS:
+        raise fail(f"Weights {weights!r} are not known. Choose one of: {', '.join(WEIGHTS)}.")
+    return checkpoint_state_dict(ckpt, dtype) if weights == "raw" else read_ema_state_dict(ckpt, dtype)
+
+
 def _match_model_keys(state_dict: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """Fill tied names left out at save time and check the names are exactly the model's."""
     expected = set(model.state_dict().keys())
@@ -105,8 +116,10 @@ def _hf_config_and_tokenizer(ckpt: Path):
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bf16",
-                      max_shard_size: str | int = "2GB", overwrite: bool = False) -> Path:
+                      max_shard_size: str | int = "2GB", overwrite: bool = False, weights: str = "raw") -> Path:
     """Write a Hugging Face model folder from a training checkpoint (or a run folder: its newest checkpoint).
+
+    ``weights``: ``raw`` (the trained weights) or ``ema`` (their moving average; UserError if the checkpoint has none).
 
     Runs in one process. Inside a training process, unset transformers' ZeRO-3 config first, or model
     construction enters ``zero.Init`` and waits for every rank.
@@ -128,7 +141,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     hf_config.use_cache = True  # training turns the KV cache off; generation wants it
     hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     hf_config.pad_token_id = tokenizer.pad_token_id
-    state_dict = checkpoint_state_dict(ckpt, torch_dtype)
+    state_dict = weights_state_dict(ckpt, torch_dtype, weights)
     with torch.device("meta"):  # only the class, config and names are needed; the weights are state_dict
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
     state_dict = _match_model_keys(state_dict, model)
@@ -141,7 +154,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         for file in (ckpt / HF_DIR).iterdir():
             if file.is_file() and file.name not in _NOT_TOKENIZER:
                 shutil.copy2(file, tmp / file.name)
-    logger.info("Exported %s to %s (%s)", ckpt, out, dtype)
+    logger.info("Exported %s to %s (%s, %s weights)", ckpt, out, dtype, weights)
     return out
 
 
@@ -200,11 +213,12 @@ def check_export(path: Path) -> None:
                        f"describes {size} (truncated). Export it again.")
 
 
-def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32, weights: str = "raw"):
     """Model (eval mode), tokenizer and training seq_len from an export folder or a training checkpoint.
 
     A checkpoint is consolidated in memory exactly as the export would be, so evaluation needs no DeepSpeed
-    engine and no export step. Returns ``(model, tokenizer, seq_len)``.
+    engine and no export step; ``weights`` picks its trained weights or their EMA (an export has one set).
+    Returns ``(model, tokenizer, seq_len)``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -216,9 +230,12 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
         saved = read_checkpoint(ckpt)
         hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        model.load_state_dict(_match_model_keys(checkpoint_state_dict(ckpt, dtype), model), strict=True)
+        model.load_state_dict(_match_model_keys(weights_state_dict(ckpt, dtype, weights), model), strict=True)
         seq_len = int(saved["config"]["data"]["seq_len"])
     else:
+        if weights != "raw":
+            raise fail(f"{path} is an export, which holds one set of weights: --weights {weights} applies to a "
+                       "training checkpoint.")
         check_export(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

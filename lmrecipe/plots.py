@@ -30,6 +30,9 @@ def plot_training(rows: list[dict], path: str | Path) -> None:
     steps, val = _series(rows, "val_loss")
     if steps:
         ax.plot(steps, val, "o-", label="val loss", ms=4)
+    steps, val_ema = _series(rows, "val_loss_ema")
+    if steps:
+        ax.plot(steps, val_ema, "s--", label="val loss (weight EMA)", ms=4)
     ax.set_ylabel("loss (nats/token)")
     ax.legend()
     for ax, key, label in (

@@ -40,6 +40,7 @@ def summarize_metrics(rows: list[dict]) -> dict:
     first, which holds start-up and compilation, when there are several)."""
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
+    val_ema = [r for r in val if r.get("val_loss_ema") is not None]
     steady = train[1:] if len(train) > 1 else train
     util = [r["gpu_util_pct"] for r in train if r.get("gpu_util_pct") is not None]
 
@@ -54,6 +55,8 @@ def summarize_metrics(rows: list[dict]) -> dict:
         "final_val_loss": val[-1]["val_loss"] if val else None,
         "best_val_loss": min((r["val_loss"] for r in val), default=None),
         "best_val_step": min(val, key=lambda r: r["val_loss"])["step"] if val else None,
+        "final_val_loss_ema": val_ema[-1]["val_loss_ema"] if val_ema else None,
+        "best_val_loss_ema": min((r["val_loss_ema"] for r in val_ema), default=None),
         "tokens_per_sec": mean("tokens_per_sec"),
         "mfu": mean("mfu"),
         "peak_mem_gb": max((r["peak_mem_gb"] for r in train if r.get("peak_mem_gb") is not None), default=None),
@@ -115,7 +118,8 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         f"# Run report: {out_dir.name}",
         "",
         f"Ended at step {outcome.get('step')} of {meta.get('config', {}).get('train', {}).get('max_steps')}: {ended}.",
-        (f"Export: `{outcome['export']}`, taken from checkpoint `{outcome['export_from']}`."
+        (f"Export: `{outcome['export']}`, taken from checkpoint `{outcome['export_from']}`"
+         f"{' (weight EMA)' if outcome.get('export_weights') == 'ema' else ''}."
          if outcome.get("export") else "Export: none (checkpoint.export_at_end=false)."),
         "",
         "![training curves](training.png)",
@@ -133,6 +137,8 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         f"| final training loss | {_fmt(figures['final_loss'])} |",
         f"| final validation loss | {_fmt(figures['final_val_loss'])} |",
         f"| best validation loss | {_fmt(figures['best_val_loss'])} (step {_fmt(figures['best_val_step'])}) |",
+        *([f"| validation loss of the weight EMA: final, best | {_fmt(figures['final_val_loss_ema'])}, "
+           f"{_fmt(figures['best_val_loss_ema'])} |"] if figures["final_val_loss_ema"] is not None else []),
         f"| throughput (tokens/s, mean of logged intervals) | {_fmt(figures['tokens_per_sec'], 1)} |",
         f"| MFU (mean of logged intervals) | {_fmt(None if figures['mfu'] is None else 100 * figures['mfu'], 2, ' %')} |",
         f"| peak MFU reference | {_fmt(meta.get('peak_tflops_per_device'), 2)} TFLOP/s per device "

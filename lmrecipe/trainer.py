@@ -21,6 +21,7 @@ from .config import Config, save_config
 from .data import Prefetcher, TrainBatches
 from .determinism import maybe_set_deterministic
 from .distributed import Runtime, build_runtime
+from .ema import WeightEMA
 from .errors import fail
 from .loss import causal_lm_loss, validation_loss
 from .memory import attach_model_state_probe
@@ -56,6 +57,8 @@ class TrainState:
     last_val_loss: float | None = None
     last_val_step: int | None = None
     """Step of the latest evaluation (a checkpoint saved at that step is ranked by its loss)."""
+    last_val_loss_ema: float | None = None
+    """Validation loss of the weight EMA at the latest evaluation (None without ``train.ema_decay``)."""
     evals_without_improvement: int = 0
     """Evaluations in a row whose loss was not below the best before by more than ``train.early_stopping_min_delta``."""
     wall_time_s: float = 0.0
@@ -108,6 +111,8 @@ class Run:
     prefetcher: Prefetcher
     n_params: int
     flops_per_token: float
+    ema: WeightEMA | None = None
+    """The weight EMA (``train.ema_decay`` > 0), updated after every optimizer step."""
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:
@@ -185,7 +190,12 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
-    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt)
+    ema = None
+    if cfg.train.ema_decay > 0:
+        ema = WeightEMA(model, cfg.train.ema_decay, zero3=runtime.zero.stage == 3, rank=accelerator.process_index,
+                        world_size=accelerator.num_processes, is_main=accelerator.is_main_process,
+                        device=accelerator.device)
+    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, ema)
 
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
@@ -260,6 +270,8 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
                                             run.runtime.zero.deepspeed)
+        if run.ema is not None:
+            run.ema.update(skipped)
     if timer is not None:
         timer("data", data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)
@@ -305,13 +317,26 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
-    """Evaluate every ``train.eval_every_steps`` steps and at the last step."""
-    if eval_due(run.cfg, state.step):
-        per_source = {name: validation_loss(run.model, batches, run.accelerator)
-                      for name, batches in run.data.val_sets.items()}
-        val_loss = run.data.val_loss(per_source)
-        state.record_eval(val_loss, run.cfg.train.early_stopping_min_delta)
-        reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None)
+    """Evaluate every ``train.eval_every_steps`` steps and at the last step (with a weight EMA, its weights too).
+
+    The EMA goes first, so the trained weights' loss is measured after they were swapped back (a faulty restore
+    would show as a difference from the checkpoint's weights).
+    """
+    if not eval_due(run.cfg, state.step):
+        return
+
+    def losses() -> dict[str, float]:
+        return {name: validation_loss(run.model, batches, run.accelerator) for name, batches in run.data.val_sets.items()}
+
+    val_loss_ema = None
+    if run.ema is not None:
+        with run.ema.swapped_in():
+            val_loss_ema = run.data.val_loss(losses())
+    per_source = losses()
+    val_loss = run.data.val_loss(per_source)
+    state.record_eval(val_loss, run.cfg.train.early_stopping_min_delta)
+    state.last_val_loss_ema = val_loss_ema
+    reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=val_loss_ema)
 
 
 def export_source(run: Run, checkpointer: Checkpointer) -> Path | None:
@@ -334,7 +359,7 @@ def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | Non
     # enter zero.Init and wait for the other ranks, which have left.
     unset_hf_deepspeed_config()
     return export_checkpoint(checkpoint, out_dir / "export", dtype=section.export_dtype,
-                             max_shard_size=section.max_shard_size, overwrite=True)
+                             max_shard_size=section.max_shard_size, overwrite=True, weights=section.export_weights)
 
 
 def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
@@ -342,7 +367,7 @@ def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
     return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=run.data.tokenizer_dir,
                         mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
                         samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
-                        run_config=cfg.to_dict(), lr_schedule=run.lr_at)
+                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extra_state=run.ema)
 
 
 def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
@@ -453,5 +478,7 @@ def run_outcome(run: Run, state: TrainState, export_from: Path | None, export: P
     """How the run ended, for ``final.json`` and ``run_meta.json``."""
     return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < run.cfg.train.max_steps,
             "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
+            "last_val_loss_ema": state.last_val_loss_ema,
             "evals_without_improvement": state.evals_without_improvement, "wall_time_s": state.wall_time_s,
-            "export": str(export) if export else None, "export_from": str(export_from) if export_from else None}
+            "export": str(export) if export else None, "export_from": str(export_from) if export_from else None,
+            "export_weights": run.cfg.checkpoint.export_weights if export else None}

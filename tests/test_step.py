@@ -14,23 +14,25 @@ from lmrecipe.data import BatchLayout, Prefetcher, TokenWindows, TrainBatches
 from lmrecipe.metrics import HostSyncCounter
 
 
-def count_syncs(tiny_data, out_dir, max_steps: int) -> HostSyncCounter:
+def count_syncs(tiny_data, out_dir, max_steps: int, overrides: tuple[str, ...] = ()) -> HostSyncCounter:
     """Host syncs of a whole in-process ``train()`` whose only sync points are step 1 and the last step."""
     from lmrecipe.trainer import train
 
     cfg = load_config("recipes/tiny.yaml", [
         f"out_dir={out_dir}", f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={max_steps}",
         "logging.log_every_steps=1000", "train.eval_every_steps=0", "checkpoint.every_steps=0", "checkpoint.resume=none",
+        *overrides,
     ])
     with HostSyncCounter() as counter:
         train(cfg)
     return counter
 
 
-def test_unlogged_steps_make_no_host_sync(tmp_path, tiny_data):
+@pytest.mark.parametrize("overrides", [(), ("train.ema_decay=0.99",)], ids=["plain", "weight_ema"])
+def test_unlogged_steps_make_no_host_sync(tmp_path, tiny_data, overrides):
     """Two runs with the same sync points (step 1, the last) differ only by 8 unlogged steps: their counts must match."""
-    short = count_syncs(tiny_data, tmp_path / "short", 3)
-    long = count_syncs(tiny_data, tmp_path / "long", 11)
+    short = count_syncs(tiny_data, tmp_path / "short", 3, overrides)
+    long = count_syncs(tiny_data, tmp_path / "long", 11, overrides)
     assert short.total > 0  # the counter sees the logged steps' reads, evaluation and checkpoint
     per_step = (long.total - short.total) / 8
     assert per_step == 0, f"{per_step} host syncs per unlogged step: short {short.calls}, long {long.calls}"

@@ -2,6 +2,7 @@
 
     python tools/export_hf.py runs/tiny/checkpoints/step_00000300 exports/tiny --dtype bf16
     python tools/export_hf.py runs/tiny exports/tiny-fp32 --dtype fp32 --max-shard-size 500MB   # newest checkpoint
+    python tools/export_hf.py runs/tiny exports/tiny-ema --weights ema   # the weight EMA (train.ema_decay > 0)
 
 Writes model-0000i-of-0000n.safetensors + model.safetensors.index.json, config.json, generation_config.json
 and the tokenizer files. ZeRO-1/2/3 shards are consolidated offline on this machine (no GPU, no DeepSpeed
@@ -25,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="export folder to create")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weight dtype (default: %(default)s)")
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default: %(default)s)")
+    parser.add_argument("--weights", choices=("raw", "ema"), default="raw",
+                        help="the trained weights, or their moving average saved with train.ema_decay > 0 (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     setup_logging()
     from lmrecipe.export import export_checkpoint  # heavy imports only after the arguments parsed
 
     export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, weights=args.weights)
     return 0
 
 
