@@ -298,10 +298,13 @@ def test_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, 
     assert latest_name(root) == step_dir_name(STEPS) and not list(root.glob(".tmp_*"))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_for_requeue(tmp_path, tiny_data):
+@pytest.mark.parametrize("background", [False, True])
+def test_sigterm_finishes_the_step_saves_and_exits_for_requeue(tmp_path, tiny_data, background):
+    """With background writes too: the preemption's checkpoint is published before the exit."""
     out = tmp_path / "run"
     args = ["train.py", "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
-            "train.max_steps=400", "checkpoint.every_steps=0", "train.eval_every_steps=0"]
+            "train.max_steps=400", "checkpoint.every_steps=0", "train.eval_every_steps=0",
+            f"checkpoint.background_save={str(background).lower()}"]
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(launch_cmd(1) + args, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 300
