@@ -20,6 +20,7 @@ from conftest import TINY_OVERRIDES, run_train
 from lmrecipe.checkpoint import read_checkpoint, step_dir_name
 from lmrecipe.config import SpikeConfig, load_config
 from lmrecipe.data import BatchLayout, SampleOrder, TokenWindows, TrainBatches, data_step
+from lmrecipe.errors import UserError
 from lmrecipe.metrics import HostSyncCounter
 from lmrecipe.mixture import MixtureBatches, MixtureOrder
 from lmrecipe.spikes import FAULT_ENV, SpikeDetector, read_spikes
@@ -64,6 +65,14 @@ def test_mixture_accounting_leaves_skipped_blocks_out(tiny_data):
     expected = sum(np.bincount(order.assign(np.arange(d * 8, d * 8 + 8))[0], minlength=2) for d in trained)
     assert batches.samples_seen(6).tolist() == expected.tolist()
     assert [name for name, _ in batches.data_step_samples(4)] == [["a", "b"][k] for k in order.assign(np.arange(32, 40))[0]]
+
+
+def test_spike_settings_are_checked():
+    with pytest.raises(UserError, match=r"spike.min_history=200 exceeds spike.window=100"):
+        load_config("recipes/tiny.yaml", ["spike.min_history=200"])
+    with pytest.raises(UserError, match=r"spike.z_threshold=0.0 must be positive"):
+        load_config("recipes/tiny.yaml", ["spike.z_threshold=0"])
+    assert load_config("recipes/tiny.yaml", []).spike.enabled is False  # off by default
 
 
 def detector(**overrides) -> SpikeDetector:
@@ -203,7 +212,7 @@ def test_detection_and_background_saves_add_no_host_sync_per_unlogged_step(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds_config", ["null", "zero2"])
+@pytest.mark.parametrize("ds_config", ["null", "zero2", "zero3"])
 def test_two_processes_roll_back_together(tmp_path, tiny_data, ds_config):
     out = tmp_path / "run"
     proc = run_train(out, tiny_data, [*RUN, f"distributed.deepspeed_config={ds_config}", "checkpoint.background_save=true"],
@@ -215,6 +224,6 @@ def test_two_processes_roll_back_together(tmp_path, tiny_data, ds_config):
     assert [r["step"] for r in train_rows(out)] == [1, 3, 6, 9, 12]
     saved = read_checkpoint(out / "checkpoints" / step_dir_name(12))
     assert saved["state"]["skipped_batches"] == [SPIKE_STEP - 1]
-    if ds_config == "zero2":
+    if ds_config != "null":
         assert "background_save=true has no effect under DeepSpeed" in proc.stderr
     shutil.rmtree(out / "checkpoints")
