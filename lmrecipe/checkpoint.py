@@ -23,6 +23,14 @@ Atomicity: every rank writes into ``.tmp_step_N``; after a barrier the main proc
 at any moment leaves the previous checkpoint and the pointer intact; leftovers are removed at the next start.
 The checkpoint folder must be on a filesystem every rank sees (a shared filesystem on multi-node jobs).
 
+Background writes (``checkpoint.background_save``, without DeepSpeed): at the step, every rank copies its state
+to CPU memory (``lmrecipe/background_save.py``) and returns to training; a worker thread writes the copy into
+``.tmp_step_N`` and then a marker ``.rank_NNNNN.done``. The main process's worker waits for every rank's marker
+(the barrier of a synchronous save, without stopping the loop), removes the markers and publishes as above. So
+the order of the commit (files, ``train_state.json`` last, rename, ``latest``) is the same, and a ``kill -9``
+during a background write leaves the previous checkpoint complete. One write is in flight at most: the next
+save, a rollback, a preemption and the end of the run wait for it (:meth:`Checkpointer.wait`).
+
 Safe loading: our own state is JSON and safetensors. Without DeepSpeed, Accelerate reads ``optimizer.bin``
 (and its own ``random_states_*.pkl``, which we then override) with ``torch.load(weights_only=True)``, which
 reconstructs tensors and plain containers only. DeepSpeed's ZeRO shards are read by DeepSpeed's own loader,
@@ -39,6 +47,8 @@ import os
 import random
 import re
 import shutil
+import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
@@ -46,8 +56,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .background_save import BackgroundWriter, snapshot_accelerator_state, write_accelerator_state
 from .config import CheckpointConfig, fixed_on_resume_keys, flatten_config
-from .data import TokenWindows, file_sha256
+from .data import TokenWindows, data_step, file_sha256
 from .distributed import ZeroSetup
 from .errors import UserError, fail
 from .fileio import fsync_dir, write_text_atomic
@@ -78,6 +89,8 @@ BEST = "best"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp_"
 _TRASH_PREFIX = ".trash_"
+_DONE = ".rank_{:05d}.done"
+_FAILED = ".rank_{:05d}.failed"
 
 # Shape-defining fields of the transformers config, compared too (catches a changed model.init_from).
 _HF_SHAPE_KEYS = (
@@ -306,7 +319,7 @@ class Checkpointer:
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
                  seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
-                 extra_state=None):
+                 extra_state=None, publish_timeout_s: float = 1800.0):
         """
         Args:
             section: the recipe's ``checkpoint`` section (interval, retention, resume).
@@ -322,6 +335,7 @@ class Checkpointer:
             lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
             extra_state: state saved and restored with each checkpoint besides Accelerate's (the weight EMA): an
                 object whose ``save(folder)`` and ``load(folder)`` every rank calls; None for none.
+            publish_timeout_s: how long a background write waits for the other ranks' files before failing.
         """
         self.section = section
         self.accelerator = accelerator
@@ -338,6 +352,12 @@ class Checkpointer:
         self.probe_ids = TokenWindows(self.data_dir, "val", seq_len).batch([0])[0][:, :PROBE_TOKENS]
         self.resumed_from: Path | None = None
         self.latest: Path | None = None
+        self.publish_timeout_s = publish_timeout_s
+        self.background = section.background_save and not zero.deepspeed
+        self.writer = BackgroundWriter()
+        if section.background_save and zero.deepspeed:
+            logger.warning("checkpoint.background_save=true has no effect under DeepSpeed: its save_checkpoint is a "
+                           "collective that writes the ZeRO shards itself, so checkpoints are written synchronously.")
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.iterdir():
@@ -360,27 +380,13 @@ class Checkpointer:
             return None
         saved = read_checkpoint(path)
         self._check_compatible(saved, path, model)
-        saved_layout, layout = layout_of(saved["topology"]), self.layout()
-        if needs_conversion(saved_layout, layout):
-            folder = self._portable_form(path, saved, model)
-            load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
-                          samples_per_step=self.samples_per_step)
-        else:
-            # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
-            self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
-        names = {f.name for f in fields(state)}
-        for key, value in saved["state"].items():
-            if key in names:
-                setattr(state, key, value)
-        self._restore_rng(path, saved_layout["world_size"])
-        if self.extra_state is not None:
-            self.extra_state.load(path)
+        self._load(path, saved, model, optimizer, state)
         self.resumed_from = self.latest = path
-        changes = layout_changes(saved_layout, layout)
+        changes = layout_changes(layout_of(saved["topology"]), self.layout())
         if changes:
             logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
                         "step counts were loaded by parameter name; the data continues at sample %d.", path, state.step,
-                        state.tokens_seen, "; ".join(changes), state.step * self.samples_per_step)
+                        state.tokens_seen, "; ".join(changes), saved["data"]["next_sample"])
         else:
             logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
         return str(path)
@@ -490,6 +496,33 @@ class Checkpointer:
         with safe_open(rng_file, framework="pt") as fh:
             set_rng_state({k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata())
 
+    def restore(self, path: Path, model, optimizer, state) -> None:
+        """Reload a checkpoint of this run in-process (a rollback): weights, optimizer, training state, RNG.
+
+        The same loading as a resume, without the compatibility check (the checkpoint is this run's, or the one it
+        resumed from, possibly on another layout).
+        """
+        self._load(path, read_checkpoint(path), model, optimizer, state)
+        logger.info("Reloaded %s (step %d)", path, state.step)
+
+    def _load(self, path: Path, saved: dict, model, optimizer, state) -> None:
+        """Weights, optimizer, training state, every rank's RNG and the extra state, from checkpoint ``path``."""
+        saved_layout = layout_of(saved["topology"])
+        if needs_conversion(saved_layout, self.layout()):
+            folder = self._portable_form(path, saved, model)
+            load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
+                          samples_per_step=self.samples_per_step)
+        else:
+            # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
+            self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        names = {f.name for f in fields(state)}
+        for key, value in saved["state"].items():
+            if key in names:
+                setattr(state, key, value)
+        self._restore_rng(path, saved_layout["world_size"])
+        if self.extra_state is not None:
+            self.extra_state.load(path)
+
     def best(self) -> Path | None:
         """The complete checkpoint with the lowest validation loss (what ``checkpoints/best`` names), or None."""
         pointer = self.root / BEST
@@ -515,11 +548,16 @@ class Checkpointer:
         return logits
 
     def maybe_save(self, model, state, preempted: bool = False) -> Path | None:
-        """Save when the interval, the last step or a preemption asks for it; publish atomically; prune."""
+        """Save when the interval, the last step or a preemption asks for it; publish atomically; prune.
+
+        With ``checkpoint.background_save`` the files are written on a thread and published when every rank's
+        are done; a preemption and the last step wait for that before returning.
+        """
         from safetensors.torch import save_file
 
         if not (preempted or self.due(state.step)):
             return None
+        self.wait()  # one write in flight at most
         acc = self.accelerator
         final = self.root / step_dir_name(state.step)
         if final == self.resumed_from:
@@ -532,28 +570,95 @@ class Checkpointer:
         acc.wait_for_everyone()
         probe = self._probe_logits(model)
         try:
-            acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
-            tensors, metadata = rng_state_tensors()
-            save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
             if self.extra_state is not None:
-                self.extra_state.save(tmp)
-            if acc.is_main_process:
-                save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
-                self._write_hf_dir(model, tmp / HF_DIR)
-            acc.wait_for_everyone()
-            if acc.is_main_process:
-                self._publish(tmp, final, state)
+                self.extra_state.save(tmp)  # in the loop, also with background writes (see ema.py for its size)
+            if self.background:
+                self._start_background_save(model, state, tmp, final, probe)
+            else:
+                acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
+                tensors, metadata = rng_state_tensors()
+                save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
+                if acc.is_main_process:
+                    save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
+                    self._write_hf_dir(model, tmp / HF_DIR)
+                acc.wait_for_everyone()
+                if acc.is_main_process:
+                    self._publish(tmp, final, state)
         except (OSError, RuntimeError) as err:
             full = self._disk_full_error(err, tmp, final)
             if full is None:
                 raise
             raise full from None
+        if self.background and not (preempted or state.step >= self.max_steps):
+            return final
+        self.wait()
         if acc.is_main_process and preempted:
             marker = {"step": state.step, "checkpoint": str(final)}
             write_text_atomic(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n", durable=True)
         acc.wait_for_everyone()
         self.latest = final
         return final
+
+    def wait(self) -> None:
+        """Block until the checkpoint written in the background (if any) is published, on every rank."""
+        if not self.writer.pending:
+            return
+        final = self.writer.wait()  # raises what the write raised (a full disk becomes its UserError)
+        self.accelerator.wait_for_everyone()  # the main process returns only once it has published
+        self.latest = final
+
+    def _start_background_save(self, model, state, tmp: Path, final: Path, probe: torch.Tensor) -> None:
+        """Copy this rank's state to CPU memory (the loop waits for this only) and write it on the worker thread."""
+        from safetensors.torch import save_file
+
+        acc = self.accelerator
+        snapshot = snapshot_accelerator_state(acc)
+        rng = rng_state_tensors()
+        if acc.is_main_process:
+            save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
+            self._write_hf_dir(model, tmp / HF_DIR)
+        frozen = type(state)(**{f.name: json.loads(json.dumps(getattr(state, f.name))) for f in fields(state)})
+        self.writer.submit(self._write_in_background, snapshot, rng, tmp, final, frozen)
+
+    def _write_in_background(self, snapshot, rng, tmp: Path, final: Path, state) -> Path:
+        """On the worker thread: this rank's files and its marker; on the main process, then the publication."""
+        from safetensors.torch import save_file
+
+        rank = self.accelerator.process_index
+        try:
+            write_accelerator_state(snapshot, tmp)
+            save_file(rng[0], tmp / RNG_DIR / f"rank_{rank:05d}.safetensors", metadata=rng[1])
+            del snapshot
+            (tmp / _DONE.format(rank)).touch()
+            if self.accelerator.is_main_process:
+                self._await_ranks(tmp)
+                self._publish(tmp, final, state)
+        except (OSError, RuntimeError) as err:
+            if tmp.is_dir():
+                (tmp / _FAILED.format(rank)).write_text(f"{err!r}\n")
+            full = self._disk_full_error(err, tmp, final)
+            if full is None:
+                raise
+            raise full from None
+        return final
+
+    def _await_ranks(self, tmp: Path) -> None:
+        """Wait for every rank's marker in ``tmp`` (a barrier through the shared filesystem), then remove them."""
+        ranks = range(self.accelerator.num_processes)
+        deadline = time.monotonic() + self.publish_timeout_s
+        orphaned = False
+        while not all((tmp / _DONE.format(r)).is_file() for r in ranks):
+            failed = [r for r in ranks if (tmp / _FAILED.format(r)).is_file()]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} failed to write its part of {tmp}: "
+                                   f"{(tmp / _FAILED.format(failed[0])).read_text().strip()}")
+            if not orphaned and not threading.main_thread().is_alive():  # the run ended with an error
+                orphaned, deadline = True, min(deadline, time.monotonic() + 60)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank wrote its part of {tmp} in time; the checkpoint is not published")
+            time.sleep(0.02)
+        for r in ranks:
+            (tmp / _DONE.format(r)).unlink()
 
     def _disk_full_error(self, err: Exception, tmp: Path, final: Path):
         """A UserError if ``err`` came from a full disk (after removing the partial folder), else None.
@@ -594,7 +699,8 @@ class Checkpointer:
             "format_version": FORMAT_VERSION,
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
             "val_loss": val_loss,
-            "data": {"next_sample": state.step * self.samples_per_step, **self._data_signature()},
+            "data": {"next_sample": data_step(state.step, getattr(state, "skipped_batches", ())) * self.samples_per_step,
+                     **self._data_signature()},
             "schedule": {
                 "last_lr": self.lr_schedule(state.step - 1) if state.step else None,
                 "next_lr": self.lr_schedule(state.step),

@@ -260,6 +260,10 @@ class CheckpointConfig:
     """Largest safetensors shard of the export (e.g. 500MB, 5GB)."""
     export_weights: Literal["raw", "ema"] = "raw"
     """Weights of the end-of-run export: the trained ones, or their moving average (needs ``train.ema_decay`` > 0)."""
+    background_save: bool = False
+    """Write checkpoints on a background thread: the loop waits only while the state is copied to CPU memory (the
+    YAML key ``async`` would be a Python keyword, hence the name). At most one write is in flight; ``latest`` moves
+    once every rank's files are written. Without DeepSpeed only: under DeepSpeed, saves stay synchronous."""
 
     def validate(self) -> None:
         _non_negative(self, "every_steps")
@@ -268,6 +272,36 @@ class CheckpointConfig:
             parse_shard_size(self.max_shard_size)
         except UserError as err:
             raise fail(f"checkpoint.max_shard_size: {err}") from None
+
+
+@dataclass
+class SpikeConfig:
+    """Loss-spike detection and rollback (``lmrecipe/spikes.py``): off by default."""
+
+    enabled: bool = False
+    """Watch every step's loss (mean over ranks) and gradient norm; on a spike, reload the last checkpoint, skip the
+    samples of the flagged steps for good, and continue. A spike is acted on at the next sync point (a logged,
+    evaluated or saved step), so within ``logging.log_every_steps`` steps."""
+    window: int = 100
+    """Trailing optimizer steps (those not flagged) whose loss mean and standard deviation a step is compared with."""
+    min_history: int = 20
+    """Steps the window must hold before the z-score rule applies (non-finite values count from the first step)."""
+    z_threshold: float = 6.0
+    """A step whose loss is more than this many standard deviations above the window's mean is a spike."""
+    grad_norm_z_threshold: Optional[float] = None
+    """The same rule on the pre-clip gradient norm; null = the gradient norm only counts when not finite."""
+    max_rollbacks: int = 5
+    """Rollbacks allowed over the run; the next spike stops it with exit code 2."""
+
+    def validate(self) -> None:
+        _positive(self, "window", "min_history", "z_threshold", "max_rollbacks")
+        if self.min_history > self.window:
+            raise fail(f"spike.min_history={self.min_history} exceeds spike.window={self.window}: the window never "
+                       "holds that many steps. Lower spike.min_history or raise spike.window.")
+        if self.min_history < 2:
+            raise fail(f"spike.min_history={self.min_history} must be at least 2 (a standard deviation needs two steps).")
+        if self.grad_norm_z_threshold is not None and self.grad_norm_z_threshold <= 0:
+            raise fail(f"spike.grad_norm_z_threshold={self.grad_norm_z_threshold} must be positive (or null).")
 
 
 @dataclass
@@ -345,6 +379,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

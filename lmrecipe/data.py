@@ -10,6 +10,11 @@ The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutat
 seeded by ``(seed, epoch)``; they are split into accumulation micro-steps and ranks by position only.
 So what a step trains on does not depend on how G is split (processes x micro-batch x accumulation),
 and resuming at step ``s`` needs no skipping.
+
+Skipped batches. A run that rolled back from a loss spike (``lmrecipe/spikes.py``) never trains on the samples of
+the offending steps again: it lists their *data steps* (blocks ``[d*G, (d+1)*G)`` of the order above) as skipped,
+and optimizer step ``s`` then reads the ``s``-th data step that is not skipped (:func:`data_step`). Without skips
+the two are equal; with them the order stays a pure function of (step, skipped list), so a resume is still exact.
 """
 
 from __future__ import annotations
@@ -226,6 +231,20 @@ class SampleOrder:
         return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
 
 
+def data_step(step: int, skipped: tuple[int, ...] | list[int] = ()) -> int:
+    """The data step (block of G samples of the original order) that optimizer step ``step`` (0-based) trains on.
+
+    ``skipped``: data steps never trained on, ascending. Step ``s`` reads the ``s``-th data step not in it, so the
+    batches of skipped steps are replaced by the next unused samples and every later step moves up alike.
+    """
+    position = step
+    for skip in skipped:
+        if skip > position:
+            break
+        position += 1
+    return position
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """How one optimizer step's G sequences are split: G = micro_batch_size x world_size x accum_steps.
@@ -269,17 +288,32 @@ class TrainBatches:
         self.windows = windows
         self.layout = layout
         self.order = SampleOrder(len(windows), seed)
+        self.skipped: tuple[int, ...] = ()
+        """Data steps never trained on (ascending), see :func:`data_step`; replaced whole, never mutated."""
 
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
-        return self.order.windows(self.layout.first_sample(step, micro_step), self.layout.micro_batch_size)
+        return self.data_window_ids(data_step(step, self.skipped), micro_step)
+
+    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
+        """This rank's windows in micro-step ``micro_step`` of data step ``position``."""
+        return self.order.windows(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
 
     def micro_batches(self, step: int):
         """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
         for micro_step in range(self.layout.accum_steps):
             yield self.windows.batch(self.window_ids(step, micro_step))
 
+    def data_step_samples(self, position: int) -> list:
+        """Every window of data step ``position`` over all ranks, in global sample order (for the spike log)."""
+        G = self.layout.global_batch_size
+        return self.order.windows(position * G, G).tolist()
+
+    def data_step_inputs(self, position: int) -> list:
+        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
+        return [self.windows.batch(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
+
     def epoch_of(self, step: int) -> float:
-        return step * self.layout.global_batch_size / len(self.windows)
+        return data_step(step, self.skipped) * self.layout.global_batch_size / len(self.windows)
 
 
 class Prefetcher:
@@ -298,6 +332,12 @@ class Prefetcher:
         self.pin_memory = pin_memory
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._next: tuple[int, object] | None = None
+
+    def reset(self) -> None:
+        """Drop the batches assembled ahead (the order changed: a rollback skipped some data steps)."""
+        if self._next is not None:
+            self._next[1].cancel()
+        self._next = None
 
     def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         loaded = list(self.batches.micro_batches(step))

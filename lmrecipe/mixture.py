@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import DataConfig, DataSource
-from .data import BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, file_sha256, load_meta, open_data
+from .data import (BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, data_step, file_sha256, load_meta,
+                   open_data)
 from .errors import UserError, fail
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class MixtureBatches:
         self.layout = layout
         self.order = MixtureOrder(weights)
         self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
+        self.skipped: tuple[int, ...] = ()
+        """Data steps never trained on (ascending), see :func:`lmrecipe.data.data_step`; replaced whole."""
 
     def sample_ids(self, first_sample: int, count: int) -> np.ndarray:
         """``[count, 2]``: (source, window) of global samples ``[first_sample, first_sample + count)``."""
@@ -102,21 +105,42 @@ class MixtureBatches:
         return np.stack([sources, windows], axis=1)
 
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
-        return self.sample_ids(self.layout.first_sample(step, micro_step), self.layout.micro_batch_size)
+        return self.data_window_ids(data_step(step, self.skipped), micro_step)
+
+    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
+        """This rank's (source, window) pairs in micro-step ``micro_step`` of data step ``position``."""
+        return self.sample_ids(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
+
+    def _rows(self, ids: np.ndarray):
+        import torch
+
+        L = self.sources[0].seq_len
+        rows = np.stack([self.sources[k].tokens[w * L : w * L + L + 1] for k, w in ids]).astype(np.int64)
+        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
 
     def micro_batches(self, step: int):
         """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
-        import torch
-
         for micro_step in range(self.layout.accum_steps):
-            ids = self.window_ids(step, micro_step)
-            L = self.sources[0].seq_len
-            rows = np.stack([self.sources[k].tokens[w * L : w * L + L + 1] for k, w in ids]).astype(np.int64)
-            yield torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+            yield self._rows(self.window_ids(step, micro_step))
+
+    def data_step_samples(self, position: int) -> list:
+        """Every (source name, window) of data step ``position`` over all ranks, in global sample order."""
+        G = self.layout.global_batch_size
+        return [[self.names[k], int(w)] for k, w in self.sample_ids(position * G, G)]
+
+    def data_step_inputs(self, position: int) -> list:
+        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
+        return [self._rows(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
 
     def samples_seen(self, step: int) -> np.ndarray:
-        """Samples of each source trained on in steps ``[0, step)``, over all ranks."""
-        return self.order.counts(step * self.layout.global_batch_size)
+        """Samples of each source trained on in steps ``[0, step)``, over all ranks (skipped data steps left out)."""
+        G = self.layout.global_batch_size
+        end = data_step(step, self.skipped)
+        seen = self.order.counts(end * G)
+        for skip in self.skipped:
+            if skip < end:
+                seen -= self.order.counts((skip + 1) * G) - self.order.counts(skip * G)
+        return seen
 
 
 @dataclass

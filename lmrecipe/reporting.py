@@ -120,6 +120,13 @@ class Reporter:
             )
         self._reset_interval(time.perf_counter())
 
+    def rewind(self, step: int) -> None:
+        """The run went back to ``step`` (a rollback): drop later metrics rows and restart the interval averages."""
+        self.tracker.rewind(step)
+        self.bar.n = step
+        self.bar.refresh()
+        self._reset_interval(time.perf_counter())
+
     def eval_done(self, state, val_loss: float, per_source: dict[str, float] | None = None,
                   val_loss_ema: float | None = None) -> None:
         """Write an evaluation row; ``per_source`` (a mixture) adds ``val_loss/<name>`` for each source, and

@@ -33,6 +33,7 @@ class Tracker:
     def __init__(self, out_dir: Path, backend: str, project: str, run_name: str, config: dict, enabled: bool,
                  start_step: int = 0):
         self.enabled = enabled
+        self.out_dir = out_dir
         self.backend = backend
         self._wandb_run = None
         self._tb = None
@@ -60,6 +61,19 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows after ``step`` (a rollback to that step's checkpoint): metrics.jsonl keeps one history.
+
+        wandb and tensorboard keep what they were sent (neither takes rows back); the continuation logs the steps
+        after ``step`` again, as after a resume.
+        """
+        if not self.enabled:
+            return
+        self._file.close()
+        dropped = truncate_metrics(self.out_dir / METRICS_FILE, step)
+        logger.info("Dropped %d rows after step %d from %s (rolled back)", dropped, step, self.out_dir / METRICS_FILE)
+        self._file = open(self.out_dir / METRICS_FILE, "a", buffering=1)
 
     def log(self, row: dict) -> None:
         if not self.enabled:

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +33,7 @@ from .profiling import StepProfiler, region
 from .report import write_run_end
 from .reporting import Reporter
 from .runlock import RunLock
+from .spikes import SpikeGuard
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ class TrainState:
     """Evaluations in a row whose loss was not below the best before by more than ``train.early_stopping_min_delta``."""
     wall_time_s: float = 0.0
     """Seconds of training over all sessions of the run (as of the last step), for the report's device-hours."""
+    skipped_batches: list[int] = field(default_factory=list)
+    """Data steps (blocks of ``train.global_batch_size`` samples of the original order) never trained on, because a
+    loss spike was rolled back (``lmrecipe/spikes.py``); ascending. Step s reads the s-th data step not listed."""
+    rollbacks: int = 0
+    """Rollbacks after loss spikes over the run."""
+    spike_window: list | None = None
+    """The spike rule's window of recent steps' ``[loss, grad_norm]`` (as of the last sync), so a resume judges alike."""
 
     def __post_init__(self):
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -367,7 +375,14 @@ def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
     return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=run.data.tokenizer_dir,
                         mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
                         samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
-                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extra_state=run.ema)
+                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extra_state=run.ema,
+                        publish_timeout_s=cfg.distributed.timeout_s)
+
+
+def build_spike_guard(run: Run, out_dir: Path, checkpointer: Checkpointer, reporter: Reporter) -> SpikeGuard:
+    return SpikeGuard(run.cfg.spike, run.accelerator, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
+                      model=run.model, optimizer=run.optimizer, checkpointer=checkpointer, reporter=reporter,
+                      precision=run.runtime.precision)
 
 
 def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
@@ -417,6 +432,8 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
     reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from, "recipe": recipe})
+    spikes = build_spike_guard(run, out_dir, checkpointer, reporter)
+    spikes.load(state)  # a resumed run keeps skipping the batches of spikes rolled back before
     logger.info(
         "model %.2fM params | %d processes x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s",
         run.n_params / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
@@ -437,9 +454,12 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
         with profiler.step(state.step + 1), oom.step(state.step + 1):
             result = train_step(run, state.step)
         state.record_step(result.skipped, run.tokens_per_step)
+        spikes.observe(state, result.loss, result.grad_norm)
         # Host reads happen only at sync points: a logged, evaluated or saved step.
         sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
         longest_skip_run = state.sync() if sync_point else 0
+        if sync_point and spikes.maybe_roll_back(state):
+            continue  # back at the last checkpoint, with the spike's samples skipped from now on
         if state.step == 1 and cfg.train.compile:
             logger.info("Step 1 took %.1f s, torch.compile's compilation included", time.perf_counter() - step_start)
         reporter.step_done(state, result.loss, result.lr, result.grad_norm, time.perf_counter() - step_start,
@@ -463,6 +483,7 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
                         state.step, state.evals_without_improvement, state.best_val_loss)
             break
 
+    checkpointer.wait()  # a background write in flight (early stopping)
     source = export_source(run, checkpointer)
     export = maybe_export(run, source, out_dir)
     if export is not None:
@@ -480,5 +501,6 @@ def run_outcome(run: Run, state: TrainState, export_from: Path | None, export: P
             "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
             "last_val_loss_ema": state.last_val_loss_ema,
             "evals_without_improvement": state.evals_without_improvement, "wall_time_s": state.wall_time_s,
+            "rollbacks": state.rollbacks, "skipped_batches": len(state.skipped_batches),
             "export": str(export) if export else None, "export_from": str(export_from) if export_from else None,
             "export_weights": run.cfg.checkpoint.export_weights if export else None}

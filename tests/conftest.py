@@ -59,10 +59,15 @@ def launch_cmd(nproc: int) -> list[str]:
     ]
 
 
-def run_script(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``train.py``/``eval.py``/a tool on ``nproc`` processes from the repo root and capture its output."""
+def run_script(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env_extra: dict | None = None,
+               **kwargs) -> subprocess.CompletedProcess:
+    """Run ``train.py``/``eval.py``/a tool on ``nproc`` processes from the repo root and capture its output.
+
+    ``env_extra``: variables added to the environment (fault injection).
+    """
     proc = subprocess.run(
-        launch_cmd(nproc) + args, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, **kwargs
+        launch_cmd(nproc) + args, cwd=ROOT, env={**subprocess_env(), **(env_extra or {})}, capture_output=True,
+        text=True, timeout=timeout, **kwargs
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")

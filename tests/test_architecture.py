@@ -23,8 +23,9 @@ LAYERS = {
     # components: each one concern, unaware of the loop
     "data": 2, "model": 2, "optim": 2, "tracking": 2, "plots": 2, "launch": 2, "profiling": 2,
     "distributed": 3, "loss": 3, "prepare": 3, "mixture": 3, "report": 3, "portable": 3, "ema": 3,
+    "background_save": 3,
     "checkpoint": 4, "memory": 4, "reporting": 4,
-    "export": 5, "oom": 5,
+    "export": 5, "oom": 5, "spikes": 5,
     "evaluate": 6,
     # orchestration: the loop and the comparison driver
     "trainer": 7, "compare": 7,

@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume (no DeepSpeed, ZeRO-2, ZeRO-3), kill -9 during a save, preemption, retention, bad input."""
+"""Checkpoints: exact resume (no DeepSpeed, ZeRO-2, ZeRO-3), kill -9 during a save (synchronous or in the background),
+background writes equal to synchronous ones, preemption, retention, bad input."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from conftest import ROOT, TINY_OVERRIDES, launch_cmd, run_script, run_train, subprocess_env
 from lmrecipe.checkpoint import (
-    EXIT_PREEMPTED, LATEST, PREEMPTED_MARKER, STATE_FILE, find_resume_checkpoint, prune_checkpoints, read_checkpoint,
+    EXIT_PREEMPTED, LATEST, PREEMPTED_MARKER, PROBE_FILE, STATE_FILE, find_resume_checkpoint, prune_checkpoints, read_checkpoint,
     rng_state_tensors, set_rng_state, step_dir_name,
 )
 from lmrecipe.errors import UserError
@@ -233,10 +234,78 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_
     assert tree_digest(previous) == before  # the resume never wrote into the checkpoint it read
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_for_requeue(tmp_path, tiny_data):
+def test_background_save_writes_what_a_synchronous_save_writes(tmp_path_factory, tiny_data, plain):
+    """The plain run again with checkpoint.background_save=true: same losses, same files, export after the last write."""
+    out, _ = cached_run(tmp_path_factory, "plain_background", tiny_data, [
+        f"train.max_steps={STEPS}", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.eval_every_steps=1",
+        "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32", "checkpoint.background_save=true",
+    ])
+    assert losses(out) == losses(plain)
+    for step in (STEPS - 1, STEPS):
+        ours, theirs = out / "checkpoints" / step_dir_name(step), plain / "checkpoints" / step_dir_name(step)
+        for name in ("model.safetensors", "optimizer.bin", PROBE_FILE):
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+        assert sorted(read_checkpoint(ours)["manifest"]) == sorted(read_checkpoint(theirs)["manifest"])
+    assert latest_name(out / "checkpoints") == step_dir_name(STEPS) and not list((out / "checkpoints").glob(".*"))
+    assert (out / "export" / "model.safetensors.index.json").is_file() or list((out / "export").glob("*.safetensors"))
+
+
+KILL_DURING_BACKGROUND_WRITE = """
+import json, os, signal, sys, time
+from pathlib import Path
+from lmrecipe.checkpoint import Checkpointer
+from lmrecipe.config import load_config
+from lmrecipe.trainer import train
+
+cfg = load_config("recipes/tiny.yaml", sys.argv[1:])
+metrics = Path(cfg.out_dir) / "metrics.jsonl"
+real_publish = Checkpointer._publish
+publishes = []
+
+def publish_after_the_loop_moved_on(self, tmp, final, state):
+    # On the writer thread, every rank's files are in tmp. The loop goes on meanwhile: once it has logged the step
+    # after this one, die before the checkpoint is published.
+    publishes.append(final)
+    if len(publishes) == 2:
+        while not any(json.loads(line)["step"] > state.step for line in metrics.read_text().splitlines() if line.strip()):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_publish(self, tmp, final, state)
+
+Checkpointer._publish = publish_after_the_loop_moved_on
+train(cfg)
+"""
+
+
+def test_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, tiny_data, plain):
+    out = tmp_path / "run"
+    every = 2
+    settings = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={every}", "checkpoint.background_save=true"]
+    killed = run_script(["-c", KILL_DURING_BACKGROUND_WRITE, f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
+                         *settings], check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    root = out / "checkpoints"
+    previous, unpublished = root / step_dir_name(every), root / f".tmp_{step_dir_name(2 * every)}"
+    assert latest_name(root) == previous.name and find_resume_checkpoint("auto", root) == previous
+    read_checkpoint(previous)  # complete
+    assert (unpublished / "model.safetensors").is_file() and not (unpublished / STATE_FILE).exists()
+    assert not (root / step_dir_name(2 * every)).exists()
+    assert 2 * every + 1 in [step for step, _ in losses(out)]  # the loop trained on while the write was in flight
+
+    resumed = run_train(out, tiny_data, settings)  # resume=auto
+    assert f"Resumed from {previous}" in resumed.stderr
+    assert [step for step, _ in losses(out)] == list(range(1, STEPS + 1))
+    assert max_loss_diff([(s, l) for s, l in losses(out) if s > every], losses(plain)) <= LOSS_TOL
+    assert latest_name(root) == step_dir_name(STEPS) and not list(root.glob(".tmp_*"))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_sigterm_finishes_the_step_saves_and_exits_for_requeue(tmp_path, tiny_data, background):
+    """With background writes too: the preemption's checkpoint is published before the exit."""
     out = tmp_path / "run"
     args = ["train.py", "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
-            "train.max_steps=400", "checkpoint.every_steps=0", "train.eval_every_steps=0"]
+            "train.max_steps=400", "checkpoint.every_steps=0", "train.eval_every_steps=0",
+            f"checkpoint.background_save={str(background).lower()}"]
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(launch_cmd(1) + args, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 300
