@@ -1,9 +1,10 @@
 """How long the training loop is blocked per checkpoint: synchronous writes against background writes, in one run.
 
     .venv/bin/python bench/checkpoint_stall.py --threads 1 --pairs 6
+    .venv/bin/python bench/checkpoint_stall.py --threads 1 --pairs 4 --deepspeed ds_configs/zero2.json
 
-One process, one model (``build_run`` of the recipe with --hidden-size / --layers; no DeepSpeed, where background
-writes apply), two checkpointers built by the trainer's own ``build_checkpointer``: ``checkpoint.background_save``
+One process, one model (``build_run`` of the recipe with --hidden-size / --layers; no DeepSpeed, or the DeepSpeed
+config of --deepspeed on one process), two checkpointers built by the trainer's own ``build_checkpointer``: ``checkpoint.background_save``
 false and true, each writing into its own folder. A round of one side is what the loop does around a save:
 
 1. ``Checkpointer.maybe_save`` at a save step (timed: **save call**). Synchronous: the whole write, publication
@@ -48,6 +49,7 @@ def main() -> int:
     parser.add_argument("--hidden-size", type=int, default=512, help="model width (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=8, help="transformer blocks (default: %(default)s)")
     parser.add_argument("--steps-between", type=int, default=3, help="training steps after each save (default: %(default)s)")
+    parser.add_argument("--deepspeed", default=None, help="a ds_configs JSON (default: no DeepSpeed)")
     parser.add_argument("--tmp", default=None, help="folder for the run and its checkpoints (default: system temp)")
     C.add_common_args(parser, pairs=6, device=False)
     args = parser.parse_args()
@@ -63,7 +65,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
         cfg = C.bench_config(args.recipe, [f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}",
                                            f"model.intermediate_size={(8 * args.hidden_size // 3 + 63) // 64 * 64}",
-                                           "checkpoint.every_steps=1", "checkpoint.keep_last=1"],
+                                           "checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                                           f"distributed.deepspeed_config={args.deepspeed or 'null'}"],
                              f"{tmp}/run", args.data)
         run = build_run(cfg, Path(tmp) / "run")
         checkpointers = {}
@@ -72,7 +75,8 @@ def main() -> int:
                                                                                  background_save=side == "background"))
             checkpointers[side] = build_checkpointer(dataclasses.replace(run, cfg=side_cfg), Path(tmp) / side)
         state = TrainState()
-        report.line(f"model {run.n_params / 1e6:.1f}M params, {run.tokens_per_step} tokens per step, "
+        report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.zero.describe()}, "
+                    f"{run.tokens_per_step} tokens per step, "
                     f"{args.steps_between} steps between saves, threads {args.threads or 'default'}, files in {tmp}")
 
         def one_round(side: str) -> dict:

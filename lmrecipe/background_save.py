@@ -11,17 +11,26 @@ loop then goes on while :func:`write_accelerator_state` hands the copies to Acce
 caller at the next :meth:`BackgroundWriter.wait`. Publishing (the ``train_state.json`` manifest, the rename and
 the ``latest`` pointer) stays with ``lmrecipe/checkpoint.py``.
 
-Memory: the copy holds one extra set of weights and optimizer states in host memory while a write is in flight.
+Under DeepSpeed, ``save_state`` runs the engine's ``save_checkpoint``, a collective (ZeRO-3 gathers, every rank
+takes part) whose files go through the engine's checkpoint engine. :func:`deepspeed_writes_captured` swaps that
+engine for one whose ``save(state_dict, path)`` copies the state dict to CPU memory and records it: the collective
+part runs at the step as before, and :func:`write_captured` later writes the same files with ``torch.save`` on the
+worker thread. (DeepSpeed's own ``DecoupledCheckpointEngine`` waits for its write at the next step, so it overlaps
+one step only.)
+
+Memory: the copy holds one extra set of weights and optimizer states in host memory while a write is in flight
+(under ZeRO, this rank's shards).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -97,6 +106,37 @@ def write_accelerator_state(snapshot: AcceleratorSnapshot, folder: Path) -> None
     save_accelerator_state(str(folder), snapshot.weights, [_Frozen(s) for s in snapshot.optimizers], [], [],
                            snapshot.process_index, snapshot.step,
                            _Frozen(snapshot.scaler) if snapshot.scaler is not None else None)
+
+
+@contextlib.contextmanager
+def deepspeed_writes_captured(engine, pin_memory: bool = False) -> Iterator[list[tuple[str, Any]]]:
+    """Within the block, the DeepSpeed ``engine``'s checkpoint files are not written: each is copied to CPU memory
+    and recorded as ``(path, state_dict)`` in the yielded list, for :func:`write_captured`. Folders and DeepSpeed's
+    small ``latest`` file are still created at once."""
+    original = engine.checkpoint_engine
+    captured: list[tuple[str, Any]] = []
+
+    class Capturing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(original, name)
+
+        def save(self, state_dict, path: str) -> None:
+            captured.append((path, copy_to_cpu(state_dict, pin_memory)))
+
+        def preserves_storage_sharing(self) -> bool:
+            return False  # copy_to_cpu gives every view its own storage already (DeepSpeed would clone again)
+
+    engine.checkpoint_engine = Capturing()
+    try:
+        yield captured
+    finally:
+        engine.checkpoint_engine = original
+
+
+def write_captured(captured: list[tuple[str, Any]], zipfile_serialization: bool = True) -> None:
+    """Write what :func:`deepspeed_writes_captured` recorded, as DeepSpeed's ``TorchCheckpointEngine`` would."""
+    for path, state_dict in captured:
+        torch.save(state_dict, path, _use_new_zipfile_serialization=zipfile_serialization)
 
 
 class BackgroundWriter:

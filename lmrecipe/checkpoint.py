@@ -23,8 +23,8 @@ Atomicity: every rank writes into ``.tmp_step_N``; after a barrier the main proc
 at any moment leaves the previous checkpoint and the pointer intact; leftovers are removed at the next start.
 The checkpoint folder must be on a filesystem every rank sees (a shared filesystem on multi-node jobs).
 
-Background writes (``checkpoint.background_save``, without DeepSpeed): at the step, every rank copies its state
-to CPU memory (``lmrecipe/background_save.py``) and returns to training; a worker thread writes the copy into
+Background writes (``checkpoint.background_save``): at the step, every rank copies its state to CPU memory
+(``lmrecipe/background_save.py``; under DeepSpeed, after the collective part of its save) and returns to training; a worker thread writes the copy into
 ``.tmp_step_N`` and then a marker ``.rank_NNNNN.done``. The main process's worker waits for every rank's marker
 (the barrier of a synchronous save, without stopping the loop), removes the markers and publishes as above. So
 the order of the commit (files, ``train_state.json`` last, rename, ``latest``) is the same, and a ``kill -9``
@@ -40,6 +40,7 @@ which unpickles; that is the one full-pickle load left, and the shards are check
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -56,7 +57,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .background_save import BackgroundWriter, snapshot_accelerator_state, write_accelerator_state
+from .background_save import (
+    BackgroundWriter, deepspeed_writes_captured, snapshot_accelerator_state, write_accelerator_state, write_captured,
+)
 from .config import CheckpointConfig, fixed_on_resume_keys, flatten_config
 from .data import TokenWindows, data_step, file_sha256
 from .distributed import ZeroSetup
@@ -353,11 +356,8 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         self.latest: Path | None = None
         self.publish_timeout_s = publish_timeout_s
-        self.background = section.background_save and not zero.deepspeed
+        self.background = section.background_save
         self.writer = BackgroundWriter()
-        if section.background_save and zero.deepspeed:
-            logger.warning("checkpoint.background_save=true has no effect under DeepSpeed: its save_checkpoint is a "
-                           "collective that writes the ZeRO shards itself, so checkpoints are written synchronously.")
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.iterdir():
@@ -612,23 +612,32 @@ class Checkpointer:
         from safetensors.torch import save_file
 
         acc = self.accelerator
-        snapshot = snapshot_accelerator_state(acc)
+        if self.zero.deepspeed:
+            # The collective part of DeepSpeed's save runs now, on every rank; its files are copied, not written.
+            with deepspeed_writes_captured(model, pin_memory=acc.device.type == "cuda") as captured:
+                acc.save_state(str(tmp))
+            if acc.device.type == "cuda":
+                torch.cuda.synchronize(acc.device)  # the copies were queued non-blocking into pinned memory
+            write = functools.partial(write_captured, captured,
+                                      getattr(model.checkpoint_engine, "zipfile_serialization", True))
+        else:
+            write = functools.partial(write_accelerator_state, snapshot_accelerator_state(acc), tmp)
         rng = rng_state_tensors()
         if acc.is_main_process:
             save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
             self._write_hf_dir(model, tmp / HF_DIR)
         frozen = type(state)(**{f.name: json.loads(json.dumps(getattr(state, f.name))) for f in fields(state)})
-        self.writer.submit(self._write_in_background, snapshot, rng, tmp, final, frozen)
+        self.writer.submit(self._write_in_background, write, rng, tmp, final, frozen)
 
-    def _write_in_background(self, snapshot, rng, tmp: Path, final: Path, state) -> Path:
+    def _write_in_background(self, write: Callable[[], None], rng, tmp: Path, final: Path, state) -> Path:
         """On the worker thread: this rank's files and its marker; on the main process, then the publication."""
         from safetensors.torch import save_file
 
         rank = self.accelerator.process_index
         try:
-            write_accelerator_state(snapshot, tmp)
+            write()
             save_file(rng[0], tmp / RNG_DIR / f"rank_{rank:05d}.safetensors", metadata=rng[1])
-            del snapshot
+            del write  # the CPU copy
             (tmp / _DONE.format(rank)).touch()
             if self.accelerator.is_main_process:
                 self._await_ranks(tmp)

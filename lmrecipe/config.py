@@ -263,7 +263,8 @@ class CheckpointConfig:
     background_save: bool = False
     """Write checkpoints on a background thread: the loop waits only while the state is copied to CPU memory (the
     YAML key ``async`` would be a Python keyword, hence the name). At most one write is in flight; ``latest`` moves
-    once every rank's files are written. Without DeepSpeed only: under DeepSpeed, saves stay synchronous."""
+    once every rank's files are written. Under DeepSpeed the collective part of the save (ZeRO-3's gathers) still
+    runs at the step; the files are written in the background."""
 
     def validate(self) -> None:
         _non_negative(self, "every_steps")

@@ -277,6 +277,35 @@ train(cfg)
 """
 
 
+def tensors_equal(a, b) -> bool:
+    """Two loaded checkpoint objects hold the same tensors (exactly) in the same structure."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return True
+
+
+@pytest.mark.slow
+def test_background_save_under_zero2_writes_the_shards_a_synchronous_save_writes(tmp_path_factory, tiny_data):
+    """ZeRO-2 on 2 processes with background writes: the DeepSpeed collective runs at the step, its files are
+    written by the worker thread; the shards hold the synchronous run's tensors and the run trains alike."""
+    sync = zero_pair(tmp_path_factory, tiny_data, 2)["a"]
+    out, stderr = cached_run(tmp_path_factory, "zero2_background", tiny_data, [
+        f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}", "distributed.deepspeed_config=ds_configs/zero2.json",
+        "checkpoint.background_save=true"], nproc=2)
+    assert losses(out) == losses(sync)
+    for step in (HALF, STEPS):
+        ours, theirs = (run / "checkpoints" / step_dir_name(step) / "pytorch_model" for run in (out, sync))
+        names = sorted(p.name for p in theirs.iterdir())
+        assert sorted(p.name for p in ours.iterdir()) == names
+        for name in names:
+            assert tensors_equal(torch.load(ours / name, weights_only=False), torch.load(theirs / name, weights_only=False)), name
+        read_checkpoint(out / "checkpoints" / step_dir_name(step))  # published with a complete manifest
+
+
 def test_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, tiny_data, plain):
     out = tmp_path / "run"
     every = 2

@@ -137,6 +137,41 @@ def test_save_and_load_round_trip(tmp_path):
     assert not WeightEMA(model, 0.7, zero3=False).load(tmp_path / "elsewhere")  # no EMA saved: kept, and said
 
 
+def zero3_like(model: torch.nn.Module, rank: int, world_size: int) -> torch.nn.Module:
+    """Give each parameter a ZeRO-3-style partition (``ds_tensor``: ceil(numel / world_size) values, the last one
+    zero-padded) and ``ds_shape``, as DeepSpeed does, so WeightEMA(zero3=True) averages this rank's partition."""
+    for param in model.parameters():
+        size = -(-param.numel() // world_size)
+        flat = torch.nn.functional.pad(param.detach().reshape(-1), (0, size * world_size - param.numel()))
+        param.ds_tensor, param.ds_shape = flat[rank * size:(rank + 1) * size].clone(), tuple(param.shape)
+    return model
+
+
+def test_ema_loads_across_process_counts_and_zero_stages(tmp_path):
+    """An average saved whole loads into ZeRO-3 partitions of any process count, and partitions load whole."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(5, 3)  # 15 + 3 values: partitions with padding on 2 processes
+    whole = WeightEMA(model, 0.7, zero3=False)
+    with torch.no_grad():
+        model.weight.mul_(2.0)
+    whole.update(False)
+    (tmp_path / "whole").mkdir()
+    whole.save(tmp_path / "whole")
+    expected = read_ema_state_dict(tmp_path / "whole")
+    for rank in range(2):  # whole -> ZeRO-3 on 2 processes, then back to a whole file
+        part = WeightEMA(zero3_like(torch.nn.Linear(5, 3), rank, 2), 0.7, zero3=True, rank=rank, world_size=2)
+        assert part.load(tmp_path / "whole") and part.num_updates.item() == 1
+        part.save(tmp_path / "parts")
+    assert read_ema_state_dict(tmp_path / "parts").keys() == expected.keys()
+    assert all(torch.equal(read_ema_state_dict(tmp_path / "parts")[k], v) for k, v in expected.items())
+    again = WeightEMA(torch.nn.Linear(5, 3), 0.7, zero3=False)
+    assert again.load(tmp_path / "parts")  # ZeRO-3 on 2 -> no DeepSpeed
+    assert all(torch.equal(a, b.reshape(a.shape)) for a, b in zip(again.shadow, whole.shadow))
+    one = WeightEMA(zero3_like(torch.nn.Linear(5, 3), 0, 1), 0.7, zero3=True, rank=0, world_size=1)
+    assert one.load(tmp_path / "parts")  # ZeRO-3 on 2 -> ZeRO-3 on 1
+    assert all(torch.equal(a, b.reshape(-1)) for a, b in zip(one.shadow, whole.shadow))
+
+
 def test_config_bounds():
     assert load_config("recipes/tiny.yaml", ["train.ema_decay=0.999"]).train.ema_decay == 0.999
     for bad in ("1.0", "-0.1", "nan"):

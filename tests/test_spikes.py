@@ -224,6 +224,6 @@ def test_two_processes_roll_back_together(tmp_path, tiny_data, ds_config):
     assert [r["step"] for r in train_rows(out)] == [1, 3, 6, 9, 12]
     saved = read_checkpoint(out / "checkpoints" / step_dir_name(12))
     assert saved["state"]["skipped_batches"] == [SPIKE_STEP - 1]
-    if ds_config != "null":
-        assert "background_save=true has no effect under DeepSpeed" in proc.stderr
+    # The step-4 checkpoint the rollback reloaded was written in the background (under DeepSpeed too).
+    assert "has no effect" not in proc.stderr
     shutil.rmtree(out / "checkpoints")
