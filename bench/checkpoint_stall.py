@@ -61,7 +61,8 @@ def main() -> int:
     from lmrecipe.trainer import TrainState, build_checkpointer, build_run, train_step
 
     logging.disable(logging.INFO)
-    report = C.Report("checkpoint_stall", "cpu", args.output)
+    name = "checkpoint_stall" + (f"_{Path(args.deepspeed).stem}" if args.deepspeed else "")
+    report = C.Report(name, "cpu", args.output)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
         cfg = C.bench_config(args.recipe, [f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}",
                                            f"model.intermediate_size={(8 * args.hidden_size // 3 + 63) // 64 * 64}",
