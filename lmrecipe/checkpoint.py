@@ -91,6 +91,8 @@ LATEST = "latest"
 BEST = "best"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp_"
+_PORTABLE_LEFTOVER = re.compile(r"^step_\d{8,}\.portable\.(tmp|old)-\d+$")
+"""A topology-free form being built (``fileio.building_dir``) or replaced when a conversion was interrupted."""
 _TRASH_PREFIX = ".trash_"
 _DONE = ".rank_{:05d}.done"
 _FAILED = ".rank_{:05d}.failed"
@@ -361,8 +363,9 @@ class Checkpointer:
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.iterdir():
-                if leftover.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) and leftover.is_dir():
-                    logger.info("Removing %s, left by an interrupted save", leftover)
+                name = leftover.name
+                if (name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or _PORTABLE_LEFTOVER.match(name)) and leftover.is_dir():
+                    logger.info("Removing %s, left by an interrupted save or conversion", leftover)
                     shutil.rmtree(leftover)
             (out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         accelerator.wait_for_everyone()

@@ -99,9 +99,12 @@ def test_resume_on_another_layout_continues_the_losses_exactly(tmp_path, tiny_da
     source_name, nproc, overrides, change = CASES[case]
     source = sources[source_name]
     out = tmp_path / "run"
+    leftover = out / "checkpoints" / f"{step_dir_name(HALF)}.portable.tmp-99999"  # a conversion killed midway
+    leftover.mkdir(parents=True)
     proc = run_train(out, tiny_data, [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}",
                                       f"checkpoint.resume={source['checkpoint']}", *overrides], nproc=nproc)
     assert f"on a new layout: {change}." in proc.stderr
+    assert not leftover.exists()
     resumed = losses(out)
     assert [step for step, _ in resumed] == list(range(HALF + 1, STEPS + 1))
     diff = max_loss_diff(resumed, losses(source["run"]))
