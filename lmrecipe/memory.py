@@ -307,7 +307,10 @@ class MemoryEstimate:
     activations_checkpointed: float
     """The same with activation checkpointing."""
     device_total: float
-    """model_states_device + gathered + the activations of the recipe's checkpointing choice."""
+    """model_states_device + gathered + ema + the activations of the recipe's checkpointing choice."""
+    ema: float = 0.0
+    """The weight EMA's fp32 shadow (``train.ema_decay`` > 0; device): 4 bytes per parameter, divided over the ranks
+    under ZeRO-3."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -387,17 +390,18 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
 
 def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: int, precision: str,
              accum_steps: int, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
-             attn_implementation: str = "sdpa") -> MemoryEstimate:
-    """The per-rank memory budget of one ZeRO setup."""
+             attn_implementation: str = "sdpa", ema: bool = False) -> MemoryEstimate:
+    """The per-rank memory budget of one ZeRO setup (``ema``: with a weight EMA)."""
     if world_size % num_nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes}")
     states = estimate_model_states(shape, setup, world_size, world_size // num_nodes, precision, accum_steps)
     gathered = 2.0 * weight_bytes(precision, setup.stage) * shape.largest_layer_params if setup.stage == 3 else 0.0
     full, checkpointed = estimate_activations(shape, micro_batch_size, seq_len, precision, attn_implementation)
     activations = checkpointed if gradient_checkpointing else full
+    ema_bytes = (4.0 * shape.n_params / (world_size if setup.stage == 3 else 1)) if ema else 0.0
     return MemoryEstimate(
         **states, gathered=gathered, activations=full, activations_checkpointed=checkpointed,
-        device_total=states["model_states_device"] + gathered + activations,
+        device_total=states["model_states_device"] + gathered + ema_bytes + activations, ema=ema_bytes,
     )
 
 

@@ -138,13 +138,15 @@ class OOMGuard:
 
         def describe(setup, micro_batch_size, gradient_checkpointing) -> str:
             est = estimate(shape, setup, layout.world_size, nodes, runtime.precision, layout.accum_steps,
-                           micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation)
+                           micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation,
+                           ema=cfg.train.ema_decay > 0)
             activations = est.activations_checkpointed if gradient_checkpointing else est.activations
             if host and setup.offload_optimizer:
                 return f"{format_bytes(est.cpu_per_node)} offloaded per node, {format_bytes(est.device_total)} per device"
             text = (f"{format_bytes(est.device_total)} (model states {format_bytes(est.model_states_device)}, "
                     f"activations {format_bytes(activations)}")
-            text += f", gathered layer {format_bytes(est.gathered)})" if est.gathered else ")"
+            text += f", gathered layer {format_bytes(est.gathered)}" if est.gathered else ""
+            text += f", weight EMA {format_bytes(est.ema)})" if est.ema else ")"
             if est.model_states_cpu:
                 text += f" + {format_bytes(est.cpu_per_node)} of CPU memory per node"
             return text

@@ -102,6 +102,16 @@ def test_stage1_holds_the_whole_gradient_only_when_accumulating():
     assert accum.gradients == pytest.approx(4 * shape.n_params)
 
 
+def test_weight_ema_adds_an_fp32_copy_divided_only_under_zero3():
+    shape = shape_of(768, 12, 12, 12, 3072, 50257)
+    for name, per_rank in (("zero2", 4 * shape.n_params), ("zero3", 4 * shape.n_params / 8)):
+        plain = estimate(shape, ds_setup(name), 8, 1, "bf16", 1, 1, 1024, False)
+        with_ema = estimate(shape, ds_setup(name), 8, 1, "bf16", 1, 1, 1024, False, ema=True)
+        assert plain.ema == 0 and with_ema.ema == pytest.approx(per_rank)
+        assert with_ema.device_total - plain.device_total == pytest.approx(per_rank)
+        assert with_ema.model_states == plain.model_states  # the EMA is not a model state of the update
+
+
 def test_activation_estimate():
     shape = shape_of(4096, 32, 32, 32, 11008, 32000)
     full, ckpt = estimate_activations(shape, micro_batch_size=1, seq_len=4096, precision="bf16")
