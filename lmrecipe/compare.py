@@ -212,7 +212,7 @@ def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, 
         shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
         accum_steps=layout.accum_steps, micro_batch_size=cfg.train.micro_batch_size,
         seq_len=cfg.data.seq_len, gradient_checkpointing=cfg.train.gradient_checkpointing,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
     )
 
 

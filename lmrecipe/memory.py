@@ -416,7 +416,8 @@ def format_bytes(n: float) -> str:
 _TABLE_COLUMNS = (
     ("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer"),
     ("model_states_device", "states on device"), ("cpu_per_node", "offloaded / node"), ("gathered", "ZeRO-3 gathered"),
-    ("activations", "activations"), ("activations_checkpointed", "act. checkpointed"), ("device_total", "device total"),
+    ("activations", "activations"), ("activations_checkpointed", "act. checkpointed"), ("ema", "weight EMA"),
+    ("device_total", "device total"),
 )
 
 

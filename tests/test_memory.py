@@ -180,6 +180,12 @@ def test_estimate_memory_cli(tmp_path):
     device = {name: c["model_states_device"] for name, c in report["configs"].items()}
     assert device["zero3"] < device["zero2"] < device["none"]
 
+    with_ema = json.loads(run_script(["tools/estimate_memory.py", "recipes/tiny.yaml", "train.global_batch_size=64",
+                                      "train.ema_decay=0.999", "--world-size", "8", "--vocab-size", "1000",
+                                      "--json"]).stdout)["configs"]
+    assert with_ema["zero2"]["ema"] == 4 * report["n_params"] and with_ema["zero3"]["ema"] == 4 * report["n_params"] / 8
+    assert report["configs"]["zero2"]["ema"] == 0
+
     bad = run_script(["tools/estimate_memory.py", "recipes/tiny.yaml", "--world-size", "3"], check=False)
     assert bad.returncode == 2
     assert "global_batch_size" in bad.stderr and "Traceback" not in bad.stderr
