@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, TINY_OVERRIDES, run_script, run_train
-from lmrecipe.checkpoint import DS_TAG, read_checkpoint, step_dir_name
+from lmrecipe.checkpoint import DS_TAG, STATE_FILE, read_checkpoint, step_dir_name
 from lmrecipe.optim import optimizer_param_names
-from lmrecipe.portable import layout_changes, layout_of, needs_conversion, portable_dir
+from lmrecipe.portable import (
+    cached_portable, convert, layout_changes, layout_of, needs_conversion, portable_dir, state_sha256,
+)
 from test_checkpoint import HALF, LOSS_TOL, STEPS, cached_run, losses, max_loss_diff, tree_digest, zero_pair
 
 PARAM = "model.layers.0.mlp.gate_proj.weight"
@@ -116,6 +118,27 @@ def test_resume_on_another_layout_continues_the_losses_exactly(tmp_path, tiny_da
     assert (portable_dir(source["checkpoint"]) / "portable.json").is_file()
     saved = read_checkpoint(out / "checkpoints" / step_dir_name(STEPS))
     assert saved["topology"]["world_size"] == nproc
+
+
+def test_conversion_of_a_plain_checkpoint_is_exact_and_cached_for_that_checkpoint_only(tmp_path, tmp_path_factory,
+                                                                                      tiny_data):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = plain_source(tmp_path_factory, tiny_data) / "checkpoints" / step_dir_name(HALF)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint / "hf"))
+    digest, dest = state_sha256(checkpoint, STATE_FILE), tmp_path / "portable"
+    meta = convert(checkpoint, dest, deepspeed_dir=None, param_names=optimizer_param_names(model, False),
+                   source_layout=layout(1, None), source_sha256=digest)
+    assert set(meta["params"]) == {name for name, _ in model.named_parameters()}
+    assert set(meta["step"].values()) == {HALF}
+    for name in (PARAM, "model.norm.weight"):  # one of each optimizer group
+        saved, converted = saved_plain(checkpoint, name), {k: load_file(dest / f"{k}.safetensors")[name] for k in
+                                                           ("fp32", "exp_avg", "exp_avg_sq")}
+        assert all(torch.equal(converted[k], saved[k]) for k in converted)
+    assert cached_portable(dest, digest) and not cached_portable(dest, "0" * 64)  # another checkpoint's cache
+    (dest / "exp_avg_sq.safetensors").unlink()
+    assert not cached_portable(dest, digest)  # incomplete: converted again
 
 
 def probe(tmp_path: Path, data: Path, checkpoint: Path, nproc: int, overrides: list[str]) -> dict[str, torch.Tensor]:
