@@ -43,6 +43,7 @@ from typing import Iterator
 import torch
 
 from .errors import fail
+from .model import bare_parameter_name
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +51,6 @@ FULL_FILE = "ema.safetensors"
 PARTITION_DIR = "ema"
 COUNT_KEY = "__num_updates__"
 FORMAT = "lmrecipe-ema-1"
-# Prefixes that wrappers (DDP, DeepSpeed's engine, torch.compile) add to parameter names.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def parameter_name(name: str) -> str:
-    """A parameter's name in the bare model (as the Hugging Face export names it)."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
-    return name
-
-
 def partition_file(rank: int) -> str:
     return f"{PARTITION_DIR}/rank_{rank:05d}.safetensors"
 
@@ -92,7 +78,7 @@ class WeightEMA:
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         for name, param in model.named_parameters():  # tied weights appear once
-            self.names.append(parameter_name(name))
+            self.names.append(bare_parameter_name(name))
             self.params.append(param)
         with torch.no_grad():
             self.shadow = [t.detach().float().clone() for t in self._owned()]

@@ -30,6 +30,7 @@ from .config import parse_shard_size
 from .ema import read_ema_state_dict
 from .errors import fail
 from .fileio import building_dir, write_json_atomic
+from .model import bare_parameter_name
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,6 @@ WEIGHTS = ("raw", "ema")
 INDEX_FILE = "model.safetensors.index.json"
 # Files of the checkpoint's hf/ folder that are not tokenizer files.
 _NOT_TOKENIZER = {"config.json", "meta.json"}
-# Prefixes that wrappers (DDP, torch.compile) add to parameter names in a non-DeepSpeed state dict.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -72,12 +71,7 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
         raise fail(f"{ckpt} has neither DeepSpeed shards ({DS_TAG}/) nor model.safetensors: it holds no model weights.")
     from safetensors.torch import load_file
 
-    out = {}
-    for name, tensor in load_file(weights).items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.removeprefix(prefix)
-        out[name] = tensor.to(dtype, copy=True)
-    return out
+    return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
 
 
 def weights_state_dict(ckpt: Path, dtype: torch.dtype, weights: str = "raw") -> dict[str, torch.Tensor]:

@@ -16,6 +16,21 @@ from .errors import fail
 logger = logging.getLogger(__name__)
 
 
+# Prefixes that wrappers (DDP, DeepSpeed's engine, torch.compile) add to parameter names.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def bare_parameter_name(name: str) -> str:
+    """A parameter's name in the bare model (as the Hugging Face export names it), wrapper prefixes removed."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
+
+
 def build_hf_config(cfg: Config, vocab_size: int):
     """The ``transformers`` config of the model: from ``model.init_from`` or built from the recipe."""
     from transformers import AutoConfig

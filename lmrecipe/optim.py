@@ -43,10 +43,16 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
 def optimizer_param_names(model: nn.Module, decay_embeddings: bool) -> list[tuple[str, ...]]:
     """The optimizer's parameters in its order (group by group), each with every name it goes by (tied weights
     have several): what gives the entries of a saved ``optimizer.bin``, which are numbered, their names."""
+    names = names_by_param(model)
+    return [tuple(names[id(p)]) for params in split_params(model, decay_embeddings) for p in params]
+
+
+def names_by_param(model: nn.Module) -> dict[int, list[str]]:
+    """Every name each parameter goes by (tied weights have several), keyed by ``id(parameter)``."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    return [tuple(names[id(p)]) for params in split_params(model, decay_embeddings) for p in params]
+    return names
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fused: bool = False) -> torch.optim.Optimizer:

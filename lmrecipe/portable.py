@@ -42,6 +42,8 @@ import torch
 
 from .errors import fail
 from .fileio import building_dir, write_json_atomic
+from .model import bare_parameter_name
+from .optim import names_by_param
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +163,7 @@ def _read_plain(checkpoint: Path, param_names: ParamNames) -> tuple[dict[str, di
     """Weights from ``model.safetensors``; moments and steps from ``optimizer.bin``, named by optimizer position."""
     from safetensors.torch import load_file
 
-    weights = {}
-    for name, tensor in load_file(checkpoint / "model.safetensors").items():
-        for prefix in ("module.", "_orig_mod."):
-            name = name.removeprefix(prefix)
-        weights[name] = tensor
+    weights = {bare_parameter_name(name): tensor for name, tensor in load_file(checkpoint / "model.safetensors").items()}
     optim = torch.load(checkpoint / "optimizer.bin", map_location="cpu", weights_only=True)
     order = [index for group in optim["param_groups"] for index in group["params"]]
     if len(order) != len(param_names):
@@ -275,17 +273,10 @@ def load_portable(folder: Path, model, optimizer, *, deepspeed: bool, step: int,
         portable.close()
 
 
-def _names_by_param(module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return names
-
-
 @torch.no_grad()
 def _load_plain(portable: PortableState, module, optimizer) -> None:
     """Without DeepSpeed: copy the weights; give the moments to the optimizer's own ``load_state_dict``."""
-    names = _names_by_param(module)
+    names = names_by_param(module)
     for param in module.parameters():
         param.copy_(portable.get("fp32", portable.name_for(names[id(param)])))
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
@@ -312,7 +303,7 @@ def _load_zero(portable: PortableState, engine, run_step: int, samples_per_step:
         raise fail("Resuming on another layout into ZeRO-3 with NVMe offload is not supported; resume with the "
                    "checkpoint's layout, or offload to cpu.")
     module = engine.module
-    names = _names_by_param(module)
+    names = names_by_param(module)
     steps = {portable.step(portable.name_for(n)) for n in names.values()}
     if len(steps) != 1:
         raise fail(f"The checkpoint's parameters have different AdamW step counts ({sorted(steps)}); DeepSpeed "
