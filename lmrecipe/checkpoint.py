@@ -573,17 +573,20 @@ class Checkpointer:
         acc.wait_for_everyone()
         probe = self._probe_logits(model)
         try:
+            # The small files, in the loop also with background writes: this rank's RNG state, the probe and hf/
+            # (main process), the extra state (see ema.py for its size).
+            tensors, metadata = rng_state_tensors()
+            save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
+            if acc.is_main_process:
+                save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
+                self._write_hf_dir(model, tmp / HF_DIR)
             if self.extra_state is not None:
-                self.extra_state.save(tmp)  # in the loop, also with background writes (see ema.py for its size)
+                self.extra_state.save(tmp)
             if self.background:
-                self._start_background_save(model, state, tmp, final, probe)
+                frozen = type(state)(**{f.name: json.loads(json.dumps(getattr(state, f.name))) for f in fields(state)})
+                self.writer.submit(self._write_in_background, self._snapshot(model, tmp), tmp, final, frozen)
             else:
                 acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
-                tensors, metadata = rng_state_tensors()
-                save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
-                if acc.is_main_process:
-                    save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
-                    self._write_hf_dir(model, tmp / HF_DIR)
                 acc.wait_for_everyone()
                 if acc.is_main_process:
                     self._publish(tmp, final, state)
@@ -610,36 +613,24 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()  # the main process returns only once it has published
         self.latest = final
 
-    def _start_background_save(self, model, state, tmp: Path, final: Path, probe: torch.Tensor) -> None:
-        """Copy this rank's state to CPU memory (the loop waits for this only) and write it on the worker thread."""
-        from safetensors.torch import save_file
-
+    def _snapshot(self, model, tmp: Path) -> Callable[[], None]:
+        """Copy this rank's model and optimizer state to CPU memory (the loop waits for this only); return the
+        write of that copy into ``tmp``, for the worker thread."""
         acc = self.accelerator
-        if self.zero.deepspeed:
-            # The collective part of DeepSpeed's save runs now, on every rank; its files are copied, not written.
-            with deepspeed_writes_captured(model, pin_memory=acc.device.type == "cuda") as captured:
-                acc.save_state(str(tmp))
-            if acc.device.type == "cuda":
-                torch.cuda.synchronize(acc.device)  # the copies were queued non-blocking into pinned memory
-            write = functools.partial(write_captured, captured,
-                                      getattr(model.checkpoint_engine, "zipfile_serialization", True))
-        else:
-            write = functools.partial(write_accelerator_state, snapshot_accelerator_state(acc), tmp)
-        rng = rng_state_tensors()
-        if acc.is_main_process:
-            save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
-            self._write_hf_dir(model, tmp / HF_DIR)
-        frozen = type(state)(**{f.name: json.loads(json.dumps(getattr(state, f.name))) for f in fields(state)})
-        self.writer.submit(self._write_in_background, write, rng, tmp, final, frozen)
+        if not self.zero.deepspeed:
+            return functools.partial(write_accelerator_state, snapshot_accelerator_state(acc), tmp)
+        # The collective part of DeepSpeed's save runs now, on every rank; its files are copied, not written.
+        with deepspeed_writes_captured(model, pin_memory=acc.device.type == "cuda") as captured:
+            acc.save_state(str(tmp))
+        if acc.device.type == "cuda":
+            torch.cuda.synchronize(acc.device)  # the copies were queued non-blocking into pinned memory
+        return functools.partial(write_captured, captured, getattr(model.checkpoint_engine, "zipfile_serialization", True))
 
-    def _write_in_background(self, write: Callable[[], None], rng, tmp: Path, final: Path, state) -> Path:
+    def _write_in_background(self, write: Callable[[], None], tmp: Path, final: Path, state) -> Path:
         """On the worker thread: this rank's files and its marker; on the main process, then the publication."""
-        from safetensors.torch import save_file
-
         rank = self.accelerator.process_index
         try:
             write()
-            save_file(rng[0], tmp / RNG_DIR / f"rank_{rank:05d}.safetensors", metadata=rng[1])
             del write  # the CPU copy
             (tmp / _DONE.format(rank)).touch()
             if self.accelerator.is_main_process:
