@@ -6,8 +6,8 @@
 import argparse
 import sys
 
-from lmrecipe.config import load_config
 from lmrecipe.cli import cli_main, setup_logging
+from lmrecipe.config import load_config
 
 
 @cli_main
@@ -18,7 +18,7 @@ def main() -> int:
     args = parser.parse_args()
     setup_logging()
     cfg = load_config(args.recipe, args.overrides)
-    from lmrecipe.trainer import train  # heavy imports only after the config is known to be valid
+    from lmrecipe.train.loop import train  # heavy imports only after the config is known to be valid
 
     train(cfg, recipe=args.recipe)
     return 0

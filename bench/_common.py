@@ -187,7 +187,7 @@ class Sections:
 
 
 class OursLoop:
-    """The training loop of ``lmrecipe.trainer.train`` (one process, no DeepSpeed), driven in blocks of steps.
+    """The training loop of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps.
 
     Set up by the trainer's own ``build_run`` / ``build_checkpointer`` / ``build_reporter``; each step is the
     trainer's ``train_step`` followed by what ``train`` does after it (``Reporter.step_done``, the preemption
@@ -195,7 +195,10 @@ class OursLoop:
     """
 
     def __init__(self, cfg, out_dir: Path):
-        from lmrecipe.trainer import PreemptionSignal, TrainState, build_checkpointer, build_reporter, build_run
+        from lmrecipe.train.loop import build_checkpointer, build_reporter
+        from lmrecipe.train.preemption import PreemptionSignal
+        from lmrecipe.train.setup import build_run
+        from lmrecipe.train.state import TrainState
 
         out_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
@@ -218,7 +221,7 @@ class OursLoop:
         self.sections = Sections()
 
     def run(self, n_steps: int) -> None:
-        from lmrecipe.trainer import train_step
+        from lmrecipe.train.step import train_step
 
         run, state = self.run_, self.state
         for _ in range(n_steps):

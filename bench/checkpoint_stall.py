@@ -58,7 +58,10 @@ def main() -> int:
 
     import logging
 
-    from lmrecipe.trainer import TrainState, build_checkpointer, build_run, train_step
+    from lmrecipe.train.loop import build_checkpointer
+    from lmrecipe.train.setup import build_run
+    from lmrecipe.train.state import TrainState
+    from lmrecipe.train.step import train_step
 
     logging.disable(logging.INFO)
     name = "checkpoint_stall" + (f"_{Path(args.deepspeed).stem}" if args.deepspeed else "")

@@ -6,7 +6,7 @@
 
 1. In one process, alternating blocks (A B, B A, ...): the loader alone (TrainBatches.micro_batches, with the
    .to(device) of the loop) for --loader-steps optimizer steps, and the training loop (bench/_common.py: OursLoop,
-   the body of lmrecipe.trainer.train) for --block-steps steps. Per pair: loader micro-batches/s over the
+   the body of lmrecipe.train) for --block-steps steps. Per pair: loader micro-batches/s over the
    micro-batches/s training consumes (the headroom; its inverse is the share of step time the fetch would take
    without overlap), and the fetch's measured share of the training block's time.
 2. A real `train.py` run (subprocess) of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl.
@@ -78,7 +78,8 @@ def main() -> int:
     C.check_data(args.data)
     report = C.Report("data_path", args.device, args.output)
 
-    from lmrecipe.data import BatchLayout, TokenWindows, TrainBatches
+    from lmrecipe.data.batches import BatchLayout, TrainBatches
+    from lmrecipe.data.format import TokenWindows
 
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         cfg = C.bench_config(args.recipe, args.overrides, out_dir=tmp, data_path=args.data)
@@ -152,7 +153,8 @@ def candidate_batch(args, report) -> dict:
     import numpy as np
     import torch
 
-    from lmrecipe.data import BatchLayout, TokenWindows, TrainBatches
+    from lmrecipe.data.batches import BatchLayout, TrainBatches
+    from lmrecipe.data.format import TokenWindows
 
     windows = TokenWindows(args.data, "train", 128)
     batches = TrainBatches(windows, BatchLayout(8, 8, 1, 0), 0)

@@ -4,9 +4,9 @@
     .venv/bin/python bench/host_syncs.py --baseline HEAD~3 --pairs 6 --steps 60
 
 Two trees: this checkout ("new") and the baseline commit, checked out into a temporary git worktree. A worker
-process per measurement runs that tree's ``lmrecipe.trainer.train`` in-process (PYTHONPATH = the tree):
+process per measurement runs that tree's ``lmrecipe.train`` in-process (PYTHONPATH = the tree):
 
-- syncs: this tree's ``lmrecipe.metrics.HostSyncCounter`` (loaded by file path, so it counts either tree's loop
+- syncs: this tree's ``lmrecipe.observe.host_syncs.HostSyncCounter`` (loaded by file path, so it counts either tree's loop
   the same way) over two runs whose only sync points are step 1 and the last step (3 and 11 steps, no eval or
   checkpoint in between); (count of the long run - count of the short run) / 8 = host syncs per unlogged step,
   by kind. On a GPU each one stalls the CPU until the device queue drains.
@@ -36,7 +36,7 @@ SHORT, LONG = 3, 11
 
 
 def _counter_class():
-    spec = importlib.util.spec_from_file_location("_sync_counter", C.ROOT / "lmrecipe" / "metrics.py")
+    spec = importlib.util.spec_from_file_location("_sync_counter", C.ROOT / "lmrecipe" / "observe" / "host_syncs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.HostSyncCounter
@@ -50,7 +50,10 @@ def worker(args) -> None:
     import torch
 
     from lmrecipe.config import load_config
-    from lmrecipe.trainer import train
+    try:
+        from lmrecipe.train.loop import train
+    except ImportError:  # a baseline tree from before the package had subfolders
+        from lmrecipe.trainer import train
 
     logging.disable(logging.INFO)
     if args.threads:

@@ -6,8 +6,8 @@
     .venv/bin/python bench/mfu.py --device cuda --ds-configs ds_configs/zero1.json ds_configs/zero2.json ds_configs/zero3.json
 
 CPU: each model in its own process, alternating (A B, B A, ...) a training block of --block-steps steps (the
-body of lmrecipe.trainer.train, bench/_common.py: OursLoop) with two peak probes:
-- square: lmrecipe.metrics.cpu_matmul_tflops's probe (1024 x 1024 fp32 matmul, its defaults), the peak train.py's MFU uses;
+body of lmrecipe.train, bench/_common.py: OursLoop) with two peak probes:
+- square: lmrecipe.observe.device.cpu_matmul_tflops's probe (1024 x 1024 fp32 matmul, its defaults), the peak train.py's MFU uses;
 - model shapes: every Linear GEMM of one training micro-step at the model's own shapes (forward X W^T, backward
   dY W and dY^T X), FLOP-weighted: the best a dense kernel does at these sizes.
 Achieved FLOP/s = lmrecipe.model.flops_per_token (6 x non-embedding params + attention) x tokens/s. Each pair gives
@@ -56,7 +56,7 @@ def linear_gemms(hf_config, tokens: int) -> list[tuple[int, int, int, int]]:
 def model_shape_tflops(hf_config, tokens: int, seconds: float = 0.5, trials: int = 3) -> float:
     """FLOP-weighted fp32 GEMM TFLOP/s over forward and backward of every Linear of one micro-step.
 
-    Each GEMM keeps its best of ``trials`` timings, as lmrecipe.metrics.cpu_matmul_tflops does for the square probe.
+    Each GEMM keeps its best of ``trials`` timings, as lmrecipe.observe.device.cpu_matmul_tflops does for the square probe.
     """
     import torch
 
@@ -80,7 +80,7 @@ def model_shape_tflops(hf_config, tokens: int, seconds: float = 0.5, trials: int
 
 
 def cpu_worker(args) -> dict:
-    from lmrecipe.metrics import cpu_matmul_tflops
+    from lmrecipe.observe.device import cpu_matmul_tflops
 
     recipe, overrides = MODELS[args.worker]
     with tempfile.TemporaryDirectory(prefix="bench_mfu_") as tmp:

@@ -45,7 +45,7 @@ SAMPLE_SECONDS = 0.02
 
 
 def build_corpus(root: Path, copies: int, fmt: str, base_files: int) -> Path:
-    from lmrecipe.prepare import _stdlib_root, embedded_corpus_files
+    from lmrecipe.data.prepare.pipeline import _stdlib_root, embedded_corpus_files
 
     stdlib = _stdlib_root()
     folder = root / f"corpus_{copies}x_{fmt}"

@@ -6,7 +6,7 @@
 
 Each trial is a fresh process; the three sides run in rotated order per round (p1 p2 map, p2 map p1, map p1 p2):
 
-- p1, p2: lmrecipe.prepare.prepare(tokenizer=<an existing tokenizer folder>, num_proc=1 or 2), what
+- p1, p2: lmrecipe.data.prepare.pipeline.prepare(tokenizer=<an existing tokenizer folder>, num_proc=1 or 2), what
   tools/prepare_data.py --tokenizer DIR --num-proc N runs; the figure is meta.json's timing.tokens_per_sec (the
   tokenization stage: worker start-up, encoding, EOS, the uint16 conversion and the .bin/.idx writes, and since
   preparation streams, the corpus read too; not the tokenizer load). The tokenizer is given, so no BPE training is timed. With --prepare-tokenizer
@@ -50,7 +50,7 @@ def worker(side: str, tokenizer: str, max_documents: int | None, train_tokenizer
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from lmrecipe.prepare import load_corpus, prepare
+    from lmrecipe.data.prepare.pipeline import load_corpus, prepare
 
     if side in ("p1", "p2"):
         with tempfile.TemporaryDirectory(prefix="bench_prep_") as tmp:
@@ -91,7 +91,7 @@ def chunk_texts(texts: list[str], max_chars: int, max_docs: int) -> list[list[st
 def candidate_encoder(args, report) -> dict:
     """prepare's encoder for a given tokenizer (transformers' __call__) against the tokenizers-library path it uses for
     a trained one, on the same tokenizer.json, in this process, interleaved; the bytes must be identical."""
-    from lmrecipe import prepare as P
+    from lmrecipe.data.prepare import pipeline as P
 
     texts = P.load_corpus(max_documents=args.encoder_documents).texts
     chunks = chunk_texts(texts, P._CHUNK_CHARS, P._CHUNK_DOCS)

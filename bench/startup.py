@@ -42,7 +42,7 @@ def build_large(small: Path, dest: Path, tokens: int) -> Path:
     """``small`` replicated until train.bin holds at least ``tokens`` tokens; returns ``dest``."""
     import numpy as np
 
-    from lmrecipe.data import INDEX_DTYPE, SPLITS, load_meta
+    from lmrecipe.data.format import INDEX_DTYPE, SPLITS, load_meta
 
     meta = load_meta(small)
     copies = -(-tokens // int(meta["splits"]["train"]["n_tokens"]))
@@ -91,7 +91,8 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
 def in_process(folders: dict[str, Path], seq_len: int, vocab: int, report) -> dict:
     import numpy as np
 
-    from lmrecipe.data import SampleOrder, open_data
+    from lmrecipe.data.format import open_data
+    from lmrecipe.data.order import SampleOrder
 
     figures = {}
     for name, folder in folders.items():

@@ -8,7 +8,7 @@ optimizer and learning-rate schedule.
 Each side is a fresh process (Trainer and our loop each build an Accelerator, whose state is a per-process
 singleton), run in alternating order (ours trainer, trainer ours, ...):
 
-- ours: lmrecipe.trainer.train(cfg) itself, as train.py calls it (no eval, checkpoint or export inside the window);
+- ours: lmrecipe.train(cfg) itself, as train.py calls it (no eval, checkpoint or export inside the window);
 - trainer: transformers.Trainer with the same initial weights, a torch Dataset over the same memmap windows
   (input_ids = labels = the window's first seq_len tokens: the model's own shifted loss), per-device batch =
   micro-batch, the same accumulation and max_grad_norm, our AdamW (same groups) and our lr_at schedule as a
@@ -31,7 +31,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-
 
 
 class Timers:
@@ -83,12 +82,16 @@ class Timers:
 def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
     import accelerate
 
-    from lmrecipe import data as data_mod, optim as optim_mod, reporting, trainer
+    from lmrecipe import optim as optim_mod
+    from lmrecipe.data import format as data_format
+    from lmrecipe.observe import console
+    from lmrecipe.train import loop, setup
+    from lmrecipe.train import step as step_module
 
-    timers.wrap(trainer, "causal_lm_loss", "forward+loss")
+    timers.wrap(step_module, "causal_lm_loss", "forward+loss")
     timers.wrap(accelerate.Accelerator, "backward", "backward")
     timers.wrap(accelerate.Accelerator, "clip_grad_norm_", "clip")
-    timers.wrap(data_mod.TokenWindows, "batch", "data")
+    timers.wrap(data_format.TokenWindows, "batch", "data")
     original_build = optim_mod.build_optimizer
 
     def build_optimizer(*args, **kwargs):
@@ -96,15 +99,15 @@ def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
         timers.hook_optimizer(opt)
         return opt
 
-    trainer.build_optimizer = build_optimizer
-    original_step_done = reporting.Reporter.step_done
+    setup.build_optimizer = build_optimizer
+    original_step_done = console.Reporter.step_done
 
     def step_done(self, state, *args, **kwargs):
         original_step_done(self, state, *args, **kwargs)
         timers.mark_step_end(self.accelerator.device)
 
-    reporting.Reporter.step_done = step_done
-    trainer.train(cfg)
+    console.Reporter.step_done = step_done
+    loop.train(cfg)
     return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
 
 
@@ -113,7 +116,7 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from lmrecipe.data import load_meta, open_data
+    from lmrecipe.data.format import load_meta, open_data
     from lmrecipe.distributed import resolve_precision
     from lmrecipe.model import build_hf_config, build_model
     from lmrecipe.optim import build_optimizer, lr_at

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Callable
 
-from .errors import EXIT_USER_ERROR, UserError
+from lmrecipe.errors import EXIT_USER_ERROR, UserError
 
 
 def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) -> None:

@@ -21,16 +21,17 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .config import Config, load_config, resolve_deepspeed_config
-from .data import BatchLayout, load_meta
-from .distributed import ZeroSetup, load_deepspeed_config, resolve_precision
-from .errors import fail
-from .fileio import atomic_path, write_text_atomic
-from .launch import accelerate_launch_cmd
-from .memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape, read_measured
-from .model import build_hf_config
-from .plots import plot_memory_throughput
-from .tracking import read_metrics
+from lmrecipe.config import Config, load_config, resolve_deepspeed_config
+from lmrecipe.data.batches import BatchLayout
+from lmrecipe.data.format import load_meta
+from lmrecipe.distributed import ZeroSetup, load_deepspeed_config, resolve_precision
+from lmrecipe.errors import fail
+from lmrecipe.fileio import atomic_path, write_text_atomic
+from lmrecipe.launch import accelerate_launch_cmd
+from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape, read_measured
+from lmrecipe.model import build_hf_config
+from lmrecipe.observe.metrics_log import read_metrics
+from lmrecipe.observe.plots import plot_memory_throughput
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from .errors import UserError, fail
-from .fileio import write_text_atomic
+from lmrecipe.errors import UserError, fail
+from lmrecipe.fileio import write_text_atomic
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 

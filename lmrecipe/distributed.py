@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .config import Config
-from .data import BatchLayout
-from .errors import fail
+from lmrecipe.config import Config
+from lmrecipe.data.batches import BatchLayout
+from lmrecipe.errors import fail
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from .data import TokenWindows, ValBatches, file_sha256, load_meta
-from .distributed import build_eval_accelerator
-from .errors import fail
-from .export import load_for_inference
-from .loss import validation_loss
+from lmrecipe.data.batches import ValBatches
+from lmrecipe.data.format import TokenWindows, file_sha256, load_meta
+from lmrecipe.distributed import build_eval_accelerator
+from lmrecipe.errors import fail
+from lmrecipe.export import load_for_inference
+from lmrecipe.loss import validation_loss
 
 logger = logging.getLogger(__name__)
 

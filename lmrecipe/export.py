@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import DS_TAG, HF_DIR, looks_like_checkpoint, read_checkpoint, resolve_checkpoint
-from .config import parse_shard_size
-from .ema import read_ema_state_dict
-from .errors import fail
-from .fileio import building_dir, write_json_atomic
-from .model import bare_parameter_name
+from lmrecipe.checkpoint.ema_files import read_ema_state_dict
+from lmrecipe.checkpoint.storage import DS_TAG, HF_DIR, looks_like_checkpoint, read_checkpoint, resolve_checkpoint
+from lmrecipe.config import parse_shard_size
+from lmrecipe.errors import fail
+from lmrecipe.fileio import building_dir, write_json_atomic
+from lmrecipe.model import bare_parameter_name
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .config import Config
+from lmrecipe.config import Config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

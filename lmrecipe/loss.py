@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .data import ValBatches
+from lmrecipe.data.batches import ValBatches
 
 
 def causal_lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

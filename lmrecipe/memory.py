@@ -66,8 +66,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .distributed import ZeroSetup
-from .fileio import write_json_atomic
+from lmrecipe.distributed import ZeroSetup
+from lmrecipe.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import Config
-from .errors import fail
+from lmrecipe.config import Config
+from lmrecipe.errors import fail
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .config import OptimConfig, ScheduleConfig
+from lmrecipe.config import OptimConfig, ScheduleConfig
 
 
 def _ndim(param: nn.Parameter) -> int:

@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 
 from lmrecipe.cli import setup_logging
 from lmrecipe.config import load_config
-from lmrecipe.trainer import TrainState, build_checkpointer, build_run
+from lmrecipe.train.loop import build_checkpointer
+from lmrecipe.train.setup import build_run
+from lmrecipe.train.state import TrainState
 
 
 def main() -> None:

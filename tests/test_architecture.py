@@ -1,7 +1,10 @@
 """The package's layering, as drawn in README.md ("Architecture"): a module imports only from lower layers.
 
-Imports are read from the source (function-level ones included), so a lazy import that bends the layering
-fails here as surely as a top-level one. Strict layering also rules out import cycles.
+The package is a tree: top-level modules and folders (``data/``, ``checkpoint/``, ``observe/``, ``train/``), each
+folder with its own order of modules. An import between two modules is judged where their paths part: at the top
+level by :data:`LAYERS`, inside a folder by that folder's entry in :data:`INNER`. The imported side must be in a
+strictly lower layer. Imports are read from the source (function-level ones included), so a lazy import that bends
+the layering fails here as surely as a top-level one. Strict layering also rules out import cycles.
 """
 
 from __future__ import annotations
@@ -10,74 +13,133 @@ import ast
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT
+from helpers import ROOT
 
 PACKAGE = ROOT / "lmrecipe"
 
 # Lower number = lower layer. Keep in step with the README's Architecture section.
 LAYERS = {
     # foundation: no knowledge of training
-    "errors": 0, "fileio": 0, "metrics": 0, "determinism": 0,
-    "cli": 1, "config": 1, "runlock": 1,
+    "errors": 0, "fileio": 0, "determinism": 0,
+    "cli": 1, "config": 1,
     # components: each one concern, unaware of the loop
-    "data": 2, "model": 2, "optim": 2, "tracking": 2, "plots": 2, "launch": 2, "profiling": 2,
-    "distributed": 3, "loss": 3, "prepare": 3, "mixture": 3, "report": 3, "portable": 3, "ema": 3,
-    "background_save": 3,
-    "checkpoint": 4, "memory": 4, "reporting": 4,
-    "export": 5, "oom": 5, "spikes": 5,
+    "data": 2, "model": 2, "optim": 2, "observe": 2, "launch": 2,
+    "distributed": 3, "loss": 3,
+    "checkpoint": 4, "memory": 4,
+    "export": 5,
     "evaluate": 6,
     # orchestration: the loop and the comparison driver
-    "trainer": 7, "compare": 7,
+    "train": 7, "compare": 7,
+}
+INNER = {
+    "data": {"format": 0, "documents": 0, "order": 1, "batches": 2, "sources": 3, "prepare": 1},
+    "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "pipeline": 1},
+    "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "storage": 1, "compat": 2, "policy": 3},
+    "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "metrics_log": 1, "run_meta": 1,
+                "run_report": 2, "console": 3},
+    "train": {"state": 0, "lock": 0, "preemption": 0, "ema": 0, "oom": 0, "early_stop": 0, "features": 0,
+              "setup": 1, "step": 2, "evaluation": 2, "spikes": 3, "loop": 4},
 }
 
 
-def package_imports(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports, anywhere in the file."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:
-                found.update(alias.name for alias in node.names)
-            elif node.module and node.module.split(".")[0] == "lmrecipe":
-                parts = node.module.split(".")
-                found.update([parts[1]] if len(parts) > 1 else [alias.name for alias in node.names])
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lmrecipe."))
+def module_names() -> list[str]:
+    """Every module of the package as a dotted path below ``lmrecipe`` (``data.format``, ``config``)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] != "__init__":
+            found.append(".".join(parts))
     return found
 
 
-def modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or path.is_dir()
 
 
-def test_every_module_has_a_layer():
-    missing = [m for m in modules() if m not in LAYERS]
-    assert not missing, f"place {missing} in LAYERS (and in the README's Architecture section)"
-    assert not [m for m in LAYERS if m not in modules()], "LAYERS names a module that no longer exists"
+def package_imports(path: Path, module: str = "") -> set[str]:
+    """Modules of the package that ``path`` (the module ``module``) imports anywhere in the file, as dotted paths."""
+    package = module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "lmrecipe":
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:
+                candidate = ".".join(base + [alias.name])
+                found.add(candidate if _is_module(candidate) or not base else ".".join(base))
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("lmrecipe."))
+    return found
 
 
-@pytest.mark.parametrize("module", modules())
+def violation(source: str, target: str) -> str | None:
+    """Why ``source`` may not import ``target`` (dotted paths), or None when the import points down."""
+    src, dst = source.split("."), target.split(".")
+    depth = 0
+    while depth < min(len(src), len(dst)) and src[depth] == dst[depth]:
+        depth += 1
+    if depth == len(dst):
+        return f"imports its own folder {target!r} (import the module that defines the name)"
+    if depth == len(src):
+        return None
+    table = LAYERS if depth == 0 else INNER.get(".".join(src[:depth]))
+    where = "the package" if depth == 0 else ".".join(src[:depth]) + "/"
+    if table is None or src[depth] not in table or dst[depth] not in table:
+        return f"{src[depth]!r} or {dst[depth]!r} has no layer in {where}: add it to the test and the README"
+    if table[dst[depth]] >= table[src[depth]]:
+        return (f"{src[depth]!r} (layer {table[src[depth]]} of {where}) imports {dst[depth]!r} "
+                f"(layer {table[dst[depth]]}), which is not below it")
+    return None
+
+
+def test_every_module_and_folder_has_a_layer():
+    missing = []
+    for module in module_names():
+        parts = module.split(".")
+        for depth in range(len(parts)):
+            table = LAYERS if depth == 0 else INNER.get(".".join(parts[:depth]), {})
+            if parts[depth] not in table:
+                missing.append(".".join(parts[: depth + 1]))
+    assert not sorted(set(missing)), f"place {sorted(set(missing))} in LAYERS/INNER (and the README's Architecture)"
+    assert [name for name in LAYERS if not _is_module(name)] == [], "LAYERS names a module that no longer exists"
+
+
+@pytest.mark.parametrize("module", module_names())
 def test_imports_point_down(module):
-    upward = sorted(dep for dep in package_imports(PACKAGE / f"{module}.py")
-                    if dep in LAYERS and LAYERS[dep] >= LAYERS.get(module, -1) and dep != module)
-    assert not upward, f"lmrecipe.{module} (layer {LAYERS[module]}) imports {upward} from its own or a higher layer"
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    problems = [f"{target}: {why}" for target in sorted(package_imports(path, module))
+                if target != module and (why := violation(module, target))]
+    assert not problems, f"lmrecipe.{module}: " + "; ".join(problems)
 
 
-def test_the_checker_sees_lazy_and_absolute_imports(tmp_path):
+def test_the_checker_sees_lazy_absolute_and_relative_imports(tmp_path):
     source = tmp_path / "sample.py"
-    source.write_text("def f():\n    from .trainer import train\n    from lmrecipe.export import x\n    import lmrecipe.loss\n")
-    assert package_imports(source) == {"trainer", "export", "loss"}
+    source.write_text("def f():\n    from ..train.loop import train\n    from lmrecipe.export import x\n"
+                      "    import lmrecipe.loss\n    from lmrecipe.observe import device\n    from .order import y\n")
+    assert package_imports(source, "data.batches") == {"train.loop", "export", "loss", "observe.device", "data.order"}
+
+
+def test_the_checker_judges_across_and_within_folders():
+    assert violation("data.batches", "train.loop") is not None  # up, across folders
+    assert violation("train.loop", "data.batches") is None
+    assert violation("data.order", "data.batches") is not None  # up, within a folder
+    assert violation("data.batches", "data.order") is None
+    assert violation("observe.console", "observe.device") is None
+    assert violation("checkpoint.storage", "checkpoint") is not None  # a folder's own __init__
 
 
 def test_package_modules_do_not_print_or_read_argv():
     offenders = []
-    for module in modules():
+    for module in module_names():
         if module == "cli":  # the one place that prints: a user error's message on stderr
             continue
-        for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+        path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
                 offenders.append(f"{module}:{node.lineno} print")
             if isinstance(node, ast.Attribute) and node.attr == "argv":

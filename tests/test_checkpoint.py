@@ -3,7 +3,6 @@ background writes equal to synchronous ones, preemption, retention, bad input.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -16,75 +15,39 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    HALF,
+    LOSS_TOL,
+    ROOT,
+    STEPS,
+    TINY_OVERRIDES,
+    cached_run,
+    launch_cmd,
+    losses,
+    max_loss_diff,
+    plain_run,
+    run_script,
+    run_train,
+    subprocess_env,
+    tree_digest,
+    zero_pair,
+)
 
-from conftest import ROOT, TINY_OVERRIDES, launch_cmd, run_script, run_train, subprocess_env
-from lmrecipe.checkpoint import (
-    EXIT_PREEMPTED, LATEST, PREEMPTED_MARKER, PROBE_FILE, STATE_FILE, find_resume_checkpoint, prune_checkpoints, read_checkpoint,
-    rng_state_tensors, set_rng_state, step_dir_name,
+from lmrecipe.checkpoint.storage import (
+    EXIT_PREEMPTED,
+    LATEST,
+    PREEMPTED_MARKER,
+    PROBE_FILE,
+    STATE_FILE,
+    find_resume_checkpoint,
+    prune_checkpoints,
+    read_checkpoint,
+    rng_state_tensors,
+    set_rng_state,
+    step_dir_name,
 )
 from lmrecipe.errors import UserError
-from lmrecipe.tracking import read_metrics
-
-STEPS, HALF = 6, 3
-LOSS_TOL = 1e-5  # fp32 on CPU: the issue's bound for a resumed run against an uninterrupted one
-
-
-# ---------------------------------------------------------------------------------------------- shared runs
-# Also imported by test_export_eval.py: each run happens once per session, whichever module asks first.
-
-
-def cached_run(tmp_path_factory, name: str, data: Path, overrides: list[str], nproc: int = 1) -> tuple[Path, str]:
-    """Train once per session into ``basetemp/name``; return the run folder and its stderr."""
-    out = tmp_path_factory.getbasetemp() / "runs" / name
-    done = out / "stderr.txt"
-    if not done.is_file():
-        shutil.rmtree(out, ignore_errors=True)
-        proc = run_train(out, data, overrides, nproc=nproc)
-        done.write_text(proc.stderr)
-    return out, done.read_text()
-
-
-def plain_run(tmp_path_factory, data: Path) -> Path:
-    """1 process, no DeepSpeed: a checkpoint and an evaluation every step, keep_last=2, fp32 export at the end."""
-    out, _ = cached_run(tmp_path_factory, "plain", data, [
-        f"train.max_steps={STEPS}", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.eval_every_steps=1",
-        "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32",
-    ])
-    return out
-
-
-def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
-    """2 processes: run ``a`` trains STEPS steps saving every HALF; run ``b`` resumes from a's step HALF.
-
-    ZeRO-2: both use ds_configs/zero2.json and ``a`` exports at the end. ZeRO-3 (tied embeddings): ``a`` does
-    not gather 16-bit weights at save time, ``b`` does (ds_configs/zero3.json) and exports at the end.
-    """
-    root = tmp_path_factory.getbasetemp() / "runs"
-    root.mkdir(exist_ok=True)
-    export = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
-    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"]
-    if stage == 2:
-        a_extra = ["distributed.deepspeed_config=ds_configs/zero2.json", *export]
-        b_extra = ["distributed.deepspeed_config=ds_configs/zero2.json"]
-    else:
-        no_gather = root / "zero3_no_gather.json"
-        ds = json.loads((ROOT / "ds_configs/zero3.json").read_text())
-        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
-        no_gather.write_text(json.dumps(ds))
-        a_extra = [f"distributed.deepspeed_config={no_gather}", "model.tie_embeddings=true"]
-        b_extra = ["distributed.deepspeed_config=ds_configs/zero3.json", "model.tie_embeddings=true", *export]
-    a, _ = cached_run(tmp_path_factory, f"zero{stage}_a", data, common + a_extra, nproc=2)
-    source = a / "checkpoints" / step_dir_name(HALF)
-    digest_file = root / f"zero{stage}_source_digest.json"
-    if not digest_file.is_file():
-        digest_file.write_text(json.dumps(tree_digest(source)))
-    b_extra.append(f"checkpoint.resume={source}")
-    b, b_stderr = cached_run(tmp_path_factory, f"zero{stage}_b", data, common + b_extra, nproc=2)
-    return {"a": a, "b": b, "b_stderr": b_stderr, "source": source, "source_digest": json.loads(digest_file.read_text())}
-
-
-def losses(out_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r]
+from lmrecipe.observe.metrics_log import read_metrics
 
 
 def logged_steps_while_running(out_dir: Path) -> list[int]:
@@ -99,16 +62,6 @@ def logged_steps_while_running(out_dir: Path) -> list[int]:
         if "loss" in row:
             steps.append(row["step"])
     return steps
-
-
-def max_loss_diff(resumed: list[tuple[int, float]], reference: list[tuple[int, float]]) -> float:
-    ref = dict(reference)
-    return max(abs(loss - ref[step]) for step, loss in resumed)
-
-
-def tree_digest(path: Path) -> dict[str, str]:
-    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def latest_name(root: Path) -> str:
@@ -190,7 +143,7 @@ KILL_DURING_SECOND_SAVE = """
 import os, signal, sys
 import accelerate
 from lmrecipe.config import load_config
-from lmrecipe.trainer import train
+from lmrecipe.train.loop import train
 
 real_save_state = accelerate.Accelerator.save_state
 saves = []
@@ -253,9 +206,9 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path_factory,
 KILL_DURING_BACKGROUND_WRITE = """
 import json, os, signal, sys, time
 from pathlib import Path
-from lmrecipe.checkpoint import Checkpointer
+from lmrecipe.checkpoint.policy import Checkpointer
 from lmrecipe.config import load_config
-from lmrecipe.trainer import train
+from lmrecipe.train.loop import train
 
 cfg = load_config("recipes/tiny.yaml", sys.argv[1:])
 metrics = Path(cfg.out_dir) / "metrics.jsonl"

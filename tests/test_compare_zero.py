@@ -3,8 +3,7 @@
 import csv
 
 import pytest
-
-from conftest import TINY_OVERRIDES, run_script
+from helpers import TINY_OVERRIDES, run_script
 
 CONFIGS = ["none", "zero2", "zero3"]
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT, subprocess_env
 
-from conftest import ROOT, subprocess_env
 from lmrecipe.config import Config, config_from_dict, load_config, save_config
-from lmrecipe.data import BatchLayout
+from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import UserError
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

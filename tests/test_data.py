@@ -15,35 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, SEQ_LEN, subprocess_env, write_data
 
-from conftest import ROOT, subprocess_env
-from lmrecipe.data import (INDEX_DTYPE, BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, load_meta,
-                           open_data, sample_blocks)
+from lmrecipe.data.batches import BatchLayout, TrainBatches, ValBatches
+from lmrecipe.data.format import INDEX_DTYPE, TokenWindows, load_meta, open_data, sample_blocks
+from lmrecipe.data.order import SampleOrder
 from lmrecipe.errors import UserError
-
-SEQ_LEN = 16
-
-
-EOS = 0
-
-
-def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int = 1000, dtype=np.uint16, seed: int = 0,
-               doc_len: int = 50) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    splits = {}
-    for name, n in (("train", n_train), ("val", n_val)):
-        ids = rng.integers(1, vocab, size=n).astype(dtype)
-        ends = np.append(np.arange(doc_len, n, doc_len), n) if n else np.zeros(0, dtype=np.int64)
-        ids[ends - 1] = EOS
-        ids.tofile(folder / f"{name}.bin")
-        np.concatenate([[0], ends]).astype(INDEX_DTYPE).tofile(folder / f"{name}.idx")
-        splits[name] = {"n_tokens": n, "n_documents": len(ends), "max_token_id": int(ids.max()) if n else None,
-                        "sha256": ""}
-    meta = {"format_version": 2, "tokenizer": "synthetic", "vocab_size": vocab, "eos_id": EOS,
-            "dtype": np.dtype(dtype).name, "source": "test", "splits": splits}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    return folder
 
 
 def edit_meta(folder: Path, edit) -> None:

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
+from helpers import ROOT, run_train
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_train
 from lmrecipe.config import load_config
 from lmrecipe.errors import EXIT_USER_ERROR, UserError
-from lmrecipe.metrics import device_utilisation
-from lmrecipe.oom import FAULT_ENV
-from lmrecipe.profiling import PREFIX, step_breakdown
-from lmrecipe.tracking import IMAGE_ENV, container_info, read_metrics
+from lmrecipe.observe.device import device_utilisation
+from lmrecipe.observe.metrics_log import read_metrics
+from lmrecipe.observe.profiler import PREFIX, step_breakdown
+from lmrecipe.observe.run_meta import IMAGE_ENV, container_info
+from lmrecipe.train.oom import FAULT_ENV
 
 
 def checkpoint_names(out: Path) -> list[str]:

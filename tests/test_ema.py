@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HALF, STEPS, cached_run, losses, plain_run, run_script
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import run_script
-from lmrecipe.checkpoint import read_checkpoint, step_dir_name
+from lmrecipe.checkpoint.ema_files import COUNT_KEY, FULL_FILE, partition_file, read_ema_state_dict
+from lmrecipe.checkpoint.storage import read_checkpoint, step_dir_name
 from lmrecipe.config import load_config
-from lmrecipe.ema import COUNT_KEY, FULL_FILE, WeightEMA, partition_file, read_ema_state_dict
 from lmrecipe.errors import UserError
-from lmrecipe.metrics import HostSyncCounter
-from lmrecipe.tracking import read_metrics
-from test_checkpoint import HALF, STEPS, cached_run, losses, plain_run
+from lmrecipe.observe.host_syncs import HostSyncCounter
+from lmrecipe.observe.metrics_log import read_metrics
+from lmrecipe.train.ema import WeightEMA
 
 DECAY = 0.5  # a short memory, so that 6 steps leave the average well apart from the weights
 EMA_TOL = 1e-6
@@ -40,7 +40,8 @@ def export_val_loss(export: Path, data: Path) -> float:
 
 def model_val_loss(model, data: Path, n_windows: int = 16, seq_len: int = 32) -> float:
     """Loss on the run's validation windows (the same ``ValBatches`` the training run evaluates), in this process."""
-    from lmrecipe.data import TokenWindows, ValBatches
+    from lmrecipe.data.batches import ValBatches
+    from lmrecipe.data.format import TokenWindows
     from lmrecipe.loss import causal_lm_loss
 
     total, count = 0.0, 0.0

@@ -8,12 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import HALF, STEPS, plain_run, run_script, zero_pair
 
-from conftest import run_script
-from lmrecipe.checkpoint import LATEST, STATE_FILE, step_dir_name
+from lmrecipe.checkpoint.storage import LATEST, STATE_FILE, step_dir_name
 from lmrecipe.errors import UserError
-from lmrecipe.tracking import read_metrics
-from test_checkpoint import HALF, STEPS, plain_run, zero_pair
+from lmrecipe.observe.metrics_log import read_metrics
 
 FP32_TOL = 1e-5
 # bf16 keeps 8 significant bits (relative rounding 2^-9 per weight); through two layers that moved logits of

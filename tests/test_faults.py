@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, TINY_OVERRIDES, launch_cmd, run_train, subprocess_env
 
-from conftest import ROOT, TINY_OVERRIDES, launch_cmd, run_train, subprocess_env
-from lmrecipe.checkpoint import LATEST, PREEMPTED_MARKER, step_dir_name
-from lmrecipe.runlock import LOCK_FILE
-from lmrecipe.tracking import read_metrics
+from lmrecipe.checkpoint.storage import LATEST, PREEMPTED_MARKER, step_dir_name
+from lmrecipe.observe.metrics_log import read_metrics
+from lmrecipe.train.lock import LOCK_FILE
 
 
 def train_steps(out: Path) -> list[int]:

@@ -4,15 +4,20 @@ import json
 
 import pytest
 import torch
+from helpers import ROOT, run_script
 from torch import nn
 
 from lmrecipe.config import load_config
 from lmrecipe.distributed import ZeroSetup
-from lmrecipe.memory import (ModelStateProbe, estimate, estimate_activations, model_shape,
-                             model_state_bytes, read_measured)
+from lmrecipe.memory import (
+    ModelStateProbe,
+    estimate,
+    estimate_activations,
+    model_shape,
+    model_state_bytes,
+    read_measured,
+)
 from lmrecipe.model import build_hf_config
-
-from conftest import ROOT, run_script
 
 # (hidden, layers, heads, kv heads, mlp, vocab): GPT-2 small-like, 1.3B-like, Llama-2-7B-like, a GQA 8B-like.
 MODEL_SIZES = [

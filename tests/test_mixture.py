@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import ROOT, SEQ_LEN, TINY_OVERRIDES, run_script, write_data
 
-from conftest import ROOT, TINY_OVERRIDES, run_script
 from lmrecipe.config import DataConfig, DataSource, config_from_dict, load_config
-from lmrecipe.data import BatchLayout, TokenWindows, TrainBatches
+from lmrecipe.data.batches import BatchLayout, MixtureBatches, TrainBatches
+from lmrecipe.data.format import TokenWindows
+from lmrecipe.data.order import MIX_BLOCK, MixtureOrder
+from lmrecipe.data.sources import check_sources, open_training_data
 from lmrecipe.errors import UserError
-from lmrecipe.mixture import MIX_BLOCK, MixtureBatches, MixtureOrder, check_sources, open_training_data
-from lmrecipe.tracking import read_metrics
-from test_data import SEQ_LEN, write_data
+from lmrecipe.observe.metrics_log import read_metrics
 
 LOSS_TOL = 1e-5
 
@@ -166,7 +167,7 @@ def test_realised_proportions_over_1000_steps(weights, global_batch):
 @pytest.fixture(scope="module")
 def two_sources(tmp_path_factory, corpus_dir) -> list[Path]:
     """Two prepared folders of different documents sharing one tokenizer: a trained BPE, then ``--tokenizer`` it."""
-    from lmrecipe.prepare import prepare
+    from lmrecipe.data.prepare.pipeline import prepare
 
     root = tmp_path_factory.mktemp("mix")
     files = sorted(corpus_dir.iterdir())
@@ -232,7 +233,7 @@ def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path,
 
 
 def test_sources_with_different_tokenizers_are_refused(tmp_path, two_sources, corpus_dir):
-    from lmrecipe.prepare import prepare
+    from lmrecipe.data.prepare.pipeline import prepare
 
     other = tmp_path / "other"
     prepare(output=other, inputs=[corpus_dir], vocab_size=300, val_fraction=0.1, num_proc=1)

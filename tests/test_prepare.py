@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lmrecipe.data import FORMAT_VERSION, INDEX_DTYPE, load_meta, read_meta  # noqa: E402
-from lmrecipe import prepare as prep  # noqa: E402
+from lmrecipe.data.format import FORMAT_VERSION, INDEX_DTYPE, load_meta, read_meta  # noqa: E402
+from lmrecipe.data.prepare import pipeline as prep  # noqa: E402
 from lmrecipe.errors import UserError  # noqa: E402
 
 SCRIPT = REPO / "tools" / "prepare_data.py"
@@ -431,10 +431,10 @@ def test_killed_preparation_leaves_nothing_that_training_accepts_and_reruns_clea
 
 
 def test_trained_tokenizer_workers_do_not_import_torch(prepared):
-    # Each worker process imports lmrecipe.prepare and builds its encoder; torch would add ~200 MB to each.
+    # Each worker process imports the preparation modules and builds its encoder; torch would add ~200 MB to each.
     code = (
         "import sys\n"
-        "from lmrecipe import prepare as prep\n"
+        "from lmrecipe.data.prepare import pipeline as prep\n"
         f"encoder = prep._ChunkEncoder(prep._EncoderSpec({str(prepared[0])!r}, True, 0, {VOCAB}, 'uint16'))\n"
         "data, lengths, top = encoder(['def f(x):\\n    return x\\n'])\n"
         "assert len(lengths) == 1 and top < {VOCAB}\n"

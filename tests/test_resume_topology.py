@@ -13,15 +13,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    HALF,
+    LOSS_TOL,
+    ROOT,
+    STEPS,
+    TINY_OVERRIDES,
+    cached_run,
+    losses,
+    max_loss_diff,
+    run_script,
+    run_train,
+    tree_digest,
+    zero_pair,
+)
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_OVERRIDES, run_script, run_train
-from lmrecipe.checkpoint import DS_TAG, STATE_FILE, read_checkpoint, step_dir_name
-from lmrecipe.optim import optimizer_param_names
-from lmrecipe.portable import (
-    cached_portable, convert, layout_changes, layout_of, needs_conversion, portable_dir, state_sha256,
+from lmrecipe.checkpoint.portable import (
+    cached_portable,
+    convert,
+    layout_changes,
+    layout_of,
+    needs_conversion,
+    portable_dir,
+    state_sha256,
 )
-from test_checkpoint import HALF, LOSS_TOL, STEPS, cached_run, losses, max_loss_diff, tree_digest, zero_pair
+from lmrecipe.checkpoint.storage import DS_TAG, STATE_FILE, read_checkpoint, step_dir_name
+from lmrecipe.optim import optimizer_param_names
 
 PARAM = "model.layers.0.mlp.gate_proj.weight"
 ZERO = {stage: f"distributed.deepspeed_config=ds_configs/zero{stage}.json" for stage in (1, 2, 3)}

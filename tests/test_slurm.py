@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT, TINY_OVERRIDES, free_port, run_train, subprocess_env
+from helpers import ROOT, TINY_OVERRIDES, free_port, run_train, subprocess_env
 
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + sorted((ROOT / "slurm").glob("*.sbatch"))
 

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT, TINY_OVERRIDES, subprocess_env
+from helpers import ROOT, TINY_OVERRIDES, subprocess_env
 
 pytestmark = pytest.mark.slow
 

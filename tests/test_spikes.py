@@ -15,16 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_OVERRIDES, run_train
 
-from conftest import TINY_OVERRIDES, run_train
-from lmrecipe.checkpoint import read_checkpoint, step_dir_name
+from lmrecipe.checkpoint.storage import read_checkpoint, step_dir_name
 from lmrecipe.config import SpikeConfig, load_config
-from lmrecipe.data import BatchLayout, SampleOrder, TokenWindows, TrainBatches, data_step
+from lmrecipe.data.batches import BatchLayout, MixtureBatches, TrainBatches
+from lmrecipe.data.format import TokenWindows
+from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step
 from lmrecipe.errors import UserError
-from lmrecipe.metrics import HostSyncCounter
-from lmrecipe.mixture import MixtureBatches, MixtureOrder
-from lmrecipe.spikes import FAULT_ENV, SpikeDetector, read_spikes
-from lmrecipe.tracking import read_metrics
+from lmrecipe.observe.host_syncs import HostSyncCounter
+from lmrecipe.observe.metrics_log import read_metrics
+from lmrecipe.train.spikes import FAULT_ENV, SpikeDetector, read_spikes
 
 SPIKE_STEP = 7
 RUN = ["train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=5", "logging.log_every_steps=3",
@@ -191,7 +192,7 @@ def test_too_many_rollbacks_stop_the_run(tmp_path, tiny_data):
 
 
 def test_detection_and_background_saves_add_no_host_sync_per_unlogged_step(tmp_path, tiny_data):
-    from lmrecipe.trainer import train
+    from lmrecipe.train.loop import train
 
     def syncs(max_steps: int) -> HostSyncCounter:
         cfg = load_config("recipes/tiny.yaml", [

@@ -7,16 +7,17 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_OVERRIDES, run_train
 
-from conftest import TINY_OVERRIDES, run_train
 from lmrecipe.config import load_config
-from lmrecipe.data import BatchLayout, Prefetcher, TokenWindows, TrainBatches
-from lmrecipe.metrics import HostSyncCounter
+from lmrecipe.data.batches import BatchLayout, Prefetcher, TrainBatches
+from lmrecipe.data.format import TokenWindows
+from lmrecipe.observe.host_syncs import HostSyncCounter
 
 
 def count_syncs(tiny_data, out_dir, max_steps: int, overrides: tuple[str, ...] = ()) -> HostSyncCounter:
     """Host syncs of a whole in-process ``train()`` whose only sync points are step 1 and the last step."""
-    from lmrecipe.trainer import train
+    from lmrecipe.train.loop import train
 
     cfg = load_config("recipes/tiny.yaml", [
         f"out_dir={out_dir}", f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={max_steps}",

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from helpers import TINY_OVERRIDES, run_train
 from torch import nn
 
-from conftest import TINY_OVERRIDES, run_train
 from lmrecipe.config import load_config
+from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.optim import lr_at, param_groups
-from lmrecipe.tracking import read_metrics
 
 STEPS = 6
 REQUIRED_KEYS = {"step", "tokens_seen", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time_s", "data_time_s", "peak_mem_gb"}
@@ -66,7 +66,7 @@ def test_non_finite_gradients_skip_the_update(fused):
     """Fused AdamW (the recipe's) skips on the device; any other optimizer falls back to a host check."""
     from accelerate import Accelerator
 
-    from lmrecipe.trainer import optimizer_step
+    from lmrecipe.train.step import optimizer_step
 
     accelerator = Accelerator(cpu=True)
     model = nn.Linear(3, 3)

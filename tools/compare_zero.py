@@ -15,8 +15,8 @@ from pathlib import Path
 # Run as `python tools/compare_zero.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.compare import DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
 from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
+from lmrecipe.compare import DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402
 
 

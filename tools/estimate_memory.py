@@ -18,10 +18,10 @@ from pathlib import Path
 # Run as `python tools/estimate_memory.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lmrecipe.cli import cli_main  # noqa: E402
 from lmrecipe.compare import DEFAULT_CONFIGS, config_label, ds_config_path, estimate_config, recipe_vocab_size  # noqa: E402
 from lmrecipe.config import load_config  # noqa: E402
-from lmrecipe.data import BatchLayout  # noqa: E402
-from lmrecipe.cli import cli_main  # noqa: E402
+from lmrecipe.data.batches import BatchLayout  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     args = parser.parse_intermixed_args()  # options may come before or after the overrides
 
-    from lmrecipe.memory import format_estimates, model_shape  # noqa: PLC0415 (transformers import is slow)
+    from lmrecipe.memory import format_estimates, model_shape
     from lmrecipe.model import build_hf_config  # noqa: PLC0415
 
     if args.world_size < 1 or args.nodes < 1 or args.world_size % args.nodes:

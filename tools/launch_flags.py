@@ -13,8 +13,8 @@ from pathlib import Path
 # Run as `python tools/launch_flags.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.config import load_config  # noqa: E402
 from lmrecipe.cli import cli_main  # noqa: E402
+from lmrecipe.config import load_config  # noqa: E402
 from lmrecipe.launch import launcher_flags  # noqa: E402
 
 

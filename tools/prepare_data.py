@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
-from lmrecipe.prepare import prepare  # noqa: E402
+from lmrecipe.data.prepare.pipeline import prepare  # noqa: E402
 
 # The defaults live once, in prepare()'s signature.
 DEFAULTS = {name: param.default for name, param in inspect.signature(prepare).parameters.items()}

@@ -1,6 +1,6 @@
 """Turn a text corpus into the token files that training reads, streaming: memory does not grow with the corpus.
 
-An output folder (``format_version`` 2, :data:`lmrecipe.data.FORMAT_VERSION`) holds:
+An output folder (``format_version`` 2, :data:`lmrecipe.data.format.FORMAT_VERSION`) holds:
 
 - ``train.bin`` / ``val.bin``: flat little-endian token ids (``uint16`` when the vocabulary has at most 65536
   entries, else ``uint32``); every document is followed by one EOS token.
@@ -52,12 +52,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .data import FORMAT_VERSION, INDEX_DTYPE, SPLITS
-from .errors import UserError, fail
-from .fileio import building_dir
-
-# transformers, tokenizers and datasets are imported inside the functions that need them: importing them costs
-# seconds, which argument errors should not pay, nor tokenizer worker processes that only need `tokenizers`.
+from lmrecipe.data.format import FORMAT_VERSION, INDEX_DTYPE, SPLITS
+from lmrecipe.errors import UserError, fail
+from lmrecipe.fileio import building_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,44 +1,28 @@
-"""Memory-mapped token windows and the deterministic order in which training reads them.
+"""The prepared-data folder format, read side: ``meta.json``, the memory-mapped tokens and their start-up checks.
 
-The folder format (version :data:`FORMAT_VERSION`) is written by ``lmrecipe/prepare.py`` and described in its
-docstring: ``train.bin``/``val.bin`` (token ids), ``train.idx``/``val.idx`` (uint64 document offsets) and
-``meta.json``. Start-up reads ``meta.json`` and checks it against the files' sizes and a fixed sample of their
-contents (:class:`TokenWindows`): constant time, whatever the number of tokens. The largest token id comes from
-``meta.json``, not from a scan of the tokens.
-
-The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutation of window indices
-seeded by ``(seed, epoch)``; they are split into accumulation micro-steps and ranks by position only.
-So what a step trains on does not depend on how G is split (processes x micro-batch x accumulation),
-and resuming at step ``s`` needs no skipping.
-
-Skipped batches. A run that rolled back from a loss spike (``lmrecipe/spikes.py``) never trains on the samples of
-the offending steps again: it lists their *data steps* (blocks ``[d*G, (d+1)*G)`` of the order above) as skipped,
-and optimizer step ``s`` then reads the ``s``-th data step that is not skipped (:func:`data_step`). Without skips
-the two are equal; with them the order stays a pure function of (step, skipped list), so a resume is still exact.
+The folder (version :data:`FORMAT_VERSION`) is written by ``lmrecipe/data/prepare/``: ``train.bin``/``val.bin``
+(token ids), ``train.idx``/``val.idx`` (uint64 document offsets) and ``meta.json``. Start-up reads ``meta.json``
+and checks it against the files' sizes and a fixed sample of their contents (:class:`TokenWindows`): constant
+time, whatever the number of tokens. The largest token id comes from ``meta.json``, not from a scan of the tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .config import TrainConfig
-from .errors import fail
+from lmrecipe.errors import fail
 
-# torch is imported where tensors are built, not here: the tokenizer workers of lmrecipe.prepare import this
-# module for the format constants, and torch would cost each of them about 200 MB of memory and a second or two.
+# torch is imported where tensors are built, not here: the tokenizer workers of data preparation import the format
+# module for its constants, and torch would cost each of them about 200 MB of memory and a second or two.
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 """Version of the prepared-data folder format (``meta.json`` ``format_version``) that this code reads and writes.
@@ -203,187 +187,6 @@ def check_sample(tokens: np.ndarray, index_path: Path, meta: dict, split: str) -
             or (tokens[ends - 1] != int(meta["eos_id"])).any():
         raise fail(f"{index_path} does not match {index_path.with_suffix('.bin')}: document ends do not fall on EOS "
                    f"tokens. {fix}")
-
-
-class SampleOrder:
-    """Sample index -> window index: a permutation per epoch, seeded by (seed, epoch).
-
-    ``stream`` (a source of a mixture, see ``lmrecipe/mixture.py``) seeds by (seed, stream, epoch) instead, so each
-    source of a mixture has its own permutation; None keeps the single-folder order.
-    """
-
-    def __init__(self, n_windows: int, seed: int, stream: int | None = None):
-        self.n_windows = n_windows
-        self.seed = seed
-        self.stream = stream
-
-    @lru_cache(maxsize=2)
-    def permutation(self, epoch: int) -> np.ndarray:
-        entropy = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
-        return np.random.default_rng(entropy).permutation(self.n_windows)
-
-    def windows(self, first_sample: int, count: int) -> np.ndarray:
-        return self.at(np.arange(first_sample, first_sample + count))
-
-    def at(self, samples: np.ndarray) -> np.ndarray:
-        """Window indices of the given sample indices (any order, repeats allowed)."""
-        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
-        return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
-
-
-def data_step(step: int, skipped: tuple[int, ...] | list[int] = ()) -> int:
-    """The data step (block of G samples of the original order) that optimizer step ``step`` (0-based) trains on.
-
-    ``skipped``: data steps never trained on, ascending. Step ``s`` reads the ``s``-th data step not in it, so the
-    batches of skipped steps are replaced by the next unused samples and every later step moves up alike.
-    """
-    position = step
-    for skip in skipped:
-        if skip > position:
-            break
-        position += 1
-    return position
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How one optimizer step's G sequences are split: G = micro_batch_size x world_size x accum_steps.
-
-    The one place the accumulation steps are derived; the Accelerator, DeepSpeed's config, the loader and the
-    logs all read them from here. Construction fails with a UserError if G does not split evenly.
-    """
-
-    global_batch_size: int
-    micro_batch_size: int
-    world_size: int
-    rank: int
-
-    def __post_init__(self):
-        per_step = self.micro_batch_size * self.world_size
-        if self.global_batch_size % per_step:
-            raise fail(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={self.micro_batch_size} x {self.world_size} processes = {per_step}. "
-                "Change one of them so the global batch splits evenly over processes."
-            )
-
-    @classmethod
-    def from_config(cls, train: TrainConfig, world_size: int, rank: int = 0) -> "BatchLayout":
-        return cls(train.global_batch_size, train.micro_batch_size, world_size, rank)
-
-    @property
-    def accum_steps(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.world_size)
-
-    def first_sample(self, step: int, micro_step: int) -> int:
-        """Global sample index of this rank's first sequence in micro-step ``micro_step`` of ``step``."""
-        offset = (micro_step * self.world_size + self.rank) * self.micro_batch_size
-        return step * self.global_batch_size + offset
-
-
-class TrainBatches:
-    """The micro-batches each rank trains on at each optimizer step."""
-
-    def __init__(self, windows: TokenWindows, layout: BatchLayout, seed: int):
-        self.windows = windows
-        self.layout = layout
-        self.order = SampleOrder(len(windows), seed)
-        self.skipped: tuple[int, ...] = ()
-        """Data steps never trained on (ascending), see :func:`data_step`; replaced whole, never mutated."""
-
-    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
-        return self.data_window_ids(data_step(step, self.skipped), micro_step)
-
-    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
-        """This rank's windows in micro-step ``micro_step`` of data step ``position``."""
-        return self.order.windows(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
-
-    def micro_batches(self, step: int):
-        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
-        for micro_step in range(self.layout.accum_steps):
-            yield self.windows.batch(self.window_ids(step, micro_step))
-
-    def data_step_samples(self, position: int) -> list:
-        """Every window of data step ``position`` over all ranks, in global sample order (for the spike log)."""
-        G = self.layout.global_batch_size
-        return self.order.windows(position * G, G).tolist()
-
-    def data_step_inputs(self, position: int) -> list:
-        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
-        return [self.windows.batch(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
-
-    def epoch_of(self, step: int) -> float:
-        return data_step(step, self.skipped) * self.layout.global_batch_size / len(self.windows)
-
-
-class Prefetcher:
-    """Assembles the micro-batches of step ``s + 1`` on a background thread while step ``s`` computes.
-
-    The batches are exactly ``batches.micro_batches(step)`` (same order, same resume behaviour); only where
-    they are built changes. With ``pin_memory`` (CUDA) they land in page-locked memory, so the copy to the
-    device with ``non_blocking=True`` is asynchronous (from pageable memory it is synchronous). Memory-map
-    reads and the numpy/torch copies release the GIL, so the thread overlaps with the training step.
-    """
-
-    def __init__(self, batches: TrainBatches, pin_memory: bool = False):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.batches = batches
-        self.pin_memory = pin_memory
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-        self._next: tuple[int, object] | None = None
-
-    def reset(self) -> None:
-        """Drop the batches assembled ahead (the order changed: a rollback skipped some data steps)."""
-        if self._next is not None:
-            self._next[1].cancel()
-        self._next = None
-
-    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        loaded = list(self.batches.micro_batches(step))
-        if self.pin_memory:
-            loaded = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in loaded]
-        return loaded
-
-    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The micro-batches of ``step``; starts assembling those of ``step + 1``."""
-        if self._next is not None and self._next[0] == step:
-            loaded = self._next[1].result()
-        else:  # the first step, or a jump (resume): load in this thread
-            loaded = self._load(step)
-        self._next = (step + 1, self._executor.submit(self._load, step + 1))
-        return loaded
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._next = None
-
-
-class ValBatches:
-    """A fixed set of validation windows spread over val.bin, the same on every run and rank split.
-
-    Each rank takes a stride of the set, padded so every rank runs the same number of forward passes
-    (ZeRO-3 gathers parameters collectively in forward); padded rows carry weight 0.
-    """
-
-    def __init__(self, windows: TokenWindows, n_windows: int, micro_batch_size: int, world_size: int, rank: int):
-        count = min(n_windows, len(windows))
-        self.all_ids = np.unique(np.linspace(0, len(windows) - 1, num=count).round().astype(np.int64))
-        self.windows = windows
-        self.micro_batch_size = micro_batch_size
-        per_rank = -(-len(self.all_ids) // world_size)
-        ids = self.all_ids[rank::world_size]
-        self.valid = np.zeros(per_rank, dtype=np.float64)
-        self.valid[: len(ids)] = 1.0
-        self.rank_ids = np.concatenate([ids, np.full(per_rank - len(ids), self.all_ids[0], dtype=np.int64)])
-
-    def __iter__(self):
-        """Yield ``(inputs, targets, valid)`` with ``valid`` 1.0 for real rows and 0.0 for padding."""
-        import torch
-
-        for i in range(0, len(self.rank_ids), self.micro_batch_size):
-            inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
-            yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])
 
 
 def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) -> tuple[dict, TokenWindows, TokenWindows]:

@@ -16,14 +16,14 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from . import metrics
-from .config import LoggingConfig
-from .fileio import write_json_atomic
-from .plots import plot_training
-from .tracking import Tracker, read_metrics, run_metadata
+from lmrecipe.config import LoggingConfig
+from lmrecipe.fileio import write_json_atomic
+from lmrecipe.observe import device as device_stats
+from lmrecipe.observe.metrics_log import Tracker, read_metrics
+from lmrecipe.observe.plots import plot_training
+from lmrecipe.observe.run_meta import run_metadata
 
 logger = logging.getLogger(__name__)
-
 
 class Reporter:
     def __init__(self, section: LoggingConfig, accelerator, out_dir: Path, *, precision: str, max_steps: int,
@@ -46,7 +46,7 @@ class Reporter:
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
         self.source_tokens = source_tokens or (lambda step: {})
-        self.peak_tflops, peak_source = metrics.device_peak_tflops(accelerator.device, precision, section.peak_tflops)
+        self.peak_tflops, peak_source = device_stats.device_peak_tflops(accelerator.device, precision, section.peak_tflops)
         if self.is_main:
             meta = run_metadata(run_config, accelerator.num_processes, precision,
                                 {**run_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
@@ -57,7 +57,7 @@ class Reporter:
                         disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
         self._reset_interval(time.perf_counter())
         self._clock = time.perf_counter()
-        metrics.reset_peak_memory(accelerator.device)
+        device_stats.reset_peak_memory(accelerator.device)
 
     def _reset_interval(self, now: float) -> None:
         self._interval_start = now
@@ -102,12 +102,12 @@ class Reporter:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_sec": tokens_per_sec,
-            "mfu": metrics.mfu(tokens_per_sec, self.flops_per_token, self.accelerator.num_processes, self.peak_tflops),
+            "mfu": device_stats.mfu(tokens_per_sec, self.flops_per_token, self.accelerator.num_processes, self.peak_tflops),
             "step_time_s": self._interval_step_time_s / self._interval_steps,
             "data_time_s": self._interval_data_time_s / self._interval_steps,
-            "peak_mem_gb": metrics.peak_memory_gb(self.accelerator.device),
+            "peak_mem_gb": device_stats.peak_memory_gb(self.accelerator.device),
             "skipped_steps": state.skipped_steps,
-            **metrics.device_utilisation(self.accelerator.device),
+            **device_stats.device_utilisation(self.accelerator.device),
         }
         self.tracker.log(row)
         self.bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_sec:,.0f}")

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .fileio import atomic_path  # noqa: E402
+from lmrecipe.fileio import atomic_path  # noqa: E402
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -42,18 +42,11 @@ from typing import Iterator
 
 import torch
 
-from .errors import fail
-from .model import bare_parameter_name
+from lmrecipe.checkpoint.ema_files import COUNT_KEY, FORMAT, FULL_FILE, SavedEMA, has_ema, partition_file
+from lmrecipe.errors import fail
+from lmrecipe.model import bare_parameter_name
 
 logger = logging.getLogger(__name__)
-
-FULL_FILE = "ema.safetensors"
-PARTITION_DIR = "ema"
-COUNT_KEY = "__num_updates__"
-FORMAT = "lmrecipe-ema-1"
-def partition_file(rank: int) -> str:
-    return f"{PARTITION_DIR}/rank_{rank:05d}.safetensors"
-
 
 class WeightEMA:
     """The fp32 moving average of the weights this rank owns; see the module docstring.
@@ -193,60 +186,3 @@ class WeightEMA:
                     shadow.copy_(flat.reshape(shadow.shape))
             self.num_updates.copy_(saved.num_updates.reshape(()))
         return True
-
-
-class SavedEMA:
-    """The average in a checkpoint, read by parameter name as full tensors from either layout (a context manager).
-
-    ZeRO-3 partitions are consolidated per tensor: its partitions in rank order, concatenated and cut to its size
-    (the last partition is padded).
-    """
-
-    def __init__(self, ckpt: Path):
-        from safetensors import safe_open
-
-        self.ckpt = ckpt
-        if (ckpt / FULL_FILE).is_file():
-            self.handles = [safe_open(ckpt / FULL_FILE, framework="pt")]
-            self.shapes = {k: None for k in self.handles[0].keys() if k != COUNT_KEY}
-        else:
-            files = sorted((ckpt / PARTITION_DIR).glob("rank_*.safetensors")) if (ckpt / PARTITION_DIR).is_dir() else []
-            if not files:
-                raise fail(f"{ckpt} holds no weight EMA ({FULL_FILE} or {PARTITION_DIR}/): the run trained with "
-                           "train.ema_decay=0. Export its trained weights instead (--weights raw), or train with "
-                           "train.ema_decay>0.")
-            self.handles = [safe_open(f, framework="pt") for f in files]
-            meta = self.handles[0].metadata()
-            if int(meta["world_size"]) != len(files):
-                raise fail(f"{ckpt / PARTITION_DIR} holds {len(files)} partition files but the run had "
-                           f"{meta['world_size']} processes: the checkpoint is incomplete.")
-            self.shapes = {name: shape for name, shape in json.loads(meta["shapes"]).items()}
-        self.num_updates = self.handles[0].get_tensor(COUNT_KEY)
-
-    def __enter__(self) -> "SavedEMA":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handles = []
-
-    def full(self, name: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        if shape is None:
-            return self.handles[0].get_tensor(name)
-        numel = 1
-        for size in shape:
-            numel *= size
-        return torch.cat([h.get_tensor(name).reshape(-1) for h in self.handles])[:numel].reshape(shape)
-
-
-def has_ema(ckpt: Path) -> bool:
-    return (ckpt / FULL_FILE).is_file() or (ckpt / PARTITION_DIR).is_dir()
-
-
-def read_ema_state_dict(ckpt: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The averaged weights of checkpoint ``ckpt`` as full tensors by parameter name, in ``dtype``.
-
-    UserError if the checkpoint holds no average.
-    """
-    with SavedEMA(ckpt) as saved:
-        return {name: saved.full(name).to(dtype, copy=True) for name in saved.shapes}

@@ -20,10 +20,10 @@ from typing import Iterator
 
 import torch
 
-from .config import Config
-from .distributed import Runtime, ZeroSetup
-from .errors import UserError, fail
-from .memory import estimate, format_bytes, model_shape
+from lmrecipe.config import Config
+from lmrecipe.distributed import Runtime, ZeroSetup
+from lmrecipe.errors import UserError, fail
+from lmrecipe.memory import estimate, format_bytes, model_shape
 
 logger = logging.getLogger(__name__)
 

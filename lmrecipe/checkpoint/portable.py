@@ -40,10 +40,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .errors import fail
-from .fileio import building_dir, write_json_atomic
-from .model import bare_parameter_name
-from .optim import names_by_param
+from lmrecipe.errors import fail
+from lmrecipe.fileio import building_dir, write_json_atomic
+from lmrecipe.model import bare_parameter_name
+from lmrecipe.optim import names_by_param
 
 logger = logging.getLogger(__name__)
 

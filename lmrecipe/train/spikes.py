@@ -22,7 +22,7 @@ On a spike, at that sync point, every rank:
    resume does). Checkpoints are saved at sync points after this check, so the newest one precedes every flagged
    step; the weights it holds were trained only on steps before the spike;
 2. adds the *data steps* (blocks of ``train.global_batch_size`` samples of the original order,
-   :func:`lmrecipe.data.data_step`) of the flagged steps to ``TrainState.skipped_batches``. Optimizer step ``s``
+   :func:`lmrecipe.data.order.data_step`) of the flagged steps to ``TrainState.skipped_batches``. Optimizer step ``s``
    then reads the ``s``-th data step not skipped: the rolled-back steps between the checkpoint and the spike
    train on the same samples as before, the flagged ones' samples are replaced by the next unused ones, and the
    run still ends at ``train.max_steps``. The list is part of every later checkpoint, so a resume keeps skipping;
@@ -55,11 +55,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import complete_checkpoints
-from .config import SpikeConfig
-from .data import data_step
-from .errors import fail
-from .fileio import write_text_atomic
+from lmrecipe.checkpoint.storage import complete_checkpoints
+from lmrecipe.config import SpikeConfig
+from lmrecipe.data.order import data_step
+from lmrecipe.errors import fail
+from lmrecipe.fileio import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import logging
 import math
 from pathlib import Path
 
-from .config import Config, flatten_config, load_config
-from .errors import UserError
-from .fileio import write_json_atomic, write_text_atomic
-from .tracking import METRICS_FILE, read_metrics
+from lmrecipe.config import Config, flatten_config, load_config
+from lmrecipe.errors import UserError
+from lmrecipe.fileio import write_json_atomic, write_text_atomic
+from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 
 logger = logging.getLogger(__name__)
 

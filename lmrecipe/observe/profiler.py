@@ -28,8 +28,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .config import ProfileConfig
-from .fileio import write_json_atomic, write_text_atomic
+from lmrecipe.config import ProfileConfig
+from lmrecipe.fileio import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger(__name__)
 

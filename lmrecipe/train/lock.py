@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import fail
+from lmrecipe.errors import fail
 
 logger = logging.getLogger(__name__)
 

@@ -20,127 +20,17 @@ All sources must share one tokenizer (vocabulary size, EOS id, token dtype and `
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from .config import DataConfig, DataSource
-from .data import (BatchLayout, SampleOrder, TokenWindows, TrainBatches, ValBatches, data_step, file_sha256, load_meta,
-                   open_data)
-from .errors import UserError, fail
+from lmrecipe.config import DataConfig, DataSource
+from lmrecipe.data.batches import BatchLayout, MixtureBatches, TrainBatches, ValBatches
+from lmrecipe.data.format import file_sha256, load_meta, open_data
+from lmrecipe.data.order import MIX_BLOCK
+from lmrecipe.errors import UserError, fail
 
 logger = logging.getLogger(__name__)
-
-MIX_BLOCK = 1 << 16
-"""Positions of the repeating source pattern: weights are realised to the nearest 1/65,536 of the samples."""
-
-
-def source_quotas(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
-    """Positions per block of each source: ``weight / sum x block``, rounded by largest remainder (sums to block)."""
-    w = np.asarray(weights, dtype=np.float64)
-    exact = w / w.sum() * block
-    quotas = np.floor(exact).astype(np.int64)
-    remainders = exact - quotas
-    extra = np.argsort(-remainders, kind="stable")[: block - int(quotas.sum())]
-    quotas[extra] += 1
-    return quotas
-
-
-class MixtureOrder:
-    """Global sample index -> (source, that source's own sample index); see the module docstring."""
-
-    def __init__(self, weights: list[float], block: int = MIX_BLOCK):
-        self.block = block
-        self.quotas = source_quotas(weights, block)
-        # Ideal spots of each source's positions, merged by sorting; ties go to the earlier source.
-        keys = np.concatenate([(np.arange(q) + 0.5) / q for q in self.quotas if q])
-        sources = np.concatenate([np.full(q, k) for k, q in enumerate(self.quotas) if q])
-        ranks = np.concatenate([np.arange(q) for q in self.quotas if q])
-        order = np.argsort(keys, kind="stable")
-        self.pattern = sources[order].astype(np.int64)
-        """Source of each position of a block."""
-        self.rank = ranks[order].astype(np.int64)
-        """How many positions of the same source precede each position within its block."""
-
-    def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source, per-source sample index) of each global sample index."""
-        blocks, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.block)
-        sources = self.pattern[positions]
-        return sources, blocks * self.quotas[sources] + self.rank[positions]
-
-    def counts(self, n_samples: int) -> np.ndarray:
-        """Samples of each source among global samples ``[0, n_samples)``."""
-        blocks, rest = divmod(n_samples, self.block)
-        return blocks * self.quotas + np.bincount(self.pattern[:rest], minlength=len(self.quotas))
-
-
-def name_stream(name: str) -> int:
-    """The seed stream of a source's permutation: stable across machines and Python versions (not ``hash()``)."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-
-
-class MixtureBatches:
-    """The micro-batches each rank trains on at each optimizer step, drawn from several sources (``TrainBatches`` API)."""
-
-    def __init__(self, windows: list[TokenWindows], names: list[str], weights: list[float], layout: BatchLayout,
-                 seed: int):
-        self.sources = windows
-        self.names = names
-        self.layout = layout
-        self.order = MixtureOrder(weights)
-        self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
-        self.skipped: tuple[int, ...] = ()
-        """Data steps never trained on (ascending), see :func:`lmrecipe.data.data_step`; replaced whole."""
-
-    def sample_ids(self, first_sample: int, count: int) -> np.ndarray:
-        """``[count, 2]``: (source, window) of global samples ``[first_sample, first_sample + count)``."""
-        sources, counters = self.order.assign(np.arange(first_sample, first_sample + count))
-        windows = np.zeros_like(counters)
-        for k in np.unique(sources):
-            mask = sources == k
-            windows[mask] = self.orders[k].at(counters[mask])
-        return np.stack([sources, windows], axis=1)
-
-    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
-        return self.data_window_ids(data_step(step, self.skipped), micro_step)
-
-    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
-        """This rank's (source, window) pairs in micro-step ``micro_step`` of data step ``position``."""
-        return self.sample_ids(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
-
-    def _rows(self, ids: np.ndarray):
-        import torch
-
-        L = self.sources[0].seq_len
-        rows = np.stack([self.sources[k].tokens[w * L : w * L + L + 1] for k, w in ids]).astype(np.int64)
-        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
-
-    def micro_batches(self, step: int):
-        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
-        for micro_step in range(self.layout.accum_steps):
-            yield self._rows(self.window_ids(step, micro_step))
-
-    def data_step_samples(self, position: int) -> list:
-        """Every (source name, window) of data step ``position`` over all ranks, in global sample order."""
-        G = self.layout.global_batch_size
-        return [[self.names[k], int(w)] for k, w in self.sample_ids(position * G, G)]
-
-    def data_step_inputs(self, position: int) -> list:
-        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
-        return [self._rows(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
-
-    def samples_seen(self, step: int) -> np.ndarray:
-        """Samples of each source trained on in steps ``[0, step)``, over all ranks (skipped data steps left out)."""
-        G = self.layout.global_batch_size
-        end = data_step(step, self.skipped)
-        seen = self.order.counts(end * G)
-        for skip in self.skipped:
-            if skip < end:
-                seen -= self.order.counts((skip + 1) * G) - self.order.counts(skip * G)
-        return seen
 
 
 @dataclass
@@ -226,7 +116,7 @@ def check_sources(data: DataConfig) -> dict:
 
 
 def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLayout, seed: int) -> TrainingData:
-    """Open every source (start-up checks of :func:`lmrecipe.data.open_data`) and build the batches."""
+    """Open every source (start-up checks of :func:`lmrecipe.data.format.open_data`) and build the batches."""
     sources = data.source_list()
     opened = []
     for i, source in enumerate(sources):

@@ -1,0 +1,226 @@
+"""The batches a rank trains and validates on: the batch layout, training micro-batches, the prefetcher, validation.
+
+Samples are split into accumulation micro-steps and ranks by position only (:class:`BatchLayout`), so the
+order of ``lmrecipe/data/order.py`` is the same on any number of processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lmrecipe.config import TrainConfig
+from lmrecipe.data.format import TokenWindows
+from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step, name_stream
+from lmrecipe.errors import fail
+
+# torch is imported where tensors are built, not here: the tokenizer workers of data preparation import the format
+# module for its constants, and torch would cost each of them about 200 MB of memory and a second or two.
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's G sequences are split: G = micro_batch_size x world_size x accum_steps.
+
+    The one place the accumulation steps are derived; the Accelerator, DeepSpeed's config, the loader and the
+    logs all read them from here. Construction fails with a UserError if G does not split evenly.
+    """
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    rank: int
+
+    def __post_init__(self):
+        per_step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_step:
+            raise fail(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size} x {self.world_size} processes = {per_step}. "
+                "Change one of them so the global batch splits evenly over processes."
+            )
+
+    @classmethod
+    def from_config(cls, train: TrainConfig, world_size: int, rank: int = 0) -> "BatchLayout":
+        return cls(train.global_batch_size, train.micro_batch_size, world_size, rank)
+
+    @property
+    def accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def first_sample(self, step: int, micro_step: int) -> int:
+        """Global sample index of this rank's first sequence in micro-step ``micro_step`` of ``step``."""
+        offset = (micro_step * self.world_size + self.rank) * self.micro_batch_size
+        return step * self.global_batch_size + offset
+
+
+class TrainBatches:
+    """The micro-batches each rank trains on at each optimizer step."""
+
+    def __init__(self, windows: TokenWindows, layout: BatchLayout, seed: int):
+        self.windows = windows
+        self.layout = layout
+        self.order = SampleOrder(len(windows), seed)
+        self.skipped: tuple[int, ...] = ()
+        """Data steps never trained on (ascending), see :func:`data_step`; replaced whole, never mutated."""
+
+    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
+        return self.data_window_ids(data_step(step, self.skipped), micro_step)
+
+    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
+        """This rank's windows in micro-step ``micro_step`` of data step ``position``."""
+        return self.order.windows(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
+
+    def micro_batches(self, step: int):
+        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
+        for micro_step in range(self.layout.accum_steps):
+            yield self.windows.batch(self.window_ids(step, micro_step))
+
+    def data_step_samples(self, position: int) -> list:
+        """Every window of data step ``position`` over all ranks, in global sample order (for the spike log)."""
+        G = self.layout.global_batch_size
+        return self.order.windows(position * G, G).tolist()
+
+    def data_step_inputs(self, position: int) -> list:
+        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
+        return [self.windows.batch(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
+
+    def epoch_of(self, step: int) -> float:
+        return data_step(step, self.skipped) * self.layout.global_batch_size / len(self.windows)
+
+
+class Prefetcher:
+    """Assembles the micro-batches of step ``s + 1`` on a background thread while step ``s`` computes.
+
+    The batches are exactly ``batches.micro_batches(step)`` (same order, same resume behaviour); only where
+    they are built changes. With ``pin_memory`` (CUDA) they land in page-locked memory, so the copy to the
+    device with ``non_blocking=True`` is asynchronous (from pageable memory it is synchronous). Memory-map
+    reads and the numpy/torch copies release the GIL, so the thread overlaps with the training step.
+    """
+
+    def __init__(self, batches: TrainBatches, pin_memory: bool = False):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.batches = batches
+        self.pin_memory = pin_memory
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._next: tuple[int, object] | None = None
+
+    def reset(self) -> None:
+        """Drop the batches assembled ahead (the order changed: a rollback skipped some data steps)."""
+        if self._next is not None:
+            self._next[1].cancel()
+        self._next = None
+
+    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        loaded = list(self.batches.micro_batches(step))
+        if self.pin_memory:
+            loaded = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in loaded]
+        return loaded
+
+    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of ``step``; starts assembling those of ``step + 1``."""
+        if self._next is not None and self._next[0] == step:
+            loaded = self._next[1].result()
+        else:  # the first step, or a jump (resume): load in this thread
+            loaded = self._load(step)
+        self._next = (step + 1, self._executor.submit(self._load, step + 1))
+        return loaded
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._next = None
+
+
+class ValBatches:
+    """A fixed set of validation windows spread over val.bin, the same on every run and rank split.
+
+    Each rank takes a stride of the set, padded so every rank runs the same number of forward passes
+    (ZeRO-3 gathers parameters collectively in forward); padded rows carry weight 0.
+    """
+
+    def __init__(self, windows: TokenWindows, n_windows: int, micro_batch_size: int, world_size: int, rank: int):
+        count = min(n_windows, len(windows))
+        self.all_ids = np.unique(np.linspace(0, len(windows) - 1, num=count).round().astype(np.int64))
+        self.windows = windows
+        self.micro_batch_size = micro_batch_size
+        per_rank = -(-len(self.all_ids) // world_size)
+        ids = self.all_ids[rank::world_size]
+        self.valid = np.zeros(per_rank, dtype=np.float64)
+        self.valid[: len(ids)] = 1.0
+        self.rank_ids = np.concatenate([ids, np.full(per_rank - len(ids), self.all_ids[0], dtype=np.int64)])
+
+    def __iter__(self):
+        """Yield ``(inputs, targets, valid)`` with ``valid`` 1.0 for real rows and 0.0 for padding."""
+        import torch
+
+        for i in range(0, len(self.rank_ids), self.micro_batch_size):
+            inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
+            yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])
+
+
+
+
+class MixtureBatches:
+    """The micro-batches each rank trains on at each optimizer step, drawn from several sources (``TrainBatches`` API)."""
+
+    def __init__(self, windows: list[TokenWindows], names: list[str], weights: list[float], layout: BatchLayout,
+                 seed: int):
+        self.sources = windows
+        self.names = names
+        self.layout = layout
+        self.order = MixtureOrder(weights)
+        self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
+        self.skipped: tuple[int, ...] = ()
+        """Data steps never trained on (ascending), see :func:`lmrecipe.data.order.data_step`; replaced whole."""
+
+    def sample_ids(self, first_sample: int, count: int) -> np.ndarray:
+        """``[count, 2]``: (source, window) of global samples ``[first_sample, first_sample + count)``."""
+        sources, counters = self.order.assign(np.arange(first_sample, first_sample + count))
+        windows = np.zeros_like(counters)
+        for k in np.unique(sources):
+            mask = sources == k
+            windows[mask] = self.orders[k].at(counters[mask])
+        return np.stack([sources, windows], axis=1)
+
+    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
+        return self.data_window_ids(data_step(step, self.skipped), micro_step)
+
+    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
+        """This rank's (source, window) pairs in micro-step ``micro_step`` of data step ``position``."""
+        return self.sample_ids(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
+
+    def _rows(self, ids: np.ndarray):
+        import torch
+
+        L = self.sources[0].seq_len
+        rows = np.stack([self.sources[k].tokens[w * L : w * L + L + 1] for k, w in ids]).astype(np.int64)
+        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+
+    def micro_batches(self, step: int):
+        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
+        for micro_step in range(self.layout.accum_steps):
+            yield self._rows(self.window_ids(step, micro_step))
+
+    def data_step_samples(self, position: int) -> list:
+        """Every (source name, window) of data step ``position`` over all ranks, in global sample order."""
+        G = self.layout.global_batch_size
+        return [[self.names[k], int(w)] for k, w in self.sample_ids(position * G, G)]
+
+    def data_step_inputs(self, position: int) -> list:
+        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
+        return [self._rows(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
+
+    def samples_seen(self, step: int) -> np.ndarray:
+        """Samples of each source trained on in steps ``[0, step)``, over all ranks (skipped data steps left out)."""
+        G = self.layout.global_batch_size
+        end = data_step(step, self.skipped)
+        seen = self.order.counts(end * G)
+        for skip in self.skipped:
+            if skip < end:
+                seen -= self.order.counts((skip + 1) * G) - self.order.counts(skip * G)
+        return seen

@@ -1,0 +1,109 @@
+"""The order in which training reads samples: a pure function of the global sample index.
+
+The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutation of window indices seeded by
+``(seed, epoch)`` (:class:`SampleOrder`); a mixture first assigns each global sample to a source by a fixed pattern
+(:class:`MixtureOrder`, see ``lmrecipe/data/sources.py``). So what a step trains on does not depend on how G is split
+(processes x micro-batch x accumulation), and resuming at step ``s`` needs no skipping.
+
+Skipped batches. A run that rolled back from a loss spike (``lmrecipe/train/spikes.py``) never trains on the samples
+of the offending steps again: it lists their *data steps* (blocks ``[d*G, (d+1)*G)`` of the order above) as skipped,
+and optimizer step ``s`` then reads the ``s``-th data step that is not skipped (:func:`data_step`). Without skips
+the two are equal; with them the order stays a pure function of (step, skipped list), so a resume is still exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+
+class SampleOrder:
+    """Sample index -> window index: a permutation per epoch, seeded by (seed, epoch).
+
+    ``stream`` (a source of a mixture, see ``lmrecipe/mixture.py``) seeds by (seed, stream, epoch) instead, so each
+    source of a mixture has its own permutation; None keeps the single-folder order.
+    """
+
+    def __init__(self, n_windows: int, seed: int, stream: int | None = None):
+        self.n_windows = n_windows
+        self.seed = seed
+        self.stream = stream
+
+    @lru_cache(maxsize=2)
+    def permutation(self, epoch: int) -> np.ndarray:
+        entropy = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
+        return np.random.default_rng(entropy).permutation(self.n_windows)
+
+    def windows(self, first_sample: int, count: int) -> np.ndarray:
+        return self.at(np.arange(first_sample, first_sample + count))
+
+    def at(self, samples: np.ndarray) -> np.ndarray:
+        """Window indices of the given sample indices (any order, repeats allowed)."""
+        epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
+        return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
+
+
+def data_step(step: int, skipped: tuple[int, ...] | list[int] = ()) -> int:
+    """The data step (block of G samples of the original order) that optimizer step ``step`` (0-based) trains on.
+
+    ``skipped``: data steps never trained on, ascending. Step ``s`` reads the ``s``-th data step not in it, so the
+    batches of skipped steps are replaced by the next unused samples and every later step moves up alike.
+    """
+    position = step
+    for skip in skipped:
+        if skip > position:
+            break
+        position += 1
+    return position
+
+
+
+
+MIX_BLOCK = 1 << 16
+"""Positions of the repeating source pattern: weights are realised to the nearest 1/65,536 of the samples."""
+
+
+def source_quotas(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
+    """Positions per block of each source: ``weight / sum x block``, rounded by largest remainder (sums to block)."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = w / w.sum() * block
+    quotas = np.floor(exact).astype(np.int64)
+    remainders = exact - quotas
+    extra = np.argsort(-remainders, kind="stable")[: block - int(quotas.sum())]
+    quotas[extra] += 1
+    return quotas
+
+
+class MixtureOrder:
+    """Global sample index -> (source, that source's own sample index); see the module docstring."""
+
+    def __init__(self, weights: list[float], block: int = MIX_BLOCK):
+        self.block = block
+        self.quotas = source_quotas(weights, block)
+        # Ideal spots of each source's positions, merged by sorting; ties go to the earlier source.
+        keys = np.concatenate([(np.arange(q) + 0.5) / q for q in self.quotas if q])
+        sources = np.concatenate([np.full(q, k) for k, q in enumerate(self.quotas) if q])
+        ranks = np.concatenate([np.arange(q) for q in self.quotas if q])
+        order = np.argsort(keys, kind="stable")
+        self.pattern = sources[order].astype(np.int64)
+        """Source of each position of a block."""
+        self.rank = ranks[order].astype(np.int64)
+        """How many positions of the same source precede each position within its block."""
+
+    def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, per-source sample index) of each global sample index."""
+        blocks, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.block)
+        sources = self.pattern[positions]
+        return sources, blocks * self.quotas[sources] + self.rank[positions]
+
+    def counts(self, n_samples: int) -> np.ndarray:
+        """Samples of each source among global samples ``[0, n_samples)``."""
+        blocks, rest = divmod(n_samples, self.block)
+        return blocks * self.quotas + np.bincount(self.pattern[:rest], minlength=len(self.quotas))
+
+
+def name_stream(name: str) -> int:
+    """The seed stream of a source's permutation: stable across machines and Python versions (not ``hash()``)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")

@@ -1,0 +1,214 @@
+"""The training loop: ``train_step``, then the loop's features in order (log, evaluate, save, stop).
+
+``train`` takes the run folder's lock, builds the run and runs :func:`train_loop` to ``train.max_steps``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from lmrecipe.checkpoint.policy import Checkpointer
+from lmrecipe.checkpoint.storage import EXIT_PREEMPTED
+from lmrecipe.config import Config, save_config
+from lmrecipe.errors import fail
+from lmrecipe.loss import validation_loss
+from lmrecipe.observe.console import Reporter
+from lmrecipe.observe.profiler import StepProfiler
+from lmrecipe.observe.run_report import write_run_end
+from lmrecipe.train.lock import RunLock
+from lmrecipe.train.oom import OOMGuard
+from lmrecipe.train.preemption import PreemptionSignal
+from lmrecipe.train.setup import Run, build_run
+from lmrecipe.train.spikes import SpikeGuard
+from lmrecipe.train.state import TrainState
+from lmrecipe.train.step import train_step
+
+logger = logging.getLogger(__name__)
+
+def eval_due(cfg: Config, step: int) -> bool:
+    every = cfg.train.eval_every_steps
+    return step == cfg.train.max_steps or (every > 0 and step % every == 0)
+
+
+def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
+    """Evaluate every ``train.eval_every_steps`` steps and at the last step (with a weight EMA, its weights too).
+
+    The EMA goes first, so the trained weights' loss is measured after they were swapped back (a faulty restore
+    would show as a difference from the checkpoint's weights).
+    """
+    if not eval_due(run.cfg, state.step):
+        return
+
+    def losses() -> dict[str, float]:
+        return {name: validation_loss(run.model, batches, run.accelerator) for name, batches in run.data.val_sets.items()}
+
+    val_loss_ema = None
+    if run.ema is not None:
+        with run.ema.swapped_in():
+            val_loss_ema = run.data.val_loss(losses())
+    per_source = losses()
+    val_loss = run.data.val_loss(per_source)
+    state.record_eval(val_loss, run.cfg.train.early_stopping_min_delta)
+    state.last_val_loss_ema = val_loss_ema
+    reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=val_loss_ema)
+
+
+def export_source(run: Run, checkpointer: Checkpointer) -> Path | None:
+    """The checkpoint the end-of-run export is taken from: with early stopping on, the best by validation loss."""
+    if run.cfg.train.early_stopping_patience > 0 and checkpointer.best() is not None:
+        return checkpointer.best()
+    return checkpointer.latest
+
+
+def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | None:
+    """Export ``checkpoint`` for inference loaders (main process only; the others need not wait)."""
+    section = run.cfg.checkpoint
+    if not section.export_at_end or checkpoint is None or not run.accelerator.is_main_process:
+        return None
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from lmrecipe.export import export_checkpoint
+
+    # Training is over: detach transformers from the live ZeRO-3 config, or building the export's model would
+    # enter zero.Init and wait for the other ranks, which have left.
+    unset_hf_deepspeed_config()
+    return export_checkpoint(checkpoint, out_dir / "export", dtype=section.export_dtype,
+                             max_shard_size=section.max_shard_size, overwrite=True, weights=section.export_weights)
+
+
+def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
+    cfg = run.cfg
+    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=run.data.tokenizer_dir,
+                        mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
+                        samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
+                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extra_state=run.ema,
+                        publish_timeout_s=cfg.distributed.timeout_s)
+
+
+def build_spike_guard(run: Run, out_dir: Path, checkpointer: Checkpointer, reporter: Reporter) -> SpikeGuard:
+    return SpikeGuard(run.cfg.spike, run.accelerator, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
+                      model=run.model, optimizer=run.optimizer, checkpointer=checkpointer, reporter=reporter,
+                      precision=run.runtime.precision)
+
+
+def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
+    cfg, runtime = run.cfg, run.runtime
+    return Reporter(cfg.logging, run.accelerator, out_dir, precision=runtime.precision, max_steps=cfg.train.max_steps,
+                    start_step=start_step, tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
+                    run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, run_meta={
+                        "n_params": run.n_params, "flops_per_token": run.flops_per_token,
+                        "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
+                        "n_train_windows": run.data.n_train_windows,
+                        **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta})
+
+
+def stop_after_skips(state: TrainState, reporter: Reporter, limit: int) -> None:
+    reporter.close(plot=True)
+    raise fail(
+        f"Stopped at step {state.step}: {limit} or more consecutive updates were skipped because the loss or "
+        "gradient norm was not finite (the weights were left unchanged). Try a lower optim.lr, a longer "
+        "schedule.warmup_steps, optim.grad_clip=1.0, or train.precision=bf16/fp32 instead of fp16, and resume "
+        "from the last checkpoint (checkpoint.resume=auto)."
+    )
+
+
+def train(cfg: Config, recipe: str | None = None) -> TrainState:
+    """Train ``cfg`` to ``train.max_steps`` (resuming as ``checkpoint.resume`` says); one run per ``out_dir``.
+
+    ``recipe``: the recipe file ``cfg`` was loaded from, which the run report compares the configuration with.
+    """
+    out_dir = Path(cfg.out_dir)
+    run = build_run(cfg, out_dir)
+    lock = RunLock(out_dir)
+    if run.accelerator.is_main_process:
+        lock.acquire()  # before anything in out_dir is cleaned up or written
+    run.accelerator.wait_for_everyone()
+    try:
+        return train_loop(run, out_dir, recipe)
+    finally:
+        run.prefetcher.close()
+        lock.release()
+
+
+def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState:
+    cfg, accelerator, layout = run.cfg, run.accelerator, run.runtime.layout
+    checkpointer = build_checkpointer(run, out_dir)
+    state = TrainState()
+    resumed_from = checkpointer.maybe_resume(run.model, run.optimizer, state)
+    if accelerator.is_main_process:
+        save_config(cfg, out_dir / "config.yaml")
+    reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from, "recipe": recipe})
+    spikes = build_spike_guard(run, out_dir, checkpointer, reporter)
+    spikes.load(state)  # a resumed run keeps skipping the batches of spikes rolled back before
+    logger.info(
+        "model %.2fM params | %d processes x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s",
+        run.n_params / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
+        layout.global_batch_size, cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
+    )
+    if cfg.schedule.warmup_steps > cfg.train.max_steps:
+        # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
+        logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
+                       "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
+                       run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
+
+    stop = PreemptionSignal()
+    profiler = StepProfiler(cfg.profile, out_dir, rank=accelerator.process_index, is_main=accelerator.is_main_process,
+                            barrier=accelerator.wait_for_everyone)
+    oom = OOMGuard(cfg, run.runtime, run.model)
+    while state.step < cfg.train.max_steps:
+        step_start = time.perf_counter()
+        with profiler.step(state.step + 1), oom.step(state.step + 1):
+            result = train_step(run, state.step)
+        state.record_step(result.skipped, run.tokens_per_step)
+        spikes.observe(state, result.loss, result.grad_norm)
+        # Host reads happen only at sync points: a logged, evaluated or saved step.
+        sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
+        longest_skip_run = state.sync() if sync_point else 0
+        if sync_point and spikes.maybe_roll_back(state):
+            continue  # back at the last checkpoint, with the spike's samples skipped from now on
+        if state.step == 1 and cfg.train.compile:
+            logger.info("Step 1 took %.1f s, torch.compile's compilation included", time.perf_counter() - step_start)
+        reporter.step_done(state, result.loss, result.lr, result.grad_norm, time.perf_counter() - step_start,
+                           result.data_time_s)
+        if longest_skip_run >= cfg.train.max_consecutive_skips:
+            stop_after_skips(state, reporter, cfg.train.max_consecutive_skips)
+        maybe_evaluate(run, state, reporter)
+        preempted = stop.requested(accelerator, exchange=sync_point)
+        if preempted:
+            state.sync()  # the checkpoint records the skip counters
+        checkpointer.maybe_save(run.model, state, preempted=preempted)
+        if preempted:
+            reporter.close(plot=True)
+            logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
+                        stop.name or "a signal to another rank", state.step)
+            # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
+            accelerator.wait_for_everyone()
+            raise SystemExit(EXIT_PREEMPTED)
+        if run.stops_early(state):
+            logger.info("Early stopping at step %d: %d evaluations without improvement (best val_loss %.4f).",
+                        state.step, state.evals_without_improvement, state.best_val_loss)
+            break
+
+    checkpointer.wait()  # a background write in flight (early stopping)
+    source = export_source(run, checkpointer)
+    export = maybe_export(run, source, out_dir)
+    if export is not None:
+        logger.info("Exported %s from %s", export, source)
+    reporter.close(plot=True)
+    if accelerator.is_main_process:
+        write_run_end(out_dir, run_outcome(run, state, source, export), cfg.logging.cost_per_device_hour)
+    accelerator.end_training()
+    return state
+
+
+def run_outcome(run: Run, state: TrainState, export_from: Path | None, export: Path | None) -> dict:
+    """How the run ended, for ``final.json`` and ``run_meta.json``."""
+    return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < run.cfg.train.max_steps,
+            "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
+            "last_val_loss_ema": state.last_val_loss_ema,
+            "evals_without_improvement": state.evals_without_improvement, "wall_time_s": state.wall_time_s,
+            "rollbacks": state.rollbacks, "skipped_batches": len(state.skipped_batches),
+            "export": str(export) if export else None, "export_from": str(export_from) if export_from else None,
+            "export_weights": run.cfg.checkpoint.export_weights if export else None}

@@ -1,0 +1,108 @@
+"""Setting a run up: the Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer.
+
+``build_run`` returns a :class:`Run`, which ``train_step`` (``lmrecipe/train/step.py``) advances by one optimizer
+step; ``train`` and every benchmark in ``bench/`` call these two, so what is timed is what trains.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmrecipe.config import Config
+from lmrecipe.data.batches import MixtureBatches, Prefetcher, TrainBatches
+from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
+from lmrecipe.determinism import maybe_set_deterministic
+from lmrecipe.distributed import Runtime, build_runtime
+from lmrecipe.errors import fail
+from lmrecipe.memory import attach_model_state_probe
+from lmrecipe.model import build_hf_config, build_model, flops_per_token, param_counts
+from lmrecipe.optim import build_optimizer, lr_at
+from lmrecipe.train.ema import WeightEMA
+from lmrecipe.train.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class Run:
+    """A set-up training run: what ``train_step`` needs, built once by :func:`build_run`."""
+
+    cfg: Config
+    runtime: Runtime
+    model: torch.nn.Module
+    """The prepared model (DDP wrapper or DeepSpeed engine)."""
+    optimizer: torch.optim.Optimizer
+    data: TrainingData
+    """The training data: the sample order and every source's validation windows."""
+    prefetcher: Prefetcher
+    n_params: int
+    flops_per_token: float
+    ema: WeightEMA | None = None
+    """The weight EMA (``train.ema_decay`` > 0), updated after every optimizer step."""
+
+    @property
+    def train_batches(self) -> TrainBatches | MixtureBatches:
+        return self.data.train_batches
+
+    @property
+    def accelerator(self):
+        return self.runtime.accelerator
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
+
+    def stops_early(self, state: TrainState) -> bool:
+        """Early stopping: ``train.early_stopping_patience`` evaluations in a row without improvement."""
+        patience = self.cfg.train.early_stopping_patience
+        return patience > 0 and state.last_val_step == state.step and state.evals_without_improvement >= patience
+
+
+def build_run(cfg: Config, out_dir: Path) -> Run:
+    """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
+    maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
+    runtime = build_runtime(cfg)
+    accelerator = runtime.accelerator
+    # The data is checked before out_dir is touched: bad data writes nothing.
+    meta = check_sources(cfg.data)
+    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    if cfg.data.seq_len > hf_config.max_position_embeddings:
+        raise fail(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
+            f"{hf_config.max_position_embeddings}. Lower data.seq_len or raise model.max_position_embeddings."
+        )
+    if runtime.zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
+        logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, hf_config)
+    counts = param_counts(model)
+    fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
+    if cfg.train.compile and not runtime.zero.deepspeed:
+        model = torch.compile(model)
+    optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer,
+                                fused=not runtime.zero.deepspeed and runtime.precision != "fp16")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.train.compile and runtime.zero.deepspeed:
+        model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
+    model.train()
+    if cfg.logging.measure_model_states:
+        attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
+
+    prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
+    ema = None
+    if cfg.train.ema_decay > 0:
+        ema = WeightEMA(model, cfg.train.ema_decay, zero3=runtime.zero.stage == 3, rank=accelerator.process_index,
+                        world_size=accelerator.num_processes, is_main=accelerator.is_main_process,
+                        device=accelerator.device)
+    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, ema)

@@ -1,0 +1,118 @@
+"""One optimizer step: accumulate / forward / backward / clip / step, with no host synchronisation.
+
+``train_step`` is what the loop and every benchmark in ``bench/`` call, so what is timed is what trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lmrecipe.loss import causal_lm_loss
+from lmrecipe.observe.profiler import region
+from lmrecipe.optim import set_lr
+from lmrecipe.train.setup import Run
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced. The tensors stay on the device: reading one is a host sync."""
+
+    loss: torch.Tensor
+    """Mean training loss of this rank's micro-batches."""
+    lr: float
+    grad_norm: torch.Tensor | float
+    """Global gradient norm before clipping."""
+    skipped: torch.Tensor | bool
+    """The update was skipped (non-finite loss or gradient norm)."""
+    data_time_s: float
+    """Seconds the step waited for its batches (prefetched in the background) and their copy to the device."""
+
+
+SectionTimer = Callable[[str, float], None]
+"""Receives (section name, seconds) from ``train_step`` when a benchmark asks for the split of a step."""
+
+
+def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
+    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary)."""
+    accelerator, model = run.accelerator, run.model
+    with accelerator.accumulate(model):
+        start = time.perf_counter()
+        with region("forward"):
+            loss = causal_lm_loss(model, inputs, targets)
+        forward_done = time.perf_counter()
+        with region("backward"):
+            accelerator.backward(loss)
+    if timer is not None:
+        timer("forward+loss", forward_done - start)
+        timer("backward", time.perf_counter() - forward_done)
+    return loss.detach()
+
+
+def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
+    """Clip and step, or skip a non-finite update. Returns the pre-clip global grad norm and whether it skipped.
+
+    Without DeepSpeed nothing here reads a tensor on the host: the norm stays on the device, and the fused
+    AdamW receives the skip decision as a device flag (``found_inf``, the mechanism GradScaler uses), so a
+    non-finite gradient leaves weights, moments and step counts untouched without the CPU waiting for it.
+    """
+    if deepspeed:
+        # The engine already clipped and stepped inside accelerator.backward at the accumulation boundary,
+        # and skips the update itself when gradients are not finite.
+        skipped_before = model.skipped_steps
+        norm = model.get_global_grad_norm()
+        norm = torch.as_tensor(float("nan") if norm is None else norm)
+        return norm, ~torch.isfinite(norm) | (model.skipped_steps > skipped_before)
+    norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if accelerator.scaler is not None:
+        # fp16: the GradScaler must see every step, so it can skip an overflow and lower the scale (it syncs).
+        optimizer.step()
+        skipped = optimizer.step_was_skipped
+    else:
+        skipped = ~torch.isfinite(norm)
+        inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = None, skipped.float()
+            optimizer.step()
+            inner.found_inf = None
+        elif not skipped.item():  # an optimizer without device-side skipping (not the recipe's)
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, skipped
+
+
+def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepResult:
+    """Optimizer step ``step`` (0-based): set its learning rate, run its micro-batches, update the weights.
+
+    No host synchronisation happens here without DeepSpeed (the loss, norm and skip flag stay on the device);
+    the batches of the next step are assembled in the background meanwhile.
+    """
+    lr = run.lr_at(step)
+    set_lr(run.optimizer, lr)
+    device = run.accelerator.device
+    fetch_start = time.perf_counter()
+    with region("data"):
+        micro_batches = run.prefetcher.get(step)
+    data_time_s = time.perf_counter() - fetch_start
+    loss_sum = torch.zeros((), device=device)
+    for inputs, targets in micro_batches:
+        copy_start = time.perf_counter()
+        with region("data"):
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        data_time_s += time.perf_counter() - copy_start
+        loss_sum += forward_backward_step(run, inputs, targets, timer)
+    optimizer_start = time.perf_counter()
+    with region("optimizer"):
+        grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
+                                            run.runtime.zero.deepspeed)
+        if run.ema is not None:
+            run.ema.update(skipped)
+    if timer is not None:
+        timer("data", data_time_s)
+        timer("clip+optimizer", time.perf_counter() - optimizer_start)
+    return StepResult(loss_sum / len(micro_batches), lr, grad_norm, skipped, data_time_s)

@@ -1,0 +1,193 @@
+"""Helpers shared by the test modules: the repository root, the tiny model's overrides, real process launches.
+
+Test modules import from here (never from one another, never from conftest); fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# A small, fast model for every end-to-end test; recipes/tiny.yaml supplies the rest.
+TINY_OVERRIDES = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.intermediate_size=128",
+    "data.seq_len=32",
+    "data.val_windows=16",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "schedule.warmup_steps=2",
+    "logging.log_every_steps=1",
+    "logging.progress_bar=false",
+    "checkpoint.export_at_end=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env.pop("WANDB_API_KEY", None)
+    env.update(
+        PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
+        ACCELERATE_DISABLE_RICH="1", PYTHONUNBUFFERED="1",
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def launch_cmd(nproc: int) -> list[str]:
+    """The command a user types: accelerate launch for several processes, plain python for one."""
+    if nproc == 1:
+        return [sys.executable]
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+    ]
+
+
+def run_script(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env_extra: dict | None = None,
+               **kwargs) -> subprocess.CompletedProcess:
+    """Run ``train.py``/``eval.py``/a tool on ``nproc`` processes from the repo root and capture its output.
+
+    ``env_extra``: variables added to the environment (fault injection).
+    """
+    proc = subprocess.run(
+        launch_cmd(nproc) + args, cwd=ROOT, env={**subprocess_env(), **(env_extra or {})}, capture_output=True,
+        text=True, timeout=timeout, **kwargs
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_train(out_dir: Path, data_dir: Path, overrides: list[str] = (), nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:
+    args = ["train.py", "recipes/tiny.yaml", f"out_dir={out_dir}", f"data.path={data_dir}", *TINY_OVERRIDES, *overrides]
+    return run_script(args, nproc=nproc, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------- synthetic data
+# Data folders written straight in the prepared-folder format (random ids, documents of ``doc_len`` tokens ending
+# in EOS 0), so each test controls exactly what the files and meta.json say.
+
+SEQ_LEN = 16
+
+
+EOS = 0
+
+
+def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int = 1000, dtype=np.uint16, seed: int = 0,
+               doc_len: int = 50) -> Path:
+    from lmrecipe.data.format import INDEX_DTYPE
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for name, n in (("train", n_train), ("val", n_val)):
+        ids = rng.integers(1, vocab, size=n).astype(dtype)
+        ends = np.append(np.arange(doc_len, n, doc_len), n) if n else np.zeros(0, dtype=np.int64)
+        ids[ends - 1] = EOS
+        ids.tofile(folder / f"{name}.bin")
+        np.concatenate([[0], ends]).astype(INDEX_DTYPE).tofile(folder / f"{name}.idx")
+        splits[name] = {"n_tokens": n, "n_documents": len(ends), "max_token_id": int(ids.max()) if n else None,
+                        "sha256": ""}
+    meta = {"format_version": 2, "tokenizer": "synthetic", "vocab_size": vocab, "eos_id": EOS,
+            "dtype": np.dtype(dtype).name, "source": "test", "splits": splits}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------- shared runs
+
+STEPS, HALF = 6, 3
+LOSS_TOL = 1e-5  # fp32 on CPU: the issue's bound for a resumed run against an uninterrupted one
+
+
+# ---------------------------------------------------------------------------------------------- shared runs
+# Each run happens once per session, whichever test module asks first.
+
+
+def cached_run(tmp_path_factory, name: str, data: Path, overrides: list[str], nproc: int = 1) -> tuple[Path, str]:
+    """Train once per session into ``basetemp/name``; return the run folder and its stderr."""
+    out = tmp_path_factory.getbasetemp() / "runs" / name
+    done = out / "stderr.txt"
+    if not done.is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        proc = run_train(out, data, overrides, nproc=nproc)
+        done.write_text(proc.stderr)
+    return out, done.read_text()
+
+
+def plain_run(tmp_path_factory, data: Path) -> Path:
+    """1 process, no DeepSpeed: a checkpoint and an evaluation every step, keep_last=2, fp32 export at the end."""
+    out, _ = cached_run(tmp_path_factory, "plain", data, [
+        f"train.max_steps={STEPS}", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.eval_every_steps=1",
+        "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32",
+    ])
+    return out
+
+
+def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
+    """2 processes: run ``a`` trains STEPS steps saving every HALF; run ``b`` resumes from a's step HALF.
+
+    ZeRO-2: both use ds_configs/zero2.json and ``a`` exports at the end. ZeRO-3 (tied embeddings): ``a`` does
+    not gather 16-bit weights at save time, ``b`` does (ds_configs/zero3.json) and exports at the end.
+    """
+    from lmrecipe.checkpoint.storage import step_dir_name
+
+    root = tmp_path_factory.getbasetemp() / "runs"
+    root.mkdir(exist_ok=True)
+    export = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
+    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"]
+    if stage == 2:
+        a_extra = ["distributed.deepspeed_config=ds_configs/zero2.json", *export]
+        b_extra = ["distributed.deepspeed_config=ds_configs/zero2.json"]
+    else:
+        no_gather = root / "zero3_no_gather.json"
+        ds = json.loads((ROOT / "ds_configs/zero3.json").read_text())
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+        no_gather.write_text(json.dumps(ds))
+        a_extra = [f"distributed.deepspeed_config={no_gather}", "model.tie_embeddings=true"]
+        b_extra = ["distributed.deepspeed_config=ds_configs/zero3.json", "model.tie_embeddings=true", *export]
+    a, _ = cached_run(tmp_path_factory, f"zero{stage}_a", data, common + a_extra, nproc=2)
+    source = a / "checkpoints" / step_dir_name(HALF)
+    digest_file = root / f"zero{stage}_source_digest.json"
+    if not digest_file.is_file():
+        digest_file.write_text(json.dumps(tree_digest(source)))
+    b_extra.append(f"checkpoint.resume={source}")
+    b, b_stderr = cached_run(tmp_path_factory, f"zero{stage}_b", data, common + b_extra, nproc=2)
+    return {"a": a, "b": b, "b_stderr": b_stderr, "source": source, "source_digest": json.loads(digest_file.read_text())}
+
+
+def losses(out_dir: Path) -> list[tuple[int, float]]:
+    from lmrecipe.observe.metrics_log import read_metrics
+
+    return [(r["step"], r["loss"]) for r in read_metrics(out_dir / "metrics.jsonl") if "loss" in r]
+
+
+def max_loss_diff(resumed: list[tuple[int, float]], reference: list[tuple[int, float]]) -> float:
+    ref = dict(reference)
+    return max(abs(loss - ref[step]) for step, loss in resumed)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
