@@ -45,9 +45,9 @@ SAMPLE_SECONDS = 0.02
 
 
 def build_corpus(root: Path, copies: int, fmt: str, base_files: int) -> Path:
-    from lmrecipe.data.prepare.pipeline import _stdlib_root, embedded_corpus_files
+    from lmrecipe.data.prepare.read import embedded_corpus_files, stdlib_root
 
-    stdlib = _stdlib_root()
+    stdlib = stdlib_root()
     folder = root / f"corpus_{copies}x_{fmt}"
     if folder.exists():
         return folder

@@ -50,7 +50,7 @@ def worker(side: str, tokenizer: str, max_documents: int | None, train_tokenizer
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from lmrecipe.data.prepare.pipeline import load_corpus, prepare
+    from lmrecipe.data.prepare.pipeline import prepare
 
     if side in ("p1", "p2"):
         with tempfile.TemporaryDirectory(prefix="bench_prep_") as tmp:
@@ -66,14 +66,20 @@ def worker(side: str, tokenizer: str, max_documents: int | None, train_tokenizer
     from transformers import AutoTokenizer
 
     datasets.disable_progress_bars()
-    corpus = load_corpus(max_documents=max_documents)
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    ds = datasets.Dataset.from_dict({"text": corpus.texts})
+    ds = datasets.Dataset.from_dict({"text": corpus_texts(max_documents)})
     start = time.perf_counter()
     out = ds.map(lambda batch: tok(batch["text"], add_special_tokens=False, verbose=False), batched=True, remove_columns=["text"])
     seconds = time.perf_counter() - start
     n_tokens = sum(len(ids) for ids in out["input_ids"])
     return {"tokens_per_sec": n_tokens / seconds, "tokens": n_tokens, "tokenize_seconds": seconds}
+
+
+def corpus_texts(max_documents: int | None) -> list[str]:
+    """The documents prepare() reads by default (the embedded corpus), in its reading order, held in memory."""
+    from lmrecipe.data.prepare.read import DocumentSource
+
+    return [doc.text for doc in DocumentSource(max_documents=max_documents).documents()]
 
 
 def chunk_texts(texts: list[str], max_chars: int, max_docs: int) -> list[list[str]]:
@@ -92,13 +98,14 @@ def candidate_encoder(args, report) -> dict:
     """prepare's encoder for a given tokenizer (transformers' __call__) against the tokenizers-library path it uses for
     a trained one, on the same tokenizer.json, in this process, interleaved; the bytes must be identical."""
     from lmrecipe.data.prepare import pipeline as P
+    from lmrecipe.data.prepare.tokenize import ChunkEncoder, EncoderSpec
 
-    texts = P.load_corpus(max_documents=args.encoder_documents).texts
+    texts = corpus_texts(args.encoder_documents)
     chunks = chunk_texts(texts, P._CHUNK_CHARS, P._CHUNK_DOCS)
     meta = json.loads((Path(args.tokenizer) / "meta.json").read_text())
     encoders = {
-        name: P._ChunkEncoder(P._EncoderSpec(args.tokenizer, name == "tokenizers", meta["eos_id"], meta["vocab_size"],
-                                             meta["dtype"]))
+        name: ChunkEncoder(EncoderSpec(args.tokenizer, name == "tokenizers", meta["eos_id"], meta["vocab_size"],
+                                       meta["dtype"]))
         for name in ("transformers", "tokenizers")
     }
     seconds = {name: [] for name in encoders}

@@ -118,6 +118,11 @@ class DataConfig:
     """Tokens per training sequence (each window reads ``seq_len + 1`` tokens)."""
     val_windows: int = 64
     """Validation sequences evaluated each time (a fixed set, spread over val.bin), per source for a mixture."""
+    document_masking: bool = _fixed(True)
+    """Train packed documents as documents: each token attends only to earlier tokens of its own document and position
+    ids restart at each document start (boundaries from the folder's ``train.idx`` / ``val.idx``). Needs a model whose
+    attention can mask (``model.attn_implementation`` sdpa, eager, flash_attention_2/3); false attends across the
+    whole window. Fixed on resume."""
 
     def validate(self) -> None:
         _positive(self, "seq_len", "val_windows")
@@ -548,7 +553,11 @@ def _set_dotted(cfg: Config, dotted: str, raw: str, from_cli: bool) -> None:
 
 
 def _check_key(obj: Any, key: str, prefix: str) -> None:
-    names = [f.name for f in dataclasses.fields(obj)]
+    _check_name(key, [f.name for f in dataclasses.fields(obj)], prefix)
+
+
+def _check_name(key: str, names: list[str], prefix: str) -> None:
+    """UserError unless ``key`` is one of ``names``: names the closest valid key and lists them all (``prefix``ed)."""
     if key not in names:
         close = difflib.get_close_matches(key, names, n=1)
         hint = f" Did you mean {prefix}{close[0]}?" if close else ""
@@ -651,10 +660,7 @@ def _record(key: str, value: Any, cls: type) -> Any:
     kwargs = {}
     for name, item in value.items():
         name = str(name)
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f" Did you mean {key}.{close[0]}?" if close else ""
-            raise fail(f"Unknown config key {key}.{name}.{hint} Valid keys here: {', '.join(f'{key}.{n}' for n in names)}.")
+        _check_name(name, names, f"{key}.")
         kwargs[name] = _coerce(f"{key}.{name}", item, hints[name], from_cli=False)
     missing = [name for name in required if name not in kwargs]
     if missing:

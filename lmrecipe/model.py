@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lmrecipe.attention import DocumentAttention, build_document_attention
 from lmrecipe.config import Config
 from lmrecipe.errors import fail
 
@@ -85,12 +86,24 @@ def training_attention(name: str) -> str:
     return CAUSAL_SDPA
 
 
-def build_model(cfg: Config, hf_config) -> nn.Module:
-    """Create (or load) the model. Call after the Accelerator exists, so ZeRO-3 partitions at construction."""
+def build_attention(cfg: Config, hf_config) -> DocumentAttention | None:
+    """The document-masking attention of ``data.document_masking`` (``lmrecipe/attention.py``), or None when off
+    (plain causal windows). A model or attention implementation that cannot mask is refused here, at start-up."""
+    if not cfg.data.document_masking:
+        return None
+    return build_document_attention(cfg.model.attn_implementation, hf_config)
+
+
+def build_model(cfg: Config, hf_config, attention: DocumentAttention | None = None) -> nn.Module:
+    """Create (or load) the model. Call after the Accelerator exists, so ZeRO-3 partitions at construction.
+
+    ``attention``: the document-masking attention (:func:`build_attention`); every forward then needs its
+    ``forward_kwargs``. None builds the plain causal attention of :func:`training_attention`.
+    """
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
-    attention = training_attention(m.attn_implementation)
+    attention = attention.name if attention is not None else training_attention(m.attn_implementation)
     if m.init_from is not None:
         model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32)
     else:

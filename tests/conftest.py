@@ -13,7 +13,7 @@ from helpers import ROOT  # noqa: F401  (puts the repository on sys.path first)
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """About 40 real Python source files: text a tiny model can learn something from."""
-    from lmrecipe.data.prepare.pipeline import embedded_corpus_files
+    from lmrecipe.data.prepare.read import embedded_corpus_files
 
     out = tmp_path_factory.mktemp("corpus")
     files = [f for f in embedded_corpus_files() if 4_000 < f.stat().st_size < 30_000][:40]

@@ -23,8 +23,8 @@ LAYERS = {
     "errors": 0, "fileio": 0, "determinism": 0,
     "cli": 1, "config": 1,
     # components: each one concern, unaware of the loop
-    "data": 2, "model": 2, "optim": 2, "observe": 2, "launch": 2,
-    "distributed": 3, "loss": 3,
+    "data": 2, "attention": 2, "optim": 2, "observe": 2, "launch": 2,
+    "model": 3, "distributed": 3, "loss": 3,
     "checkpoint": 4, "memory": 4,
     "export": 5,
     "evaluate": 6,

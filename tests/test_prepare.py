@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lmrecipe.data.format import FORMAT_VERSION, INDEX_DTYPE, load_meta, read_meta  # noqa: E402
+from lmrecipe.data.format import FORMAT_VERSION, INDEX_DTYPE, load_meta, read_meta_file  # noqa: E402
 from lmrecipe.data.prepare import pipeline as prep  # noqa: E402
+from lmrecipe.data.prepare import read as reading  # noqa: E402
+from lmrecipe.data.prepare.read import (  # noqa: E402
+    DocumentSource,
+    ReadStats,
+    check_val_fraction,
+    embedded_corpus_files,
+    no_documents,
+    split_of,
+    stdlib_root,
+)
+from lmrecipe.data.prepare.tokenize import EOS_TOKEN, ChunkEncoder, train_bpe_tokenizer  # noqa: E402
 from lmrecipe.errors import UserError  # noqa: E402
 
 SCRIPT = REPO / "tools" / "prepare_data.py"
@@ -41,6 +54,40 @@ DOCUMENTS = {
     # order would show up as a different train.bin.
     "big/k.txt": "".join(f"line {i}: value={i * 7919 % 10007}\n" for i in range(8000)),
 }
+
+
+@dataclass
+class Corpus:
+    """Documents in reading order, held in memory. ``keys[i]`` names ``texts[i]`` (relative path, or ``path:record``)."""
+
+    keys: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def load_corpus(inputs: Sequence[str | os.PathLike] = (), hub_dataset: str | None = None, text_field: str = "text",
+                max_documents: int | None = None) -> Corpus:
+    """The documents that preparation streams, in the same order, held in memory: the reference the tests compare to."""
+    source = DocumentSource(inputs, hub_dataset, text_field, max_documents)
+    stats = ReadStats()
+    corpus = Corpus()
+    for doc in source.documents(stats):
+        corpus.keys.append(doc.key)
+        corpus.texts.append(doc.text)
+    corpus.source = source.describe(stats)
+    if not corpus.texts:
+        raise no_documents(corpus.source)
+    return corpus
+
+
+def split_documents(keys: Sequence[str], val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(train, val) index lists of ``keys``, each in the original order, by the preparation's hash rule."""
+    check_val_fraction(val_fraction)
+    splits = [split_of(key, val_fraction, seed) for key in keys]
+    return ([i for i, s in enumerate(splits) if s == "train"], [i for i, s in enumerate(splits) if s == "val"])
 
 
 def write_corpus(root: Path) -> Path:
@@ -100,7 +147,7 @@ def test_trained_tokenizer_round_trips_every_document(prepared):
     out_dir, meta = prepared
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     assert len(tokenizer) == meta["vocab_size"]
-    assert tokenizer.eos_token == prep.EOS_TOKEN and tokenizer.eos_token_id == meta["eos_id"]
+    assert tokenizer.eos_token == EOS_TOKEN and tokenizer.eos_token_id == meta["eos_id"]
     for text in DOCUMENTS.values():
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert tokenizer.decode(ids) == text
@@ -110,12 +157,12 @@ def test_bin_files_hold_each_split_documents_followed_by_eos(prepared, corpus_di
     from transformers import AutoTokenizer
 
     out_dir, meta = prepared
-    assert meta == {**read_meta(out_dir), "timing": meta["timing"]}
+    assert meta == {**read_meta_file(out_dir), "timing": meta["timing"]}
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    corpus = prep.load_corpus([corpus_dir])
+    corpus = load_corpus([corpus_dir])
     # Files are read byte-exact (CRLF kept); empty, hidden and unsupported files are skipped.
     assert dict(zip(corpus.keys, corpus.texts)) == DOCUMENTS
-    train_idx, val_idx = prep.split_documents(corpus.keys, 0.2)
+    train_idx, val_idx = split_documents(corpus.keys, 0.2)
     assert meta["dtype"] == "uint16" and meta["format_version"] == FORMAT_VERSION == 2
     for split, indices in (("train", train_idx), ("val", val_idx)):
         info = meta["splits"][split]
@@ -159,16 +206,16 @@ def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared, corpu
 
 def test_split_is_deterministic_order_independent_and_seeded():
     keys = [f"doc{i}.txt" for i in range(4000)]
-    train, val = prep.split_documents(keys, 0.05)
+    train, val = split_documents(keys, 0.05)
     assert 160 <= len(val) <= 240 and sorted(train + val) == list(range(4000))  # 200 expected, +-4.5 sigma
-    assert (train, val) == prep.split_documents(keys, 0.05)
+    assert (train, val) == split_documents(keys, 0.05)
     reversed_keys = keys[::-1]
-    _, val_rev = prep.split_documents(reversed_keys, 0.05)
+    _, val_rev = split_documents(reversed_keys, 0.05)
     assert {reversed_keys[i] for i in val_rev} == {keys[i] for i in val}
-    assert prep.split_documents(keys, 0.05, seed=1)[1] != val
+    assert split_documents(keys, 0.05, seed=1)[1] != val
     # A document's split is its own: the first 100 keep theirs when 3,900 others are dropped.
-    assert prep.split_documents(keys[:100], 0.05)[1] == [i for i in val if i < 100]
-    assert {prep.split_of(keys[i], 0.05) for i in val} == {"val"}
+    assert split_documents(keys[:100], 0.05)[1] == [i for i in val if i < 100]
+    assert {split_of(keys[i], 0.05) for i in val} == {"val"}
 
 
 def test_jsonl_and_parquet_records_are_documents(tmp_path):
@@ -183,7 +230,7 @@ def test_jsonl_and_parquet_records_are_documents(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"body": f"parquet row {i} ✓\n"} for i in range(5)]), data / "part2.parquet")
     expected = [r["body"] for r in records if r["body"]] + [f"parquet row {i} ✓\n" for i in range(5)]
 
-    corpus = prep.load_corpus([data], text_field="body")
+    corpus = load_corpus([data], text_field="body")
     assert corpus.texts == expected
     assert corpus.keys[0] == "part1.jsonl:0" and corpus.keys[-1] == "part2.parquet:4"
 
@@ -191,7 +238,7 @@ def test_jsonl_and_parquet_records_are_documents(tmp_path):
     meta = prep.prepare(output=out_dir, inputs=[data], text_field="body", vocab_size=VOCAB, val_fraction=0.2,
                         num_proc=1)
     assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == len(expected)
-    assert meta["splits"]["val"]["n_documents"] == len(prep.split_documents(corpus.keys, 0.2)[1]) > 0
+    assert meta["splits"]["val"]["n_documents"] == len(split_documents(corpus.keys, 0.2)[1]) > 0
     assert meta["skipped"] == {"empty_documents": 1, "not_text_files": 0}
 
     from transformers import AutoTokenizer
@@ -201,7 +248,7 @@ def test_jsonl_and_parquet_records_are_documents(tmp_path):
     pieces = np.split(ids, np.flatnonzero(ids == meta["eos_id"]) + 1)[:-1]
     assert sorted(tokenizer.decode(p[:-1].tolist()) for p in pieces) == sorted(expected)
 
-    assert len(prep.load_corpus([data], text_field="body", max_documents=3)) == 3
+    assert len(load_corpus([data], text_field="body", max_documents=3)) == 3
 
 
 def test_refuses_existing_output_then_overwrites_it(corpus_dir, tmp_path):
@@ -215,7 +262,7 @@ def test_refuses_existing_output_then_overwrites_it(corpus_dir, tmp_path):
 
     meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
     assert not (out_dir / "keep.txt").exists()
-    assert read_meta(out_dir)["splits"] == meta["splits"]
+    assert read_meta_file(out_dir)["splits"] == meta["splits"]
     assert siblings(out_dir) == []
 
 
@@ -227,7 +274,7 @@ def test_failure_midway_leaves_no_temp_folder_and_keeps_old_output(corpus_dir, t
     def broken_encoder(self, texts):
         raise RuntimeError("tokenizer crashed")
 
-    monkeypatch.setattr(prep._ChunkEncoder, "__call__", broken_encoder)
+    monkeypatch.setattr(ChunkEncoder, "__call__", broken_encoder)
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
         prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
     assert [p.name for p in out_dir.iterdir()] == ["keep.txt"] and siblings(out_dir) == []
@@ -288,8 +335,8 @@ def test_cli_errors_exit_2_with_a_message_and_write_nothing(tmp_path, case):
 
 
 def test_embedded_corpus_is_the_stdlib_without_tests_or_packages():
-    files = prep.embedded_corpus_files()
-    root = prep._stdlib_root()
+    files = embedded_corpus_files()
+    root = stdlib_root()
     rels = [f.relative_to(root) for f in files]
     assert len(files) > 100
     assert rels == sorted(rels, key=lambda p: p.as_posix())
@@ -299,17 +346,17 @@ def test_embedded_corpus_is_the_stdlib_without_tests_or_packages():
     assert Path("os.py") in rels and Path("json/decoder.py") in rels
 
 
-def test_read_meta_rejects_missing_and_invalid(tmp_path, prepared):
+def test_read_meta_file_rejects_missing_and_invalid(tmp_path, prepared):
     with pytest.raises(UserError, match="not a prepared data folder"):
-        read_meta(tmp_path)
+        read_meta_file(tmp_path)
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(UserError, match="not readable JSON"):
-        read_meta(tmp_path)
+        read_meta_file(tmp_path)
     meta = json.loads((prepared[0] / "meta.json").read_text())
     del meta["eos_id"]
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="eos_id"):
-        read_meta(tmp_path)
+        read_meta_file(tmp_path)
 
 
 def write_mixed_inputs(root: Path, corpus_dir: Path) -> list[Path]:
@@ -336,11 +383,11 @@ def test_streaming_writes_what_an_in_memory_reference_computes(prepared, corpus_
     meta = prep.prepare(output=out_dir, inputs=inputs, tokenizer=str(tokenizer_dir), val_fraction=0.2, num_proc=2)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    per_input = [prep.load_corpus([path]) for path in inputs]
+    per_input = [load_corpus([path]) for path in inputs]
     for split, position in (("train", 0), ("val", 1)):
         texts, first = [], 0
         for path, corpus, entry in zip(inputs, per_input, meta["inputs"]):
-            chosen = [corpus.texts[i] for i in prep.split_documents(corpus.keys, 0.2)[position]]
+            chosen = [corpus.texts[i] for i in split_documents(corpus.keys, 0.2)[position]]
             texts += chosen
             assert entry["name"] == str(path)
             assert entry[split]["documents"] == ([first, first + len(chosen)] if chosen else [0, 0])
@@ -361,16 +408,16 @@ def test_trained_bpe_learns_from_the_first_megabytes_of_train_documents(corpus_d
     limit_mb = 0.0004  # 400 bytes: a few of the small documents
     meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2,
                         tokenizer_sample_mb=limit_mb, num_proc=1)
-    corpus = prep.load_corpus([corpus_dir])
+    corpus = load_corpus([corpus_dir])
     sample, n_bytes = [], 0
-    for i in prep.split_documents(corpus.keys, 0.2)[0]:
+    for i in split_documents(corpus.keys, 0.2)[0]:
         if n_bytes >= limit_mb * 1e6:
             break
         sample.append(corpus.texts[i])
         n_bytes += len(corpus.texts[i].encode())
     assert 1 < len(sample) < len(corpus.texts) - 2
     assert meta["tokenizer_sample"] == {"max_mb": limit_mb, "n_documents": len(sample), "n_bytes": n_bytes}
-    expected = prep.train_bpe_tokenizer(sample, VOCAB)
+    expected = train_bpe_tokenizer(sample, VOCAB)
     assert json.loads((out_dir / "tokenizer.json").read_text()) == json.loads(expected.backend_tokenizer.to_str())
     # Everything is still tokenized with it.
     assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == len(corpus.texts)
@@ -385,9 +432,9 @@ def test_files_that_are_not_text_are_skipped_and_counted(tmp_path, caplog):
     (docs / "compiled.py").write_bytes(b"x = 1\n\x00\x00\x00\x01binary")  # UTF-8, but NUL bytes
     assert [p.name for p in docs.iterdir() if p.name.startswith("ok")] and len(list(docs.iterdir())) == 8
 
-    corpus = prep.load_corpus([docs])
+    corpus = load_corpus([docs])
     assert corpus.keys == [f"ok{i}.txt" for i in range(6)]
-    with caplog.at_level(logging.WARNING, logger=prep.__name__):
+    with caplog.at_level(logging.WARNING, logger=reading.__name__):
         meta = prep.prepare(output=tmp_path / "out", inputs=[docs], vocab_size=VOCAB, val_fraction=0.3, num_proc=1)
     assert meta["skipped"] == {"empty_documents": 0, "not_text_files": 2}
     assert meta["splits"]["train"]["n_documents"] + meta["splits"]["val"]["n_documents"] == 6
@@ -434,8 +481,9 @@ def test_trained_tokenizer_workers_do_not_import_torch(prepared):
     # Each worker process imports the preparation modules and builds its encoder; torch would add ~200 MB to each.
     code = (
         "import sys\n"
-        "from lmrecipe.data.prepare import pipeline as prep\n"
-        f"encoder = prep._ChunkEncoder(prep._EncoderSpec({str(prepared[0])!r}, True, 0, {VOCAB}, 'uint16'))\n"
+        "from lmrecipe.data.prepare import pipeline\n"
+        "from lmrecipe.data.prepare.tokenize import ChunkEncoder, EncoderSpec\n"
+        f"encoder = ChunkEncoder(EncoderSpec({str(prepared[0])!r}, True, 0, {VOCAB}, 'uint16'))\n"
         "data, lengths, top = encoder(['def f(x):\\n    return x\\n'])\n"
         "assert len(lengths) == 1 and top < {VOCAB}\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
@@ -457,11 +505,11 @@ def test_hub_datasets_are_streamed_as_records(tmp_path, monkeypatch):
         requested.append(name)
         return datasets.load_dataset("json", data_files=str(records), split="train", streaming=True)
 
-    monkeypatch.setattr(prep, "_load_hub_dataset", fake_hub)
-    corpus = prep.load_corpus(hub_dataset="org/name")
+    monkeypatch.setattr(reading, "_load_hub_dataset", fake_hub)
+    corpus = load_corpus(hub_dataset="org/name")
     assert corpus.keys == [f"org/name:{i}" for i in range(20)] and corpus.source == "hub:org/name"
     meta = prep.prepare(output=tmp_path / "out", hub_dataset="org/name", vocab_size=VOCAB, val_fraction=0.2,
                         num_proc=1)
     assert meta["source"] == "hub:org/name" and meta["inputs"][0]["name"] == "hub:org/name"
-    assert meta["splits"]["val"]["n_documents"] == len(prep.split_documents(corpus.keys, 0.2)[1]) > 0
+    assert meta["splits"]["val"]["n_documents"] == len(split_documents(corpus.keys, 0.2)[1]) > 0
     assert requested == ["org/name"] * 3  # the in-memory reference, the BPE sample, the tokenizing pass

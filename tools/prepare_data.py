@@ -4,8 +4,8 @@
     python tools/prepare_data.py --input corpus/ --output data/mine --vocab-size 16384
     python tools/prepare_data.py --input docs.jsonl --text-field body --tokenizer gpt2 --output data/docs
 
-The corpus is streamed: memory does not grow with its size. See lmrecipe/prepare.py for the folder format, the
-split rule and what happens after an interruption (run the command again; it starts over).
+The corpus is streamed: memory does not grow with its size. See lmrecipe/data/prepare/ for the folder format
+(write.py), the split rule (read.py) and what happens after an interruption (run the command again; it starts over).
 """
 
 import argparse

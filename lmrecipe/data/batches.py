@@ -1,7 +1,8 @@
 """The batches a rank trains and validates on: the batch layout, training micro-batches, the prefetcher, validation.
 
 Samples are split into accumulation micro-steps and ranks by position only (:class:`BatchLayout`), so the
-order of ``lmrecipe/data/order.py`` is the same on any number of processes.
+order of ``lmrecipe/data/order.py`` is the same on any number of processes. One folder (:class:`TrainBatches`) and
+a mixture (:class:`MixtureBatches`) share :class:`StepBatches` and differ only in that order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lmrecipe.config import TrainConfig
-from lmrecipe.data.format import TokenWindows
+from lmrecipe.data.format import TokenWindows, stack_windows
 from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step, name_stream
 from lmrecipe.errors import fail
 
@@ -58,39 +59,108 @@ class BatchLayout:
         return step * self.global_batch_size + offset
 
 
-class TrainBatches:
-    """The micro-batches each rank trains on at each optimizer step."""
+class StepBatches:
+    """The micro-batches each rank trains on at each optimizer step, drawn from one or more sources of windows.
 
-    def __init__(self, windows: TokenWindows, layout: BatchLayout, seed: int):
-        self.windows = windows
+    Subclasses differ only in the order, :meth:`locate` (global sample index -> source and window); which samples
+    a rank reads at a micro-step (:class:`BatchLayout`), skipped data steps and the rows of a batch are shared.
+    Ids name windows: bare window indices for one folder (``names`` None), (source, window) rows for named sources.
+    """
+
+    names: list[str] | None = None
+    """Source names, which the spike log writes with each window; None for one folder."""
+
+    def __init__(self, sources: list[TokenWindows], layout: BatchLayout):
+        self.sources = sources
         self.layout = layout
-        self.order = SampleOrder(len(windows), seed)
         self.skipped: tuple[int, ...] = ()
         """Data steps never trained on (ascending), see :func:`data_step`; replaced whole, never mutated."""
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window) index arrays of the given global sample indices: the order."""
+        raise NotImplementedError
 
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
         return self.data_window_ids(data_step(step, self.skipped), micro_step)
 
     def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
-        """This rank's windows in micro-step ``micro_step`` of data step ``position``."""
-        return self.order.windows(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
+        """This rank's windows in micro-step ``micro_step`` of data step ``position`` (ids: see the class)."""
+        sources, windows = self._micro_step(position, micro_step)
+        return windows if self.names is None else np.stack([sources, windows], axis=1)
 
     def micro_batches(self, step: int):
         """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
+        position = data_step(step, self.skipped)
         for micro_step in range(self.layout.accum_steps):
-            yield self.windows.batch(self.window_ids(step, micro_step))
+            yield self._batch(*self._micro_step(position, micro_step))
 
     def data_step_samples(self, position: int) -> list:
-        """Every window of data step ``position`` over all ranks, in global sample order (for the spike log)."""
+        """Every window of data step ``position`` over all ranks, in global sample order (for the spike log).
+
+        Window indices for one folder, ``[source name, window]`` pairs for named sources.
+        """
         G = self.layout.global_batch_size
-        return self.order.windows(position * G, G).tolist()
+        sources, windows = self._samples(position * G, G)
+        if self.names is None:
+            return windows.tolist()
+        return [[self.names[k], int(w)] for k, w in zip(sources, windows)]
 
     def data_step_inputs(self, position: int) -> list:
         """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
-        return [self.windows.batch(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
+        return [self._batch(*self._micro_step(position, m))[0] for m in range(self.layout.accum_steps)]
 
-    def epoch_of(self, step: int) -> float:
-        return data_step(step, self.skipped) * self.layout.global_batch_size / len(self.windows)
+    def _samples(self, first_sample: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.locate(np.arange(first_sample, first_sample + count))
+
+    def _micro_step(self, position: int, micro_step: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._samples(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
+
+    def _batch(self, sources: np.ndarray, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return stack_windows([self.sources[k].window(w) for k, w in zip(sources, windows)])
+
+
+class TrainBatches(StepBatches):
+    """One folder: global sample ``g`` is window ``order.at(g)``, a permutation of the windows per epoch."""
+
+    def __init__(self, windows: TokenWindows, layout: BatchLayout, seed: int):
+        super().__init__([windows], layout)
+        self.order = SampleOrder(len(windows), seed)
+
+    @property
+    def windows(self) -> TokenWindows:
+        return self.sources[0]
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(len(samples), dtype=np.int64), self.order.at(samples)
+
+
+class MixtureBatches(StepBatches):
+    """Several folders: global sample ``g`` goes to a source by :class:`MixtureOrder`, then through its own permutation."""
+
+    def __init__(self, windows: list[TokenWindows], names: list[str], weights: list[float], layout: BatchLayout,
+                 seed: int):
+        super().__init__(windows, layout)
+        self.names = names
+        self.order = MixtureOrder(weights)
+        self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sources, counters = self.order.assign(samples)
+        windows = np.zeros_like(counters)
+        for k in np.unique(sources):
+            mask = sources == k
+            windows[mask] = self.orders[k].at(counters[mask])
+        return sources, windows
+
+    def samples_seen(self, step: int) -> np.ndarray:
+        """Samples of each source trained on in steps ``[0, step)``, over all ranks (skipped data steps left out)."""
+        G = self.layout.global_batch_size
+        end = data_step(step, self.skipped)
+        seen = self.order.counts(end * G)
+        for skip in self.skipped:
+            if skip < end:
+                seen -= self.order.counts((skip + 1) * G) - self.order.counts(skip * G)
+        return seen
 
 
 class Prefetcher:
@@ -102,7 +172,7 @@ class Prefetcher:
     reads and the numpy/torch copies release the GIL, so the thread overlaps with the training step.
     """
 
-    def __init__(self, batches: TrainBatches, pin_memory: bool = False):
+    def __init__(self, batches: StepBatches, pin_memory: bool = False):
         from concurrent.futures import ThreadPoolExecutor
 
         self.batches = batches
@@ -161,66 +231,3 @@ class ValBatches:
         for i in range(0, len(self.rank_ids), self.micro_batch_size):
             inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
             yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])
-
-
-
-
-class MixtureBatches:
-    """The micro-batches each rank trains on at each optimizer step, drawn from several sources (``TrainBatches`` API)."""
-
-    def __init__(self, windows: list[TokenWindows], names: list[str], weights: list[float], layout: BatchLayout,
-                 seed: int):
-        self.sources = windows
-        self.names = names
-        self.layout = layout
-        self.order = MixtureOrder(weights)
-        self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
-        self.skipped: tuple[int, ...] = ()
-        """Data steps never trained on (ascending), see :func:`lmrecipe.data.order.data_step`; replaced whole."""
-
-    def sample_ids(self, first_sample: int, count: int) -> np.ndarray:
-        """``[count, 2]``: (source, window) of global samples ``[first_sample, first_sample + count)``."""
-        sources, counters = self.order.assign(np.arange(first_sample, first_sample + count))
-        windows = np.zeros_like(counters)
-        for k in np.unique(sources):
-            mask = sources == k
-            windows[mask] = self.orders[k].at(counters[mask])
-        return np.stack([sources, windows], axis=1)
-
-    def window_ids(self, step: int, micro_step: int) -> np.ndarray:
-        return self.data_window_ids(data_step(step, self.skipped), micro_step)
-
-    def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
-        """This rank's (source, window) pairs in micro-step ``micro_step`` of data step ``position``."""
-        return self.sample_ids(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
-
-    def _rows(self, ids: np.ndarray):
-        import torch
-
-        L = self.sources[0].seq_len
-        rows = np.stack([self.sources[k].tokens[w * L : w * L + L + 1] for k, w in ids]).astype(np.int64)
-        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
-
-    def micro_batches(self, step: int):
-        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
-        for micro_step in range(self.layout.accum_steps):
-            yield self._rows(self.window_ids(step, micro_step))
-
-    def data_step_samples(self, position: int) -> list:
-        """Every (source name, window) of data step ``position`` over all ranks, in global sample order."""
-        G = self.layout.global_batch_size
-        return [[self.names[k], int(w)] for k, w in self.sample_ids(position * G, G)]
-
-    def data_step_inputs(self, position: int) -> list:
-        """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
-        return [self._rows(self.data_window_ids(position, m))[0] for m in range(self.layout.accum_steps)]
-
-    def samples_seen(self, step: int) -> np.ndarray:
-        """Samples of each source trained on in steps ``[0, step)``, over all ranks (skipped data steps left out)."""
-        G = self.layout.global_batch_size
-        end = data_step(step, self.skipped)
-        seen = self.order.counts(end * G)
-        for skip in self.skipped:
-            if skip < end:
-                seen -= self.order.counts((skip + 1) * G) - self.order.counts(skip * G)
-        return seen

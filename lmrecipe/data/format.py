@@ -2,7 +2,8 @@
 
 The folder (version :data:`FORMAT_VERSION`) is written by ``lmrecipe/data/prepare/``: ``train.bin``/``val.bin``
 (token ids), ``train.idx``/``val.idx`` (uint64 document offsets) and ``meta.json``. Start-up reads ``meta.json``
-and checks it against the files' sizes and a fixed sample of their contents (:class:`TokenWindows`): constant
+and checks it against the files' sizes (:func:`load_meta`, the one call for a folder; :func:`read_meta_file` is its
+schema check of the file alone) and a fixed sample of their contents (:class:`TokenWindows`): constant
 time, whatever the number of tokens. The largest token id comes from ``meta.json``, not from a scan of the tokens.
 """
 
@@ -41,8 +42,30 @@ _SAMPLE_BLOCK_TOKENS = 4096
 _SAMPLE_DOCUMENTS = 64
 
 
-def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
-    """Load and check ``meta.json`` of a folder written by ``tools/prepare_data.py``; UserError if it is not one."""
+def load_meta(data_dir: str | Path) -> dict:
+    """The checked ``meta.json`` of a prepared data folder: call this before using a folder's tokens.
+
+    Checks the folder (it exists and is not empty), the file (:func:`read_meta_file`) and the token files against
+    it (each ``.bin`` and ``.idx`` has the size ``meta.json`` implies); UserError naming the fix otherwise.
+    """
+    data_dir = Path(data_dir)
+    how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
+    if not data_dir.is_dir():
+        raise fail(f"Data folder {str(data_dir)!r} does not exist. {how_to_make}")
+    if not any(data_dir.iterdir()):
+        raise fail(f"Data folder {str(data_dir)!r} is empty. {how_to_make}")
+    meta = read_meta_file(data_dir)
+    for name in SPLITS:
+        _check_sizes(data_dir, name, meta, how_to_make)
+    return meta
+
+
+def read_meta_file(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """``meta.json`` of ``data_dir`` alone: parsed and checked against the schema, the token files not looked at.
+
+    A part of :func:`load_meta`, which training and evaluation call; UserError if the file is missing, not JSON, of
+    another format version or lacking a key.
+    """
     data_dir = Path(data_dir)
     path = data_dir / "meta.json"
     remedy = f"Create it with `python tools/prepare_data.py --output {data_dir}` (add --overwrite to replace it)."
@@ -57,15 +80,7 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     missing = [key for key in _META_KEYS if key not in meta]
     if missing:
         raise fail(f"{path} lacks {', '.join(missing)}. {remedy}")
-    if meta["format_version"] != FORMAT_VERSION:
-        if isinstance(meta["format_version"], int) and meta["format_version"] < FORMAT_VERSION:
-            raise fail(
-                f"{data_dir} was prepared in data format version {meta['format_version']}, which has no document "
-                f"index and no max_token_id; this code reads version {FORMAT_VERSION}. Re-prepare it with the same "
-                f"inputs: `python tools/prepare_data.py --output {data_dir} --overwrite` (plus the --input, "
-                f"--tokenizer or --vocab-size it was made with)."
-            )
-        raise fail(f"{path} has format_version {meta['format_version']!r}; this code reads {FORMAT_VERSION}. {remedy}")
+    _check_version(meta["format_version"], path, remedy)
     if meta["dtype"] not in ("uint16", "uint32"):
         raise fail(f"{path} has dtype {meta['dtype']!r}; expected uint16 or uint32. {remedy}")
     splits = meta["splits"]
@@ -75,39 +90,43 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_meta(data_dir: str | Path) -> dict:
-    """Read ``meta.json`` (schema checked by read_meta) and check it against the sizes of the .bin and .idx files."""
-    data_dir = Path(data_dir)
-    how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
-    if not data_dir.is_dir():
-        raise fail(f"Data folder {str(data_dir)!r} does not exist. {how_to_make}")
-    if not any(data_dir.iterdir()):
-        raise fail(f"Data folder {str(data_dir)!r} is empty. {how_to_make}")
-    meta = read_meta(data_dir)
-    dtype = np.dtype(_DTYPES[meta["dtype"]])
-    for name in SPLITS:
-        path = data_dir / f"{name}.bin"
-        n_tokens = int(meta["splits"][name]["n_tokens"])
-        if not path.is_file():
-            raise fail(f"{path} is missing although meta.json lists it. Re-create the folder. {how_to_make}")
-        expected = n_tokens * dtype.itemsize
-        actual = path.stat().st_size
-        if actual != expected:
-            raise fail(
-                f"{path} holds {actual} bytes but meta.json says {n_tokens} {meta['dtype']} tokens "
-                f"({expected} bytes): the file is truncated or from another preparation. Re-create the folder. {how_to_make}"
-            )
-        index_path = data_dir / f"{name}.idx"
-        n_documents = int(meta["splits"][name]["n_documents"])
-        expected = (n_documents + 1) * INDEX_DTYPE.itemsize
-        actual = index_path.stat().st_size if index_path.is_file() else None
-        if actual != expected:
-            found = "is missing" if actual is None else f"holds {actual} bytes"
-            raise fail(
-                f"{index_path} {found} but meta.json says {n_documents} documents ({expected} bytes): the folder is "
-                f"incomplete or mixed from two preparations. Re-create the folder. {how_to_make}"
-            )
-    return meta
+def _check_version(version: Any, path: Path, remedy: str) -> None:
+    if version == FORMAT_VERSION:
+        return
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        data_dir = path.parent
+        raise fail(
+            f"{data_dir} was prepared in data format version {version}, which has no document "
+            f"index and no max_token_id; this code reads version {FORMAT_VERSION}. Re-prepare it with the same "
+            f"inputs: `python tools/prepare_data.py --output {data_dir} --overwrite` (plus the --input, "
+            f"--tokenizer or --vocab-size it was made with)."
+        )
+    raise fail(f"{path} has format_version {version!r}; this code reads {FORMAT_VERSION}. {remedy}")
+
+
+def _check_sizes(data_dir: Path, split: str, meta: dict, how_to_make: str) -> None:
+    """The split's ``.bin`` and ``.idx`` hold the bytes that ``meta.json``'s token and document counts imply."""
+    path = data_dir / f"{split}.bin"
+    n_tokens = int(meta["splits"][split]["n_tokens"])
+    if not path.is_file():
+        raise fail(f"{path} is missing although meta.json lists it. Re-create the folder. {how_to_make}")
+    expected = n_tokens * np.dtype(_DTYPES[meta["dtype"]]).itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise fail(
+            f"{path} holds {actual} bytes but meta.json says {n_tokens} {meta['dtype']} tokens "
+            f"({expected} bytes): the file is truncated or from another preparation. Re-create the folder. {how_to_make}"
+        )
+    index_path = data_dir / f"{split}.idx"
+    n_documents = int(meta["splits"][split]["n_documents"])
+    expected = (n_documents + 1) * INDEX_DTYPE.itemsize
+    actual = index_path.stat().st_size if index_path.is_file() else None
+    if actual != expected:
+        found = "is missing" if actual is None else f"holds {actual} bytes"
+        raise fail(
+            f"{index_path} {found} but meta.json says {n_documents} documents ({expected} bytes): the folder is "
+            f"incomplete or mixed from two preparations. Re-create the folder. {how_to_make}"
+        )
 
 
 def file_sha256(path: str | Path) -> str:
@@ -148,13 +167,22 @@ class TokenWindows:
     def __len__(self) -> int:
         return self.n_windows
 
+    def window(self, i: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of window ``i``: a view of the memmap, nothing read yet."""
+        L = self.seq_len
+        return self.tokens[i * L : i * L + L + 1]
+
     def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""
-        import torch
+        return stack_windows([self.window(i) for i in window_ids])
 
-        L = self.seq_len
-        rows = np.stack([self.tokens[i * L : i * L + L + 1] for i in window_ids]).astype(np.int64)
-        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+
+def stack_windows(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of windows of ``seq_len + 1`` tokens, both ``[len(windows), seq_len]`` int64."""
+    import torch
+
+    rows = np.stack(windows).astype(np.int64)
+    return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
 
 
 def sample_blocks(n_tokens: int) -> list[tuple[int, int]]:

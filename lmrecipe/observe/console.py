@@ -17,11 +17,10 @@ import torch
 from tqdm.auto import tqdm
 
 from lmrecipe.config import LoggingConfig
-from lmrecipe.fileio import write_json_atomic
 from lmrecipe.observe import device as device_stats
 from lmrecipe.observe.metrics_log import Tracker, read_metrics
 from lmrecipe.observe.plots import plot_training
-from lmrecipe.observe.run_meta import run_metadata
+from lmrecipe.observe.run_meta import run_metadata, write_run_meta
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class Reporter:
         if self.is_main:
             meta = run_metadata(run_config, accelerator.num_processes, precision,
                                 {**run_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
-            write_json_atomic(out_dir / "run_meta.json", meta)
+            write_run_meta(out_dir, meta)
         self.tracker = Tracker(out_dir, section.tracker, section.project, section.run_name or out_dir.name,
                                run_config, enabled=self.is_main, start_step=start_step)
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,

@@ -1,8 +1,13 @@
-"""The run's metadata (``run_meta.json``): commit, package versions, hardware, container, world size, precision.
+"""The run's metadata, ``out_dir/run_meta.json``: built, written and amended here only.
+
+At the start (main process): commit, package versions, hardware, container, world size, precision, model and data
+facts and the resolved configuration (:func:`write_run_meta`). At the end: how the run ended, under ``outcome``
+(:func:`record_outcome`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -11,7 +16,12 @@ from pathlib import Path
 
 import torch
 
+from lmrecipe.fileio import write_json_atomic
+
 logger = logging.getLogger(__name__)
+
+RUN_META_FILE = "run_meta.json"
+
 
 def _git_commit() -> str | None:
     """The checkout's commit, or the one a container image was built from (``LMRECIPE_GIT_COMMIT``)."""
@@ -74,3 +84,17 @@ def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> 
         **extra,
         "config": config,
     }
+
+
+def write_run_meta(out_dir: Path, meta: dict) -> None:
+    """Write ``run_meta.json`` (main process, at the start of every session of the run)."""
+    write_json_atomic(out_dir / RUN_META_FILE, meta)
+
+
+def record_outcome(out_dir: Path, outcome: dict) -> dict:
+    """Add how the run ended to ``run_meta.json`` (under ``outcome``); return the amended metadata."""
+    path = out_dir / RUN_META_FILE
+    meta = json.loads(path.read_text()) if path.is_file() else {}
+    meta["outcome"] = outcome
+    write_json_atomic(path, meta)
+    return meta

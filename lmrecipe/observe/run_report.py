@@ -17,6 +17,7 @@ from lmrecipe.config import Config, flatten_config, load_config
 from lmrecipe.errors import UserError
 from lmrecipe.fileio import write_json_atomic, write_text_atomic
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
+from lmrecipe.observe.run_meta import record_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +28,7 @@ REPORT_FILE = "report.md"
 def write_run_end(out_dir: Path, outcome: dict, cost_per_device_hour: float | None) -> None:
     """Main process, at the end of a run: ``final.json``, ``run_meta.json["outcome"]``, ``report.md``."""
     write_json_atomic(out_dir / FINAL_FILE, outcome)
-    meta_path = out_dir / "run_meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    meta["outcome"] = outcome
-    write_json_atomic(meta_path, meta)
+    meta = record_outcome(out_dir, outcome)
     write_text_atomic(out_dir / REPORT_FILE, build_report(out_dir, meta, outcome, cost_per_device_hour))
     logger.info("Run report written to %s", out_dir / REPORT_FILE)
 

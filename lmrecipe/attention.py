@@ -1,0 +1,213 @@
+"""Document masking in attention: each token attends only to earlier tokens of its own document.
+
+:func:`build_document_attention` maps ``model.attn_implementation`` to the implementation the training model is
+built with, and its :meth:`~DocumentAttention.forward_kwargs` turns a :class:`~lmrecipe.data.documents.DocumentBatch`
+into the keyword arguments of every forward: ``model(input_ids=inputs, **kwargs)``. transformers hands a forward's
+extra keyword arguments down to the attention function (``**kwargs: TransformersKwargs``, model -> decoder layer ->
+attention module -> attention function), so per-batch data reaches it without changing the model code.
+
+- ``sdpa`` -> :data:`DOCUMENT_SDPA`: transformers' SDPA under a block-diagonal causal boolean mask that is built once
+  per forward, on the device, from ``document_ids`` (keyword ``document_mask``).
+- ``eager`` -> ``eager``: the model's own eager attention with that mask as an additive 4D ``attention_mask``
+  (transformers passes a 4D mask through as is). Refused for models with sliding-window layers.
+- ``flash_attention_2`` / ``flash_attention_3`` -> the names of :data:`DOCUMENT_FLASH`: the variable-length kernel
+  with ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the host, over the batch flattened row-major.
+
+Every path passes ``position_ids`` restarting at each document. None runs transformers' mask builder or its
+packed-sequence detection, which read the device (a host sync per forward): our names have no mask function, and
+a 4D mask skips both. Anything else is refused with a UserError naming ``data.document_masking``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lmrecipe.errors import fail
+
+DOCUMENT_SDPA = "lmrecipe_document_sdpa"
+"""transformers' SDPA attention under the ``document_mask`` keyword argument (see :func:`document_sdpa_forward`)."""
+DOCUMENT_FLASH = {"flash_attention_2": "lmrecipe_document_fa2", "flash_attention_3": "lmrecipe_document_fa3"}
+"""Our name for each flash kernel. No "flash" in them: transformers would try to load a hub kernel of that name."""
+_FLASH_KERNEL = {ours: kernel for kernel, ours in DOCUMENT_FLASH.items()}
+SUPPORTED = ("sdpa", "eager", *DOCUMENT_FLASH)
+_OFF = "or set data.document_masking=false"
+
+
+@dataclass(frozen=True)
+class DocumentAttention:
+    """``requested``: ``model.attn_implementation``; ``name``: the implementation to build the model with."""
+
+    requested: str
+    name: str
+
+    def forward_kwargs(self, batch, device: torch.device | str) -> dict:
+        """Keyword arguments for ``model(input_ids=..., **kwargs)`` of the batch ``batch`` (a DocumentBatch).
+
+        Host arrays are copied with ``non_blocking=True`` (asynchronous from pinned memory, see
+        ``DocumentBatch.as_tensors``); the masks are built on ``device``. Nothing is read back to the host.
+        """
+        position_ids = _to_device(batch.position_ids, device)
+        if self.requested in DOCUMENT_FLASH:
+            return {"position_ids": position_ids, **flash_varlen_kwargs(batch, device)}
+        mask = block_causal_mask(_to_device(batch.document_ids, device))
+        if self.requested == "eager":
+            return {"position_ids": position_ids, "attention_mask": additive_mask(mask)}
+        return {"position_ids": position_ids, "document_mask": mask}
+
+
+def build_document_attention(attn_implementation: str, hf_config) -> DocumentAttention:
+    """Check that ``attn_implementation`` can mask documents for the causal LM of ``hf_config``; register our
+    attention functions. UserError naming the fix for what cannot (flex attention, a missing flash kernel, a model
+    without ``position_ids`` or whose attention does not go through transformers' ``AttentionInterface``)."""
+    _check_supported(attn_implementation)
+    model_class = _causal_lm_class(hf_config)
+    _check_model(model_class, attn_implementation, hf_config)
+    from transformers import AttentionInterface
+
+    if attn_implementation in DOCUMENT_FLASH:
+        _load_flash_kernel(attn_implementation)
+        AttentionInterface.register(DOCUMENT_FLASH[attn_implementation], document_flash_forward)
+        return DocumentAttention(attn_implementation, DOCUMENT_FLASH[attn_implementation])
+    if attn_implementation == "eager":
+        return DocumentAttention("eager", "eager")
+    AttentionInterface.register(DOCUMENT_SDPA, document_sdpa_forward)
+    return DocumentAttention("sdpa", DOCUMENT_SDPA)
+
+
+def _check_supported(attn_implementation: str) -> None:
+    if attn_implementation == "flex_attention":
+        raise fail(f"""
+            data.document_masking=true cannot run with model.attn_implementation=flex_attention: document masking
+            is not wired to flex attention, and torch 2.13 has no flex_attention backward on CPU. Use
+            model.attn_implementation=sdpa (any device) or flash_attention_2/flash_attention_3 (GPU), {_OFF}.""")
+    if attn_implementation not in SUPPORTED:
+        raise fail(f"""
+            data.document_masking=true supports model.attn_implementation in {', '.join(SUPPORTED)}; got
+            {attn_implementation!r}. Choose one of them, {_OFF}.""")
+
+
+def _causal_lm_class(hf_config) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        raise fail(f"data.document_masking=true: {type(hf_config).__name__} has no causal LM class in transformers; "
+                   f"choose another model.arch, {_OFF}.") from None
+
+
+def _check_model(model_class: type, attn_implementation: str, hf_config) -> None:
+    name = f"{model_class.__name__} (model.arch={hf_config.model_type})"
+    if "position_ids" not in inspect.signature(model_class.forward).parameters:
+        raise fail(f"""
+            data.document_masking=true needs position ids that restart at each document, but {name} takes no
+            position_ids in its forward. Use an architecture that does (llama, mistral, qwen2, gpt2, ...), {_OFF}.""")
+    if not model_class.is_backend_compatible():
+        raise fail(f"""
+            data.document_masking=true: {name} does not route its attention through transformers'
+            AttentionInterface, so the document boundaries cannot reach it. Use an architecture that does (llama,
+            mistral, qwen2, gpt2, ...), {_OFF}.""")
+    if attn_implementation in DOCUMENT_FLASH and not model_class._supports_flash_attn:
+        raise fail(f"data.document_masking=true: {name} does not support flash attention. Use "
+                   f"model.attn_implementation=sdpa, {_OFF}.")
+    if attn_implementation == "eager" and getattr(hf_config, "sliding_window", None) is not None:
+        raise fail(f"""
+            data.document_masking=true with model.attn_implementation=eager would drop the sliding window of {name}
+            (sliding_window={hf_config.sliding_window}): its mask is passed whole to every layer. Use
+            model.attn_implementation=sdpa (which applies the window per layer), {_OFF}.""")
+
+
+def _load_flash_kernel(attn_implementation: str) -> None:
+    """Load the kernel now, as transformers does when it builds a flash model, so a missing one fails at start-up."""
+    from transformers import modeling_flash_attention_utils as flash_utils
+
+    try:
+        flash_utils.lazy_import_flash_attention(attn_implementation)
+    except (ImportError, ValueError, OSError, RuntimeError) as err:  # not installed, or the hub fallback failed
+        raise fail(f"""
+            data.document_masking=true with model.attn_implementation={attn_implementation}: the flash kernel cannot
+            be loaded here ({type(err).__name__}: {err}). Install flash-attn on a GPU machine, or use
+            model.attn_implementation=sdpa, {_OFF}.""") from None
+
+
+def _to_device(array, device) -> torch.Tensor:
+    return torch.as_tensor(array).to(device, non_blocking=True)
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[rows, 1, seq, seq]`` mask, True where query i may attend key j: same segment and j <= i."""
+    seq_len = document_ids.shape[-1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
+def additive_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The boolean mask as eager attention adds it to the scores: 0 where allowed, the float32 minimum elsewhere."""
+    blocked = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return blocked.masked_fill_(~mask, torch.finfo(torch.float32).min)
+
+
+def flash_varlen_kwargs(batch, device: torch.device | str) -> dict:
+    """The variable-length keywords of transformers' flash path, for the batch flattened row-major.
+
+    transformers reshapes ``[rows, seq, heads, dim]`` to ``[rows * seq, heads, dim]`` before the varlen kernel, so
+    ``input_ids`` stay ``[rows, seq]``. With all four keywords present it never derives them from position_ids.
+    """
+    cu_seqlens = _to_device(batch.cu_seqlens, device)
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": batch.max_seqlen, "max_length_k": batch.max_seqlen}
+
+
+def _missing(keyword: str, name: str) -> ValueError:
+    return ValueError(f"attention {name!r} needs the forward keyword {keyword!r} (DocumentAttention.forward_kwargs); "
+                      "without it documents would attend to each other. Pass it to every forward of this model.")
+
+
+def document_sdpa_forward(module, query, key, value, attention_mask, document_mask=None, sliding_window=None,
+                          **kwargs):
+    """transformers' ``sdpa_attention_forward`` under ``document_mask`` (True = attend), which already holds the
+    causal part: with a mask, the stock function runs SDPA with ``is_causal=False`` and repeats the key/value
+    heads for grouped-query attention itself. ``attention_mask`` is always None here (no mask builder)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if document_mask is None:
+        raise _missing("document_mask", DOCUMENT_SDPA)
+    if sliding_window is not None:  # this layer only sees the last sliding_window keys (transformers' convention)
+        positions = torch.arange(document_mask.shape[-1], device=document_mask.device)
+        document_mask = document_mask & (positions[:, None] - positions[None, :] < sliding_window)
+    return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
+
+
+def document_flash_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                           softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """transformers' ``flash_attention_forward``, but telling the kernel loader the real kernel name (the stock
+    function passes the model's, which is ours) and requiring the precomputed varlen keywords."""
+    from transformers.integrations.flash_attention import _use_top_left_mask, get_target_dtype
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    if kwargs.get("cu_seq_lens_q") is None:
+        raise _missing("cu_seq_lens_q", module.config._attn_implementation)
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))  # flash layout: [batch, seq, heads, dim]
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    if value_dim != head_dim:  # flash needs equal head dims (e.g. MLA): pad the values, crop the output
+        value = F.pad(value, [0, head_dim - value_dim])
+    output = _flash_attention_forward(
+        query, key, value, None,
+        query_length=query.shape[1],
+        is_causal=module.is_causal if is_causal is None else is_causal,
+        dropout=dropout,
+        softmax_scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        use_top_left_mask=_use_top_left_mask,
+        target_dtype=get_target_dtype(query, module),
+        attn_implementation=_FLASH_KERNEL[module.config._attn_implementation],
+        layer_idx=getattr(module, "layer_idx", None),
+        s_aux=None if s_aux is None else s_aux.to(query.dtype),
+        **kwargs,
+    )
+    return output[..., :value_dim], None
