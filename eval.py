@@ -4,8 +4,10 @@
     python eval.py runs/tiny/checkpoints/step_00000300 --data data/stdlib --max-batches 20 --output result.json
     accelerate launch --multi_gpu --num_processes 2 eval.py runs/tiny/export --data data/stdlib --generate "def "
 
-Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ...} (plus "prompt" and "continuation" with
---generate, whose text follows on the next lines). The result is the same on any number of processes.
+Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ..., "document_masking": ...} (plus "prompt" and
+"continuation" with --generate, whose text follows on the next lines). The result is the same on any number of
+processes. Each token attends only to its own document, as in training with data.document_masking;
+--no-document-masking evaluates each window as one stream.
 """
 
 import argparse
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--weights", choices=("raw", "ema"), default="raw",
                         help="a checkpoint's trained weights or their moving average (train.ema_decay) (default: %(default)s)")
+    parser.add_argument("--no-document-masking", dest="document_masking", action="store_false",
+                        help="let every token attend to the whole window, across documents (default: each token "
+                             "attends only to its own document, as training with data.document_masking does)")
     args = parser.parse_args(argv)
     setup_logging()
     from lmrecipe.evaluate import evaluate_path  # heavy imports only after the arguments parsed
@@ -38,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     result, is_main = evaluate_path(
         args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
         generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed, weights=args.weights,
+        document_masking=args.document_masking,
     )
     if is_main:
         print(json.dumps(result), flush=True)

@@ -274,7 +274,7 @@ class RawLoop:
                     else contextlib.nullcontext())
         for _ in range(n_steps):
             batches = self.micro_batches(self.step)
-            for inputs, targets in batches:
+            for inputs, targets, _ in batches:
                 t0 = clock()
                 with autocast:
                     logits = self.model(input_ids=inputs.to(self.device, non_blocking=True)).logits

@@ -36,7 +36,7 @@ def loader_block(train_batches, first_step: int, n_steps: int, device) -> tuple[
     count = 0
     start = time.perf_counter()
     for step in range(first_step, first_step + n_steps):
-        for inputs, targets in train_batches.micro_batches(step):
+        for inputs, targets, _ in train_batches.micro_batches(step):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             count += 1
     C.sync(device)

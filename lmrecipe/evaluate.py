@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from lmrecipe.attention import DocumentAttention, build_document_attention
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.data.format import TokenWindows, file_sha256, load_meta
 from lmrecipe.distributed import build_eval_accelerator
-from lmrecipe.errors import fail
+from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
 from lmrecipe.loss import validation_loss
 
@@ -32,6 +33,7 @@ def evaluate_path(
     max_new_tokens: int = 64,
     seed: int = 0,
     weights: str = "raw",
+    document_masking: bool = True,
 ) -> tuple[dict, bool]:
     """Evaluate ``path`` (export folder or training checkpoint) on the val split of ``data_dir``.
 
@@ -43,9 +45,11 @@ def evaluate_path(
             ``max_position_embeddings``).
         generate: a prompt to sample a continuation of (main process only), seeded by ``seed``.
         weights: a checkpoint's trained weights (``raw``) or their moving average (``ema``).
+        document_masking: each token attends only to its own document, positions restarting at each document (as
+            training with ``data.document_masking`` does); False evaluates the windows as one stream each.
 
     Returns:
-        ``({"loss", "perplexity", "tokens"[, "prompt", "continuation"]}, is_main_process)``.
+        ``({"loss", "perplexity", "tokens", "document_masking"[, "prompt", "continuation"]}, is_main_process)``.
     """
     for name, value in (("--max-batches", max_batches), ("--batch-size", batch_size), ("--seq-len", seq_len),
                         ("--max-new-tokens", max_new_tokens)):
@@ -71,15 +75,31 @@ def evaluate_path(
         logger.warning("%s differs from the model's tokenizer; the perplexity is only meaningful if they encode alike.",
                        data_tokenizer)
     n_windows = len(val) if max_batches is None else min(len(val), max_batches * batch_size)
-    batches = ValBatches(val, n_windows, batch_size, accelerator.num_processes, accelerator.process_index)
-    loss = validation_loss(model, batches, accelerator)
+    batches = ValBatches(val, n_windows, batch_size, accelerator.num_processes, accelerator.process_index,
+                         documents=document_masking)
+    attention = masking_attention(model) if document_masking else None
+    loss = validation_loss(model, batches, accelerator, attention)
+    if attention is not None:
+        model.set_attn_implementation(attention.requested)  # generation below runs the stock attention
     result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
-              "tokens": int(len(batches.all_ids) * seq_len)}
-    logger.info("%d windows of %d tokens on %d processes: loss %.6f", len(batches.all_ids), seq_len,
-                accelerator.num_processes, loss)
+              "tokens": int(len(batches.all_ids) * seq_len), "document_masking": document_masking}
+    logger.info("%d windows of %d tokens on %d processes, document masking %s: loss %.6f", len(batches.all_ids),
+                seq_len, accelerator.num_processes, "on" if document_masking else "off", loss)
     if generate is not None and accelerator.is_main_process:
         result.update(prompt=generate, continuation=sample(model, tokenizer, generate, max_new_tokens, seed))
     return result, accelerator.is_main_process
+
+
+def masking_attention(model) -> DocumentAttention:
+    """Switch ``model`` to the document-masking variant of its attention implementation (refused with a message
+    naming ``--no-document-masking`` for a model that cannot mask)."""
+    requested = model.config._attn_implementation or "sdpa"
+    try:
+        attention = build_document_attention(requested, model.config)
+    except UserError as err:
+        raise fail(f"{err} To evaluate the windows as plain streams instead, pass --no-document-masking.") from None
+    model.set_attn_implementation(attention.name)
+    return attention
 
 
 @torch.no_grad()

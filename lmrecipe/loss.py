@@ -44,8 +44,7 @@ def validation_loss(model, val_batches: ValBatches, accelerator, attention: Docu
     model.eval()
     device = accelerator.device
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for inputs, targets, valid, *documents in val_batches:
-        documents = documents[0] if documents else None
+    for inputs, targets, valid, documents in val_batches:
         kwargs = forward_kwargs(attention, documents, device)
         per_token = causal_lm_loss(model, inputs.to(device), targets.to(device), "none", kwargs)
         total[0] += (per_token.sum(dim=1).double() * valid.to(device)).sum()

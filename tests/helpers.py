@@ -119,9 +119,6 @@ def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int =
 
 STEPS, HALF = 6, 3
 LOSS_TOL = 1e-5  # fp32 on CPU: the bound for a resumed run against an uninterrupted one
-
-
-# ---------------------------------------------------------------------------------------------- shared runs
 # Each run happens once per session, whichever test module asks first.
 
 

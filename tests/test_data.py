@@ -83,7 +83,7 @@ def test_resume_needs_no_skipping(data_dir):
     windows = TokenWindows(data_dir, "train", SEQ_LEN)
     a = TrainBatches(windows, BatchLayout(8, 4, 1, 0), seed=5)
     b = TrainBatches(TokenWindows(data_dir, "train", SEQ_LEN), BatchLayout(8, 4, 1, 0), seed=5)
-    for (xa, ya), (xb, yb) in zip(a.micro_batches(17), b.micro_batches(17)):
+    for (xa, ya, _), (xb, yb, _) in zip(a.micro_batches(17), b.micro_batches(17)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

@@ -46,7 +46,7 @@ def model_val_loss(model, data: Path, n_windows: int = 16, seq_len: int = 32) ->
 
     total, count = 0.0, 0.0
     with torch.no_grad():
-        for inputs, targets, valid in ValBatches(TokenWindows(data, "val", seq_len), n_windows, 8, 1, 0):
+        for inputs, targets, valid, _ in ValBatches(TokenWindows(data, "val", seq_len), n_windows, 8, 1, 0):
             per_token = causal_lm_loss(model, inputs, targets, "none")
             total += float((per_token.sum(dim=1).double() * valid).sum())
             count += float(valid.sum()) * targets.shape[1]

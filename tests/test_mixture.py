@@ -109,7 +109,7 @@ def test_resume_needs_no_skipping_and_reads_the_right_rows(two_folders):
     a = mixture(two_folders, BatchLayout(8, 4, 1, 0))
     b = mixture(two_folders, BatchLayout(8, 4, 1, 0))
     windows = [TokenWindows(f, "train", SEQ_LEN) for f in two_folders]
-    for (xa, ya), (xb, yb), ids in zip(a.micro_batches(17), b.micro_batches(17), (a.window_ids(17, m) for m in range(2))):
+    for (xa, ya, _), (xb, yb, _), ids in zip(a.micro_batches(17), b.micro_batches(17), (a.window_ids(17, m) for m in range(2))):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
         for row, (k, w) in zip(xa, ids):
             assert torch.equal(row, windows[k].batch([w])[0][0])

@@ -59,7 +59,7 @@ def test_prefetcher_gives_the_loader_order(tiny_data):
             got = prefetcher.get(step)
             want = list(batches.micro_batches(step))
             assert len(got) == len(want) == 2
-            for (gi, gt), (wi, wt) in zip(got, want):
+            for (gi, gt, _), (wi, wt, _) in zip(got, want):
                 assert torch.equal(gi, wi) and torch.equal(gt, wt)
     finally:
         prefetcher.close()

@@ -88,7 +88,7 @@ class Checkpointer:
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
                  seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
-                 extra_state=None, publish_timeout_s: float = 1800.0):
+                 extra_state=None, publish_timeout_s: float = 1800.0, probe_kwargs: Callable[[torch.device], dict] | None = None):
         """
         Args:
             section: the recipe's ``checkpoint`` section (interval, retention, resume).
@@ -105,6 +105,8 @@ class Checkpointer:
             extra_state: state saved and restored with each checkpoint besides Accelerate's (the weight EMA): an
                 object whose ``save(folder)`` and ``load(folder)`` every rank calls; None for none.
             publish_timeout_s: how long a background write waits for the other ranks' files before failing.
+            probe_kwargs: the probe forward's further keyword arguments on a device (the document boundaries of
+                ``data.document_masking``); None for none.
         """
         self.section = section
         self.accelerator = accelerator
@@ -119,6 +121,7 @@ class Checkpointer:
         self.lr_schedule = lr_schedule
         self.extra_state = extra_state
         self.probe_ids = TokenWindows(self.data_dir, "val", seq_len).batch([0])[0][:, :PROBE_TOKENS]
+        self.probe_kwargs = probe_kwargs
         self.resumed_from: Path | None = None
         self.latest: Path | None = None
         self.publish_timeout_s = publish_timeout_s
@@ -310,7 +313,9 @@ class Checkpointer:
         # Every rank runs the forward: ZeRO-3 gathers parameters collectively.
         was_training = model.training
         model.eval()
-        logits = model(input_ids=self.probe_ids.to(self.accelerator.device)).logits.float().cpu()
+        device = self.accelerator.device
+        kwargs = self.probe_kwargs(device) if self.probe_kwargs is not None else {}
+        logits = model(input_ids=self.probe_ids.to(device), **kwargs).logits.float().cpu()
         model.train(was_training)
         return logits
 

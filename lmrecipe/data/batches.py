@@ -8,11 +8,12 @@ a mixture (:class:`MixtureBatches`) share :class:`StepBatches` and differ only i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from lmrecipe.config import TrainConfig
+from lmrecipe.data.documents import DocumentBatch, stack_documents
 from lmrecipe.data.format import TokenWindows, stack_windows
 from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step, name_stream
 from lmrecipe.errors import fail
@@ -59,6 +60,20 @@ class BatchLayout:
         return step * self.global_batch_size + offset
 
 
+class MicroBatch(NamedTuple):
+    """One forward's rows: inputs and next-token targets ``[rows, seq_len]`` int64, and with document masking the rows'
+    document boundaries (a :class:`~lmrecipe.data.documents.DocumentBatch` of CPU tensors; None without)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    documents: DocumentBatch | None = None
+
+    def pinned(self) -> MicroBatch:
+        """In page-locked memory, so the copy to a GPU with ``non_blocking=True`` is asynchronous."""
+        documents = None if self.documents is None else self.documents.as_tensors(pin_memory=True)
+        return MicroBatch(self.inputs.pin_memory(), self.targets.pin_memory(), documents)
+
+
 class StepBatches:
     """The micro-batches each rank trains on at each optimizer step, drawn from one or more sources of windows.
 
@@ -73,6 +88,8 @@ class StepBatches:
     def __init__(self, sources: list[TokenWindows], layout: BatchLayout):
         self.sources = sources
         self.layout = layout
+        self.documents = False
+        """Also assemble each micro-batch's document boundaries (``data.document_masking``)."""
         self.skipped: tuple[int, ...] = ()
         """Data steps never trained on (ascending), see :func:`data_step`; replaced whole, never mutated."""
 
@@ -89,7 +106,7 @@ class StepBatches:
         return windows if self.names is None else np.stack([sources, windows], axis=1)
 
     def micro_batches(self, step: int):
-        """Yield ``(inputs, targets)`` for each accumulation micro-step of ``step`` on this rank."""
+        """Yield a :class:`MicroBatch` for each accumulation micro-step of ``step`` on this rank."""
         position = data_step(step, self.skipped)
         for micro_step in range(self.layout.accum_steps):
             yield self._batch(*self._micro_step(position, micro_step))
@@ -115,8 +132,12 @@ class StepBatches:
     def _micro_step(self, position: int, micro_step: int) -> tuple[np.ndarray, np.ndarray]:
         return self._samples(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
 
-    def _batch(self, sources: np.ndarray, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return stack_windows([self.sources[k].window(w) for k, w in zip(sources, windows)])
+    def _batch(self, sources: np.ndarray, windows: np.ndarray) -> MicroBatch:
+        inputs, targets = stack_windows([self.sources[k].window(w) for k, w in zip(sources, windows)])
+        if not self.documents:
+            return MicroBatch(inputs, targets)
+        documents = stack_documents([self.sources[k].documents([w]) for k, w in zip(sources, windows)])
+        return MicroBatch(inputs, targets, documents.as_tensors())
 
 
 class TrainBatches(StepBatches):
@@ -186,13 +207,11 @@ class Prefetcher:
             self._next[1].cancel()
         self._next = None
 
-    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _load(self, step: int) -> list[MicroBatch]:
         loaded = list(self.batches.micro_batches(step))
-        if self.pin_memory:
-            loaded = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in loaded]
-        return loaded
+        return [batch.pinned() for batch in loaded] if self.pin_memory else loaded
 
-    def get(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def get(self, step: int) -> list[MicroBatch]:
         """The micro-batches of ``step``; starts assembling those of ``step + 1``."""
         if self._next is not None and self._next[0] == step:
             loaded = self._next[1].result()
@@ -213,7 +232,10 @@ class ValBatches:
     (ZeRO-3 gathers parameters collectively in forward); padded rows carry weight 0.
     """
 
-    def __init__(self, windows: TokenWindows, n_windows: int, micro_batch_size: int, world_size: int, rank: int):
+    def __init__(self, windows: TokenWindows, n_windows: int, micro_batch_size: int, world_size: int, rank: int,
+                 documents: bool = False):
+        self.documents = documents
+        """Also yield each batch's document boundaries (``data.document_masking``)."""
         count = min(n_windows, len(windows))
         self.all_ids = np.unique(np.linspace(0, len(windows) - 1, num=count).round().astype(np.int64))
         self.windows = windows
@@ -225,9 +247,12 @@ class ValBatches:
         self.rank_ids = np.concatenate([ids, np.full(per_rank - len(ids), self.all_ids[0], dtype=np.int64)])
 
     def __iter__(self):
-        """Yield ``(inputs, targets, valid)`` with ``valid`` 1.0 for real rows and 0.0 for padding."""
+        """Yield ``(inputs, targets, valid, documents)``: ``valid`` 1.0 for real rows and 0.0 for padding, ``documents``
+        the rows' :class:`~lmrecipe.data.documents.DocumentBatch` as tensors (None without ``documents``)."""
         import torch
 
         for i in range(0, len(self.rank_ids), self.micro_batch_size):
-            inputs, targets = self.windows.batch(self.rank_ids[i : i + self.micro_batch_size])
-            yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size])
+            ids = self.rank_ids[i : i + self.micro_batch_size]
+            inputs, targets = self.windows.batch(ids)
+            documents = self.windows.documents(ids).as_tensors() if self.documents else None
+            yield inputs, targets, torch.from_numpy(self.valid[i : i + self.micro_batch_size]), documents

@@ -79,3 +79,19 @@ def document_batch(doc_starts: np.ndarray, offsets: np.ndarray, seq_len: int) ->
         cu_seqlens=cu_seqlens,
         max_seqlen=int(np.diff(cu_seqlens).max()),
     )
+
+
+def stack_documents(batches: list[DocumentBatch]) -> DocumentBatch:
+    """The rows of several numpy :class:`DocumentBatch` es as one batch, in order (rows of a mixture come from
+    different folders, so from different indices)."""
+    if len(batches) == 1:
+        return batches[0]
+    ends = np.cumsum([b.position_ids.size for b in batches])
+    cu_seqlens = np.concatenate([batches[0].cu_seqlens[:1]] + [b.cu_seqlens[1:] + start
+                                                               for b, start in zip(batches, np.append(0, ends[:-1]))])
+    return DocumentBatch(
+        position_ids=np.concatenate([b.position_ids for b in batches]),
+        document_ids=np.concatenate([b.document_ids for b in batches]),
+        cu_seqlens=cu_seqlens.astype(np.int32),
+        max_seqlen=max(b.max_seqlen for b in batches),
+    )

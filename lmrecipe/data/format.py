@@ -9,6 +9,7 @@ time, whatever the number of tokens. The largest token id comes from ``meta.json
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lmrecipe.data.documents import DocumentBatch, document_batch
 from lmrecipe.errors import fail
 
 # torch is imported where tensors are built, not here: the tokenizer workers of data preparation import the format
@@ -156,7 +158,8 @@ class TokenWindows:
             )
         # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
         self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
-        check_sample(self.tokens, Path(data_dir) / f"{split}.idx", meta, split)
+        self.index_path = Path(data_dir) / f"{split}.idx"
+        check_sample(self.tokens, self.index_path, meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise fail(
@@ -175,6 +178,15 @@ class TokenWindows:
     def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""
         return stack_windows([self.window(i) for i in window_ids])
+
+    @functools.cached_property
+    def doc_starts(self) -> np.ndarray:
+        """The split's document index (``<split>.idx``): document starts, then the token count; memory-mapped."""
+        return np.memmap(self.index_path, dtype=INDEX_DTYPE, mode="r")
+
+    def documents(self, window_ids: np.ndarray) -> DocumentBatch:
+        """Where the documents start inside the given windows' inputs (numpy arrays, see ``data/documents.py``)."""
+        return document_batch(self.doc_starts, np.asarray(window_ids, dtype=np.int64) * self.seq_len, self.seq_len)
 
 
 def stack_windows(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,7 +127,8 @@ def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLay
     names = [s.resolved_name() for s in sources]
     total = sum(s.weight for s in sources)
     weights = [s.weight / total for s in sources]
-    val_sets = {name: ValBatches(val, data.val_windows, layout.micro_batch_size, layout.world_size, layout.rank)
+    val_sets = {name: ValBatches(val, data.val_windows, layout.micro_batch_size, layout.world_size, layout.rank,
+                                 documents=data.document_masking)
                 for name, (_, _, val) in zip(names, opened)}
     train = [windows for _, windows, _ in opened]
     if data.is_mixture():
@@ -140,6 +141,7 @@ def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLay
             f"{n} {100 * w:.1f}% ({len(t):,} windows)" for n, w, t in zip(names, weights, train)))
     else:
         batches = TrainBatches(train[0], layout, seed)
+    batches.documents = data.document_masking
     return TrainingData(names=names, paths=[Path(s.path) for s in sources], weights=weights, seq_len=data.seq_len,
                         train_batches=batches, val_sets=val_sets, n_train_windows=sum(len(t) for t in train),
                         train_sha256=[meta["splits"]["train"].get("sha256") for meta, _, _ in opened])

@@ -5,13 +5,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
 
+import numpy as np
+
 from lmrecipe.checkpoint.policy import Checkpointer
-from lmrecipe.checkpoint.storage import EXIT_PREEMPTED
+from lmrecipe.checkpoint.storage import EXIT_PREEMPTED, PROBE_TOKENS
 from lmrecipe.config import Config, save_config
+from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import fail
 from lmrecipe.loss import validation_loss
 from lmrecipe.observe.console import Reporter
@@ -42,7 +46,7 @@ def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
         return
 
     def losses() -> dict[str, float]:
-        return {name: validation_loss(run.model, batches, run.accelerator) for name, batches in run.data.val_sets.items()}
+        return {name: validation_loss(run.model, batches, run.accelerator, run.attention) for name, batches in run.data.val_sets.items()}
 
     val_loss_ema = None
     if run.ema is not None:
@@ -84,7 +88,16 @@ def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
                         mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
                         samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
                         run_config=cfg.to_dict(), lr_schedule=run.lr_at, extra_state=run.ema,
-                        publish_timeout_s=cfg.distributed.timeout_s)
+                        publish_timeout_s=cfg.distributed.timeout_s, probe_kwargs=probe_kwargs(run))
+
+
+def probe_kwargs(run: Run):
+    """The document keywords of the checkpoints' probe forward (the first tokens of the first validation window)."""
+    if run.attention is None:
+        return None
+    windows = next(iter(run.data.val_sets.values())).windows
+    documents = document_batch(windows.doc_starts, np.zeros(1, dtype=np.int64), PROBE_TOKENS).as_tensors()
+    return functools.partial(run.attention.forward_kwargs, documents)
 
 
 def build_spike_guard(run: Run, out_dir: Path, checkpointer: Checkpointer, reporter: Reporter) -> SpikeGuard:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from lmrecipe.attention import DocumentAttention
 from lmrecipe.config import Config
 from lmrecipe.data.batches import MixtureBatches, Prefetcher, TrainBatches
 from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
@@ -19,7 +20,7 @@ from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.distributed import Runtime, build_runtime
 from lmrecipe.errors import fail
 from lmrecipe.memory import attach_model_state_probe
-from lmrecipe.model import build_hf_config, build_model, flops_per_token, param_counts
+from lmrecipe.model import build_attention, build_hf_config, build_model, flops_per_token, param_counts
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.train.ema import WeightEMA
 from lmrecipe.train.state import TrainState
@@ -41,6 +42,8 @@ class Run:
     n_params: int
     flops_per_token: float
     ema: WeightEMA | None = None
+    attention: DocumentAttention | None = None
+    """The document-masking attention (``data.document_masking``): every forward takes its ``forward_kwargs``."""
     """The weight EMA (``train.ema_decay`` > 0), updated after every optimizer step."""
 
     @property
@@ -85,7 +88,8 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
 
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, hf_config)
+    attention = build_attention(cfg, hf_config)
+    model = build_model(cfg, hf_config, attention)
     counts = param_counts(model)
     fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
     if cfg.train.compile and not runtime.zero.deepspeed:
@@ -105,4 +109,4 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         ema = WeightEMA(model, cfg.train.ema_decay, zero3=runtime.zero.stage == 3, rank=accelerator.process_index,
                         world_size=accelerator.num_processes, is_main=accelerator.is_main_process,
                         device=accelerator.device)
-    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, ema)
+    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, ema, attention)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from lmrecipe.loss import causal_lm_loss
+from lmrecipe.loss import causal_lm_loss, forward_kwargs
 from lmrecipe.observe.profiler import region
 from lmrecipe.optim import set_lr
 from lmrecipe.train.setup import Run
@@ -38,13 +38,17 @@ SectionTimer = Callable[[str, float], None]
 """Receives (section name, seconds) from ``train_step`` when a benchmark asks for the split of a step."""
 
 
-def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None) -> torch.Tensor:
-    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary)."""
+def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None,
+                          model_kwargs: dict | None = None) -> torch.Tensor:
+    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary).
+
+    ``model_kwargs``: the forward's document keywords (``loss.forward_kwargs``), already on the device.
+    """
     accelerator, model = run.accelerator, run.model
     with accelerator.accumulate(model):
         start = time.perf_counter()
         with region("forward"):
-            loss = causal_lm_loss(model, inputs, targets)
+            loss = causal_lm_loss(model, inputs, targets, model_kwargs=model_kwargs)
         forward_done = time.perf_counter()
         with region("backward"):
             accelerator.backward(loss)
@@ -100,12 +104,13 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
         micro_batches = run.prefetcher.get(step)
     data_time_s = time.perf_counter() - fetch_start
     loss_sum = torch.zeros((), device=device)
-    for inputs, targets in micro_batches:
+    for inputs, targets, documents in micro_batches:
         copy_start = time.perf_counter()
         with region("data"):
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            model_kwargs = forward_kwargs(run.attention, documents, device)
         data_time_s += time.perf_counter() - copy_start
-        loss_sum += forward_backward_step(run, inputs, targets, timer)
+        loss_sum += forward_backward_step(run, inputs, targets, timer, model_kwargs)
     optimizer_start = time.perf_counter()
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
