@@ -32,7 +32,7 @@ LAYERS = {
     "train": 7, "compare": 7,
 }
 INNER = {
-    "data": {"format": 0, "documents": 0, "order": 1, "batches": 2, "sources": 3, "prepare": 1},
+    "data": {"documents": 0, "format": 1, "order": 1, "prepare": 2, "batches": 2, "sources": 3},
     "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "pipeline": 1},
     "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "storage": 1, "compat": 2, "policy": 3},
     "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "metrics_log": 1, "run_meta": 1,
