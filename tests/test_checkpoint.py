@@ -215,15 +215,16 @@ metrics = Path(cfg.out_dir) / "metrics.jsonl"
 real_publish = Checkpointer._publish
 publishes = []
 
-def publish_after_the_loop_moved_on(self, tmp, final, state):
+def publish_after_the_loop_moved_on(self, tmp, final, record):
     # On the writer thread, every rank's files are in tmp. The loop goes on meanwhile: once it has logged the step
     # after this one, die before the checkpoint is published.
     publishes.append(final)
     if len(publishes) == 2:
-        while not any(json.loads(line)["step"] > state.step for line in metrics.read_text().splitlines() if line.strip()):
+        step = record["state"]["step"]
+        while not any(json.loads(line)["step"] > step for line in metrics.read_text().splitlines() if line.strip()):
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
-    return real_publish(self, tmp, final, state)
+    return real_publish(self, tmp, final, record)
 
 Checkpointer._publish = publish_after_the_loop_moved_on
 train(cfg)

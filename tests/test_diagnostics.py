@@ -19,7 +19,7 @@ from lmrecipe.observe.device import device_utilisation
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.profiler import PREFIX, step_breakdown
 from lmrecipe.observe.run_meta import IMAGE_ENV, container_info
-from lmrecipe.train.oom import FAULT_ENV
+from lmrecipe.train.faults import OOM_FAULT_ENV as FAULT_ENV
 
 
 def checkpoint_names(out: Path) -> list[str]:
@@ -145,7 +145,7 @@ def test_a_resume_keeps_the_patience_counter(tmp_path, tiny_data):
               "train.early_stopping_min_delta=100"]
     run_train(out, tiny_data, ["train.max_steps=2", *common])
     saved = json.loads((out / "checkpoints" / "step_00000002" / "train_state.json").read_text())
-    assert saved["state"]["evals_without_improvement"] == 1
+    assert saved["extras"]["early_stopping"]["evals_without_improvement"] == 1
     run_train(out, tiny_data, ["train.max_steps=20", *common])
     # 1 kept + steps 3 and 4 = patience 3: stop at 4 (a counter reset on resume would stop at 5)
     assert json.loads((out / "final.json").read_text())["step"] == 4

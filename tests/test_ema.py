@@ -130,12 +130,12 @@ def test_save_and_load_round_trip(tmp_path):
         model.weight.add_(1.0)
     ema.update(False)
     ema.update(torch.tensor(True))
-    ema.save(tmp_path)
+    ema.save_files(tmp_path)
     other = WeightEMA(torch.nn.Linear(4, 4), 0.7, zero3=False)
-    assert other.load(tmp_path) and other.num_updates.item() == 1
+    assert other.load_files(tmp_path) and other.num_updates.item() == 1
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow, other.shadow))
     assert set(read_ema_state_dict(tmp_path)) == {"weight", "bias"}
-    assert not WeightEMA(model, 0.7, zero3=False).load(tmp_path / "elsewhere")  # no EMA saved: kept, and said
+    assert not WeightEMA(model, 0.7, zero3=False).load_files(tmp_path / "elsewhere")  # no EMA saved: kept, and said
 
 
 def zero3_like(model: torch.nn.Module, rank: int, world_size: int) -> torch.nn.Module:
@@ -157,19 +157,19 @@ def test_ema_loads_across_process_counts_and_zero_stages(tmp_path):
         model.weight.mul_(2.0)
     whole.update(False)
     (tmp_path / "whole").mkdir()
-    whole.save(tmp_path / "whole")
+    whole.save_files(tmp_path / "whole")
     expected = read_ema_state_dict(tmp_path / "whole")
     for rank in range(2):  # whole -> ZeRO-3 on 2 processes, then back to a whole file
         part = WeightEMA(zero3_like(torch.nn.Linear(5, 3), rank, 2), 0.7, zero3=True, rank=rank, world_size=2)
-        assert part.load(tmp_path / "whole") and part.num_updates.item() == 1
-        part.save(tmp_path / "parts")
+        assert part.load_files(tmp_path / "whole") and part.num_updates.item() == 1
+        part.save_files(tmp_path / "parts")
     assert read_ema_state_dict(tmp_path / "parts").keys() == expected.keys()
     assert all(torch.equal(read_ema_state_dict(tmp_path / "parts")[k], v) for k, v in expected.items())
     again = WeightEMA(torch.nn.Linear(5, 3), 0.7, zero3=False)
-    assert again.load(tmp_path / "parts")  # ZeRO-3 on 2 -> no DeepSpeed
+    assert again.load_files(tmp_path / "parts")  # ZeRO-3 on 2 -> no DeepSpeed
     assert all(torch.equal(a, b.reshape(a.shape)) for a, b in zip(again.shadow, whole.shadow))
     one = WeightEMA(zero3_like(torch.nn.Linear(5, 3), 0, 1), 0.7, zero3=True, rank=0, world_size=1)
-    assert one.load(tmp_path / "parts")  # ZeRO-3 on 2 -> ZeRO-3 on 1
+    assert one.load_files(tmp_path / "parts")  # ZeRO-3 on 2 -> ZeRO-3 on 1
     assert all(torch.equal(a, b.reshape(-1)) for a, b in zip(one.shadow, whole.shadow))
 
 

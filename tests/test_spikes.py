@@ -25,7 +25,8 @@ from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step
 from lmrecipe.errors import UserError
 from lmrecipe.observe.host_syncs import HostSyncCounter
 from lmrecipe.observe.metrics_log import read_metrics
-from lmrecipe.train.spikes import FAULT_ENV, SpikeDetector, read_spikes
+from lmrecipe.train.faults import SPIKE_FAULT_ENV as FAULT_ENV
+from lmrecipe.train.spikes import SpikeDetector, read_spikes
 
 SPIKE_STEP = 7
 RUN = ["train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=5", "logging.log_every_steps=3",
@@ -159,7 +160,7 @@ def test_spike_is_rolled_back_and_its_samples_never_trained_again(runs, tiny_dat
     order = SampleOrder(len(TokenWindows(tiny_data, "train", 32)), seed=1337)
     assert skip["windows"] == order.windows(48, 8).tolist()
     saved = read_checkpoint(out / "checkpoints" / step_dir_name(12))
-    assert saved["state"]["skipped_batches"] == [SPIKE_STEP - 1] and saved["state"]["rollbacks"] == 1
+    assert saved["extras"]["spikes"]["skipped_batches"] == [SPIKE_STEP - 1] and saved["extras"]["spikes"]["rollbacks"] == 1
     assert saved["data"]["next_sample"] == 13 * 8  # 12 steps trained, one data step skipped
     assert json.loads((out / "final.json").read_text())["rollbacks"] == 1
 
@@ -224,7 +225,7 @@ def test_two_processes_roll_back_together(tmp_path, tiny_data, ds_config):
     assert record["step"] == SPIKE_STEP and record["rolled_back_to"] == 4 and record["skipped"][0]["samples"] == [48, 56]
     assert [r["step"] for r in train_rows(out)] == [1, 3, 6, 9, 12]
     saved = read_checkpoint(out / "checkpoints" / step_dir_name(12))
-    assert saved["state"]["skipped_batches"] == [SPIKE_STEP - 1]
+    assert saved["extras"]["spikes"]["skipped_batches"] == [SPIKE_STEP - 1]
     # The step-4 checkpoint the rollback reloaded was written in the background (under DeepSpeed too).
     assert "has no effect" not in proc.stderr
     shutil.rmtree(out / "checkpoints")

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -68,7 +68,6 @@ from lmrecipe.checkpoint.storage import (
 )
 from lmrecipe.config import CheckpointConfig, fixed_on_resume_keys, flatten_config
 from lmrecipe.data.format import TokenWindows
-from lmrecipe.data.order import data_step
 from lmrecipe.distributed import ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import fsync_dir, write_text_atomic
@@ -77,6 +76,18 @@ from lmrecipe.optim import optimizer_param_names
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------
+
+
+class CheckpointExtra:
+    """What a loop feature hands the checkpoint, by name (``Checkpointer(extras={name: feature})``); every method is
+    optional.
+
+    ``state_dict() -> dict``: JSON-serialisable state, taken at the save step (main process) and written under
+    ``extras.<name>`` of ``train_state.json``. ``load_state_dict(state: dict | None)``: restore it on every rank
+    (None: the checkpoint holds nothing for this feature; a checkpoint written before extras existed passes its
+    flat ``state``). ``save_files(folder)`` / ``load_files(folder)``: tensor files in the checkpoint folder, called
+    on every rank (the weight EMA).
+    """
 
 
 class Checkpointer:
@@ -88,7 +99,8 @@ class Checkpointer:
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
                  seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
-                 extra_state=None, publish_timeout_s: float = 1800.0, probe_kwargs: Callable[[torch.device], dict] | None = None):
+                 extras: Mapping[str, Any] | None = None, next_sample: Callable[[int], int] | None = None,
+                 publish_timeout_s: float = 1800.0, probe_kwargs: Callable[[torch.device], dict] | None = None):
         """
         Args:
             section: the recipe's ``checkpoint`` section (interval, retention, resume).
@@ -102,8 +114,9 @@ class Checkpointer:
             max_steps: the last step of the run, which is always saved.
             run_config: the resolved configuration as a dict, saved with each checkpoint and compared on resume.
             lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
-            extra_state: state saved and restored with each checkpoint besides Accelerate's (the weight EMA): an
-                object whose ``save(folder)`` and ``load(folder)`` every rank calls; None for none.
+            extras: the loop features' own state, saved and restored by name (see :class:`CheckpointExtra`).
+            next_sample: the global sample index the step after a given one reads (the data order's position,
+                skipped batches included), recorded as ``data.next_sample``; None: ``step x samples_per_step``.
             publish_timeout_s: how long a background write waits for the other ranks' files before failing.
             probe_kwargs: the probe forward's further keyword arguments on a device (the document boundaries of
                 ``data.document_masking``); None for none.
@@ -119,10 +132,12 @@ class Checkpointer:
         self.max_steps = max_steps
         self.run_config = run_config
         self.lr_schedule = lr_schedule
-        self.extra_state = extra_state
+        self.extras = dict(extras or {})
+        self.next_sample = next_sample or (lambda step: step * samples_per_step)
         self.probe_ids = TokenWindows(self.data_dir, "val", seq_len).batch([0])[0][:, :PROBE_TOKENS]
         self.probe_kwargs = probe_kwargs
         self.resumed_from: Path | None = None
+        self.model = self.optimizer = None
         self.latest: Path | None = None
         self.publish_timeout_s = publish_timeout_s
         self.background = section.background_save
@@ -143,8 +158,10 @@ class Checkpointer:
         """Restore weights, optimizer, training state and every rank's RNG from the chosen checkpoint.
 
         A checkpoint saved on another layout (process count under DeepSpeed, ZeRO stage, offload, DeepSpeed or
-        not) is converted to its topology-free form first (``portable.py``); the log says what changed.
+        not) is converted to its topology-free form first (``portable.py``); the log says what changed. ``model``
+        and ``optimizer`` are also what a later :meth:`restore` (a rollback) reloads.
         """
+        self.model, self.optimizer = model, optimizer
         path = find_resume_checkpoint(self.section.resume, self.root)
         if path is None:
             return None
@@ -266,13 +283,13 @@ class Checkpointer:
         with safe_open(rng_file, framework="pt") as fh:
             set_rng_state({k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata())
 
-    def restore(self, path: Path, model, optimizer, state) -> None:
+    def restore(self, path: Path, state) -> None:
         """Reload a checkpoint of this run in-process (a rollback): weights, optimizer, training state, RNG.
 
         The same loading as a resume, without the compatibility check (the checkpoint is this run's, or the one it
         resumed from, possibly on another layout).
         """
-        self._load(path, read_checkpoint(path), model, optimizer, state)
+        self._load(path, read_checkpoint(path), self.model, self.optimizer, state)
         logger.info("Reloaded %s (step %d)", path, state.step)
 
     def _load(self, path: Path, saved: dict, model, optimizer, state) -> None:
@@ -290,8 +307,16 @@ class Checkpointer:
             if key in names:
                 setattr(state, key, value)
         self._restore_rng(path, saved_layout["world_size"])
-        if self.extra_state is not None:
-            self.extra_state.load(path)
+        self._load_extras(path, saved)
+
+    def _load_extras(self, path: Path, saved: dict) -> None:
+        """Each extra's state by name; a checkpoint written before extras existed holds theirs in ``state``."""
+        states = saved.get("extras")
+        for name, extra in self.extras.items():
+            if hasattr(extra, "load_state_dict"):
+                extra.load_state_dict(saved["state"] if states is None else states.get(name))
+            if hasattr(extra, "load_files"):
+                extra.load_files(path)
 
     def best(self) -> Path | None:
         """The complete checkpoint with the lowest validation loss (what ``checkpoints/best`` names), or None."""
@@ -343,22 +368,24 @@ class Checkpointer:
         probe = self._probe_logits(model)
         try:
             # The small files, in the loop also with background writes: this rank's RNG state, the probe and hf/
-            # (main process), the extra state (see ema.py for its size).
+            # (main process), the extras' files (the weight EMA: see train/ema.py for its size).
             tensors, metadata = rng_state_tensors()
             save_file(tensors, tmp / RNG_DIR / f"rank_{acc.process_index:05d}.safetensors", metadata=metadata)
             if acc.is_main_process:
                 save_file({"input_ids": self.probe_ids.contiguous(), "logits": probe.contiguous()}, tmp / PROBE_FILE)
                 self._write_hf_dir(model, tmp / HF_DIR)
-            if self.extra_state is not None:
-                self.extra_state.save(tmp)
+            for extra in self.extras.values():
+                if hasattr(extra, "save_files"):
+                    extra.save_files(tmp)
+            # The JSON part of train_state.json as of this step (a background publication comes later).
+            record = json.loads(json.dumps(self._state_record(state)))
             if self.background:
-                frozen = type(state)(**{f.name: json.loads(json.dumps(getattr(state, f.name))) for f in fields(state)})
-                self.writer.submit(self._write_in_background, self._snapshot(model, tmp), tmp, final, frozen)
+                self.writer.submit(self._write_in_background, self._snapshot(model, tmp), tmp, final, record)
             else:
                 acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
                 acc.wait_for_everyone()
                 if acc.is_main_process:
-                    self._publish(tmp, final, state)
+                    self._publish(tmp, final, record)
         except (OSError, RuntimeError) as err:
             full = self._disk_full_error(err, tmp, final)
             if full is None:
@@ -395,7 +422,7 @@ class Checkpointer:
             torch.cuda.synchronize(acc.device)  # the copies were queued non-blocking into pinned memory
         return functools.partial(write_captured, captured, getattr(model.checkpoint_engine, "zipfile_serialization", True))
 
-    def _write_in_background(self, write: Callable[[], None], tmp: Path, final: Path, state) -> Path:
+    def _write_in_background(self, write: Callable[[], None], tmp: Path, final: Path, record: dict) -> Path:
         """On the worker thread: this rank's files and its marker; on the main process, then the publication."""
         rank = self.accelerator.process_index
         try:
@@ -404,7 +431,7 @@ class Checkpointer:
             (tmp / _DONE.format(rank)).touch()
             if self.accelerator.is_main_process:
                 self._await_ranks(tmp)
-                self._publish(tmp, final, state)
+                self._publish(tmp, final, record)
         except (OSError, RuntimeError) as err:
             if tmp.is_dir():
                 (tmp / _FAILED.format(rank)).write_text(f"{err!r}\n")
@@ -464,19 +491,25 @@ class Checkpointer:
             if file.is_file() and file.suffix not in (".bin", ".idx"):  # tokenizer files and meta.json, not the tokens
                 shutil.copy2(file, hf_dir / file.name)
 
-    def _publish(self, tmp: Path, final: Path, state) -> None:
-        val_loss = state.last_val_loss if state.last_val_step == state.step else None
-        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        payload = {
-            "format_version": FORMAT_VERSION,
+    def _state_record(self, state) -> dict:
+        """What ``train_state.json`` says of the run at ``state``: the training state, each extra's state, the
+        validation loss of this step, the data position and the schedule's values."""
+        return {
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
-            "val_loss": val_loss,
-            "data": {"next_sample": data_step(state.step, getattr(state, "skipped_batches", ())) * self.samples_per_step,
-                     **self._data_signature()},
+            "extras": {name: extra.state_dict() for name, extra in self.extras.items() if hasattr(extra, "state_dict")},
+            "val_loss": state.last_val_loss if state.last_val_step == state.step else None,
+            "data": {"next_sample": self.next_sample(state.step), **self._data_signature()},
             "schedule": {
                 "last_lr": self.lr_schedule(state.step - 1) if state.step else None,
                 "next_lr": self.lr_schedule(state.step),
             },
+        }
+
+    def _publish(self, tmp: Path, final: Path, record: dict) -> None:
+        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        payload = {
+            "format_version": FORMAT_VERSION,
+            **record,
             "topology": self.layout(),
             "hf_config": json.loads((tmp / HF_DIR / "config.json").read_text()),
             "config": self.run_config,

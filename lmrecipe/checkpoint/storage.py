@@ -14,7 +14,7 @@ A checkpoint folder holds what ``accelerator.save_state`` writes (DeepSpeed's pe
   or an evaluation needs neither the recipe's data folder nor ``model.init_from``;
 - ``probe.safetensors``: logits of the training-time model on a fixed input, to check exports against;
 - with ``train.ema_decay`` > 0, the weight EMA (``ema.safetensors``, or ``ema/rank_NNNNN.safetensors`` under
-  ZeRO-3; see ``lmrecipe/ema.py``), written by the ``extra_state`` the trainer passes in;
+  ZeRO-3; see ``lmrecipe/train/ema.py``), written through the loop features' ``extras``;
 - ``train_state.json``: step, tokens seen, data position, best validation loss, the schedule's values, the
   resolved config, the topology and a manifest of every file with its size. Written last.
 
@@ -108,19 +108,25 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of_dir(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step_00000100`` -> 100), or None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def complete_checkpoints(root: Path) -> list[SavedCheckpoint]:
     """Published checkpoints under ``root``, oldest first (folders still being written are not listed)."""
     found = []
     if not root.is_dir():
         return found
     for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / STATE_FILE).is_file():
+        step = step_of_dir(path.name)
+        if step is not None and (path / STATE_FILE).is_file():
             try:
                 val_loss = json.loads((path / STATE_FILE).read_text()).get("val_loss")
             except (OSError, json.JSONDecodeError):
                 val_loss = None
-            found.append(SavedCheckpoint(int(match.group(1)), path, val_loss))
+            found.append(SavedCheckpoint(step, path, val_loss))
     return sorted(found, key=lambda c: c.step)
 
 
@@ -215,7 +221,7 @@ def _follow_latest(root: Path) -> Path:
     pointer = root / LATEST
     name = pointer.read_text().strip()
     target = root / name
-    if not name or not _STEP_DIR.match(name) or not target.is_dir():
+    if step_of_dir(name) is None or not target.is_dir():
         raise fail(
             f"{pointer} points to {name!r}, which is not a checkpoint folder in {root}. Delete {pointer} to use the "
             f"newest complete checkpoint, or pass checkpoint.resume=PATH (or none to start fresh)."

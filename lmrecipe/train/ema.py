@@ -139,7 +139,7 @@ class WeightEMA:
 
     # ---- checkpoint files
 
-    def save(self, folder: Path) -> None:
+    def save_files(self, folder: Path) -> None:
         """Write the average into checkpoint ``folder`` (every rank calls; see the module docstring for the files)."""
         from safetensors.torch import save_file
 
@@ -160,7 +160,7 @@ class WeightEMA:
             return
         save_file({**tensors, COUNT_KEY: count}, path, metadata=metadata)
 
-    def load(self, folder: Path) -> bool:
+    def load_files(self, folder: Path) -> bool:
         """Restore the average saved in checkpoint ``folder``; False (and the average kept) if it holds none.
 
         The saved average is read by name as full tensors, so a checkpoint written on another process count or ZeRO

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,9 @@ from lmrecipe.loss import validation_loss
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.profiler import StepProfiler
 from lmrecipe.observe.run_report import write_run_end
+from lmrecipe.train.early_stop import EarlyStopping
+from lmrecipe.train.ema import WeightEMA
+from lmrecipe.train.faults import maybe_install_faults
 from lmrecipe.train.lock import RunLock
 from lmrecipe.train.oom import OOMGuard
 from lmrecipe.train.preemption import PreemptionSignal
@@ -36,7 +40,7 @@ def eval_due(cfg: Config, step: int) -> bool:
     return step == cfg.train.max_steps or (every > 0 and step % every == 0)
 
 
-def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
+def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter, early_stopping: EarlyStopping) -> None:
     """Evaluate every ``train.eval_every_steps`` steps and at the last step (with a weight EMA, its weights too).
 
     The EMA goes first, so the trained weights' loss is measured after they were swapped back (a faulty restore
@@ -54,7 +58,8 @@ def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter) -> None:
             val_loss_ema = run.data.val_loss(losses())
     per_source = losses()
     val_loss = run.data.val_loss(per_source)
-    state.record_eval(val_loss, run.cfg.train.early_stopping_min_delta)
+    early_stopping.record(val_loss, best_before=state.best_val_loss)
+    state.record_eval(val_loss)
     state.last_val_loss_ema = val_loss_ema
     reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=val_loss_ema)
 
@@ -82,13 +87,40 @@ def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | Non
                              max_shard_size=section.max_shard_size, overwrite=True, weights=section.export_weights)
 
 
-def build_checkpointer(run: Run, out_dir: Path) -> Checkpointer:
+@dataclass
+class LoopFeatures:
+    """The loop's features with state of their own, which every checkpoint saves and restores by name (``extras``).
+
+    spikes: the loss-spike rule, its rollbacks and the data steps they skip; early_stopping: the patience counter;
+    ema: the weight EMA (its shadow in tensor files). Preemption, the non-finite-skip stop and the out-of-memory
+    diagnosis keep no state across a resume.
+    """
+
+    spikes: SpikeGuard
+    early_stopping: EarlyStopping
+    ema: WeightEMA | None
+
+    def extras(self) -> dict:
+        extras = {"spikes": self.spikes, "early_stopping": self.early_stopping}
+        return extras if self.ema is None else {**extras, "ema": self.ema}
+
+
+def build_features(run: Run, out_dir: Path) -> LoopFeatures:
+    spikes = SpikeGuard(run.cfg.spike, run.accelerator, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
+                        precision=run.runtime.precision)
+    spikes.warn_if_nothing_to_roll_back(run.cfg.checkpoint.every_steps)
+    return LoopFeatures(spikes, EarlyStopping(run.cfg.train), run.ema)
+
+
+def build_checkpointer(run: Run, out_dir: Path, features: LoopFeatures | None = None) -> Checkpointer:
     cfg = run.cfg
+    features = features or build_features(run, out_dir)
     return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=run.data.tokenizer_dir,
                         mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
                         samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
-                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extra_state=run.ema,
-                        publish_timeout_s=cfg.distributed.timeout_s, probe_kwargs=probe_kwargs(run))
+                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extras=features.extras(),
+                        next_sample=features.spikes.next_sample, publish_timeout_s=cfg.distributed.timeout_s,
+                        probe_kwargs=probe_kwargs(run))
 
 
 def probe_kwargs(run: Run):
@@ -98,12 +130,6 @@ def probe_kwargs(run: Run):
     windows = next(iter(run.data.val_sets.values())).windows
     documents = document_batch(windows.doc_starts, np.zeros(1, dtype=np.int64), PROBE_TOKENS).as_tensors()
     return functools.partial(run.attention.forward_kwargs, documents)
-
-
-def build_spike_guard(run: Run, out_dir: Path, checkpointer: Checkpointer, reporter: Reporter) -> SpikeGuard:
-    return SpikeGuard(run.cfg.spike, run.accelerator, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
-                      model=run.model, optimizer=run.optimizer, checkpointer=checkpointer, reporter=reporter,
-                      precision=run.runtime.precision)
 
 
 def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
@@ -146,15 +172,55 @@ def train(cfg: Config, recipe: str | None = None) -> TrainState:
 
 
 def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState:
-    cfg, accelerator, layout = run.cfg, run.accelerator, run.runtime.layout
-    checkpointer = build_checkpointer(run, out_dir)
+    cfg, accelerator = run.cfg, run.accelerator
+    features = build_features(run, out_dir)
+    checkpointer = build_checkpointer(run, out_dir, features)
     state = TrainState()
-    resumed_from = checkpointer.maybe_resume(run.model, run.optimizer, state)
+    resumed_from = checkpointer.maybe_resume(run.model, run.optimizer, state)  # restores the features' state too
     if accelerator.is_main_process:
         save_config(cfg, out_dir / "config.yaml")
     reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from, "recipe": recipe})
-    spikes = build_spike_guard(run, out_dir, checkpointer, reporter)
-    spikes.load(state)  # a resumed run keeps skipping the batches of spikes rolled back before
+    log_start(run)
+    stop = PreemptionSignal()
+    profiler = StepProfiler(cfg.profile, out_dir, rank=accelerator.process_index, is_main=accelerator.is_main_process,
+                            barrier=accelerator.wait_for_everyone)
+    oom = OOMGuard(cfg, run.runtime, run.model)
+    maybe_install_faults(accelerator.unwrap_model(run.model), run.train_batches, oom.current_step)
+    spikes, early_stopping = features.spikes, features.early_stopping
+    while state.step < cfg.train.max_steps:
+        step_start = time.perf_counter()
+        with profiler.step(state.step + 1), oom.step(state.step + 1):
+            result = train_step(run, state.step)
+        state.record_step(result.skipped, run.tokens_per_step)
+        spikes.observe(state.step, result.loss, result.grad_norm)
+        # Host reads happen only at sync points: a logged, evaluated or saved step.
+        sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
+        longest_skip_run = state.sync() if sync_point else 0
+        if sync_point and spikes.maybe_roll_back(state, checkpointer, reporter):
+            continue  # back at the last checkpoint, with the spike's samples skipped from now on
+        if state.step == 1 and cfg.train.compile:
+            logger.info("Step 1 took %.1f s, torch.compile's compilation included", time.perf_counter() - step_start)
+        reporter.step_done(state, result.loss, result.lr, result.grad_norm, time.perf_counter() - step_start,
+                           result.data_time_s)
+        if longest_skip_run >= cfg.train.max_consecutive_skips:
+            stop_after_skips(state, reporter, cfg.train.max_consecutive_skips)
+        maybe_evaluate(run, state, reporter, early_stopping)
+        preempted = stop.requested(accelerator, exchange=sync_point)
+        if preempted:
+            state.sync()  # the checkpoint records the skip counters
+        checkpointer.maybe_save(run.model, state, preempted=preempted)
+        if preempted:
+            exit_preempted(accelerator, reporter, stop.name, state.step)
+        if early_stopping.should_stop(evaluated_now=state.last_val_step == state.step):
+            logger.info("Early stopping at step %d: %d evaluations without improvement (best val_loss %.4f).",
+                        state.step, early_stopping.evals_without_improvement, state.best_val_loss)
+            break
+    finish(run, state, checkpointer, reporter, features, out_dir)
+    return state
+
+
+def log_start(run: Run) -> None:
+    cfg, layout = run.cfg, run.runtime.layout
     logger.info(
         "model %.2fM params | %d processes x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s",
         run.n_params / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
@@ -166,62 +232,38 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
                        "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
                        run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
 
-    stop = PreemptionSignal()
-    profiler = StepProfiler(cfg.profile, out_dir, rank=accelerator.process_index, is_main=accelerator.is_main_process,
-                            barrier=accelerator.wait_for_everyone)
-    oom = OOMGuard(cfg, run.runtime, run.model)
-    while state.step < cfg.train.max_steps:
-        step_start = time.perf_counter()
-        with profiler.step(state.step + 1), oom.step(state.step + 1):
-            result = train_step(run, state.step)
-        state.record_step(result.skipped, run.tokens_per_step)
-        spikes.observe(state, result.loss, result.grad_norm)
-        # Host reads happen only at sync points: a logged, evaluated or saved step.
-        sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
-        longest_skip_run = state.sync() if sync_point else 0
-        if sync_point and spikes.maybe_roll_back(state):
-            continue  # back at the last checkpoint, with the spike's samples skipped from now on
-        if state.step == 1 and cfg.train.compile:
-            logger.info("Step 1 took %.1f s, torch.compile's compilation included", time.perf_counter() - step_start)
-        reporter.step_done(state, result.loss, result.lr, result.grad_norm, time.perf_counter() - step_start,
-                           result.data_time_s)
-        if longest_skip_run >= cfg.train.max_consecutive_skips:
-            stop_after_skips(state, reporter, cfg.train.max_consecutive_skips)
-        maybe_evaluate(run, state, reporter)
-        preempted = stop.requested(accelerator, exchange=sync_point)
-        if preempted:
-            state.sync()  # the checkpoint records the skip counters
-        checkpointer.maybe_save(run.model, state, preempted=preempted)
-        if preempted:
-            reporter.close(plot=True)
-            logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
-                        stop.name or "a signal to another rank", state.step)
-            # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
-            accelerator.wait_for_everyone()
-            raise SystemExit(EXIT_PREEMPTED)
-        if run.stops_early(state):
-            logger.info("Early stopping at step %d: %d evaluations without improvement (best val_loss %.4f).",
-                        state.step, state.evals_without_improvement, state.best_val_loss)
-            break
 
+def exit_preempted(accelerator, reporter: Reporter, signal_name: str | None, step: int) -> None:
+    reporter.close(plot=True)
+    logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
+                signal_name or "a signal to another rank", step)
+    # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
+    accelerator.wait_for_everyone()
+    raise SystemExit(EXIT_PREEMPTED)
+
+
+def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Reporter, features: LoopFeatures,
+           out_dir: Path) -> None:
+    """After the last step: wait for a background write, export, close the logs, write the run's end."""
     checkpointer.wait()  # a background write in flight (early stopping)
     source = export_source(run, checkpointer)
     export = maybe_export(run, source, out_dir)
     if export is not None:
         logger.info("Exported %s from %s", export, source)
     reporter.close(plot=True)
-    if accelerator.is_main_process:
-        write_run_end(out_dir, run_outcome(run, state, source, export), cfg.logging.cost_per_device_hour)
-    accelerator.end_training()
-    return state
+    if run.accelerator.is_main_process:
+        write_run_end(out_dir, run_outcome(run, state, features, source, export), run.cfg.logging.cost_per_device_hour)
+    run.accelerator.end_training()
 
 
-def run_outcome(run: Run, state: TrainState, export_from: Path | None, export: Path | None) -> dict:
+def run_outcome(run: Run, state: TrainState, features: LoopFeatures, export_from: Path | None,
+                export: Path | None) -> dict:
     """How the run ended, for ``final.json`` and ``run_meta.json``."""
     return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < run.cfg.train.max_steps,
             "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
             "last_val_loss_ema": state.last_val_loss_ema,
-            "evals_without_improvement": state.evals_without_improvement, "wall_time_s": state.wall_time_s,
-            "rollbacks": state.rollbacks, "skipped_batches": len(state.skipped_batches),
+            "evals_without_improvement": features.early_stopping.evals_without_improvement,
+            "wall_time_s": state.wall_time_s, "rollbacks": features.spikes.rollbacks,
+            "skipped_batches": len(features.spikes.skipped_batches),
             "export": str(export) if export else None, "export_from": str(export_from) if export_from else None,
             "export_weights": run.cfg.checkpoint.export_weights if export else None}

@@ -27,29 +27,22 @@ from lmrecipe.memory import estimate, format_bytes, model_shape
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "LMRECIPE_FAULT_OOM_AT_STEP"
-
-
 class OOMGuard:
     def __init__(self, cfg: Config, runtime: Runtime, model):
         """
         Args:
             cfg: the run's configuration (batch sizes, checkpointing, sequence length, attention kernel).
             runtime: the run's topology (precision, batch layout, ZeRO setup).
-            model: the prepared model (its config gives the shape; the fault hook is attached to it).
+            model: the prepared model (its config gives the shape).
         """
         self.cfg = cfg
         self.runtime = runtime
         self.model = runtime.accelerator.unwrap_model(model)
         self._step: int | None = None
-        fault = os.environ.get(FAULT_ENV, "").strip()
-        self.fault_step = int(fault) if fault else None
-        if self.fault_step is not None:
-            self.model.register_forward_pre_hook(self._inject_fault)
 
-    def _inject_fault(self, module, args):
-        if self._step == self.fault_step:
-            raise torch.OutOfMemoryError(f"out of memory (injected by {FAULT_ENV}={self.fault_step})")
+    def current_step(self) -> int | None:
+        """The optimizer step (1-based) running inside :meth:`step` now, or None."""
+        return self._step
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:

@@ -23,7 +23,6 @@ from lmrecipe.memory import attach_model_state_probe
 from lmrecipe.model import build_attention, build_hf_config, build_model, flops_per_token, param_counts
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.train.ema import WeightEMA
-from lmrecipe.train.state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +59,6 @@ class Run:
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
-
-    def stops_early(self, state: TrainState) -> bool:
-        """Early stopping: ``train.early_stopping_patience`` evaluations in a row without improvement."""
-        patience = self.cfg.train.early_stopping_patience
-        return patience > 0 and state.last_val_step == state.step and state.evals_without_improvement >= patience
 
 
 def build_run(cfg: Config, out_dir: Path) -> Run:

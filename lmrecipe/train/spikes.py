@@ -22,7 +22,7 @@ On a spike, at that sync point, every rank:
    resume does). Checkpoints are saved at sync points after this check, so the newest one precedes every flagged
    step; the weights it holds were trained only on steps before the spike;
 2. adds the *data steps* (blocks of ``train.global_batch_size`` samples of the original order,
-   :func:`lmrecipe.data.order.data_step`) of the flagged steps to ``TrainState.skipped_batches``. Optimizer step ``s``
+   :func:`lmrecipe.data.order.data_step`) of the flagged steps to the guard's ``skipped_batches``. Optimizer step ``s``
    then reads the ``s``-th data step not skipped: the rolled-back steps between the checkpoint and the spike
    train on the same samples as before, the flagged ones' samples are replaced by the next unused ones, and the
    run still ends at ``train.max_steps``. The list is part of every later checkpoint, so a resume keeps skipping;
@@ -37,12 +37,9 @@ On a spike, at that sync point, every rank:
 
 More than ``spike.max_rollbacks`` rollbacks stop the run with exit code 2. A spike before the first checkpoint
 cannot be rolled back: it is logged and recorded (``rolled_back_to`` null) and training goes on. The window of
-recent losses is saved in each checkpoint (``TrainState.spike_window``), so a resume judges steps exactly as the
-uninterrupted run would.
-
-Fault injection for tests: ``LMRECIPE_FAULT_SPIKE_STEPS=N[,M...]`` (read once, at start-up) multiplies the
-model's logits by 1000 whenever its input is one of the micro-batches that step N trains on in the order without
-skips: a loss spike that follows the samples, as bad data does, wherever they land in the run.
+recent losses, the skipped data steps and the rollback count are this feature's own state, saved in each checkpoint
+(``extras.spikes`` of ``train_state.json``), so a resume judges steps exactly as the uninterrupted run would.
+Tests inject a spike that follows the samples with ``LMRECIPE_FAULT_SPIKE_STEPS`` (``lmrecipe/train/faults.py``).
 """
 
 from __future__ import annotations
@@ -50,12 +47,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch
 
-from lmrecipe.checkpoint.storage import complete_checkpoints
+from lmrecipe.checkpoint.storage import complete_checkpoints, step_of_dir
 from lmrecipe.config import SpikeConfig
 from lmrecipe.data.order import data_step
 from lmrecipe.errors import fail
@@ -64,8 +60,6 @@ from lmrecipe.fileio import write_text_atomic
 logger = logging.getLogger(__name__)
 
 SPIKES_FILE = "spikes.jsonl"
-FAULT_ENV = "LMRECIPE_FAULT_SPIKE_STEPS"
-_FAULT_LOGIT_SCALE = 1000.0
 _STD_FLOOR = 1e-3
 """The window's standard deviation is floored at this fraction of its mean."""
 _FIELDS = ("flag", "loss", "grad_norm", "window_loss_mean", "window_grad_norm_mean", "window_loss_std",
@@ -152,92 +146,110 @@ def _reason(row: dict) -> str:
 class SpikeGuard:
     """Detection and rollback for the loop: :meth:`observe` each step, :meth:`maybe_roll_back` at sync points.
 
-    Holds the run's pieces a rollback touches (model, data order, prefetcher, checkpointer, reporter); with
-    ``spike.enabled=false`` it only keeps the data order in step with a resumed state's skipped batches.
+    Owns its state (the rule's window as of the last sync, the data steps skipped for good, the rollback count;
+    :meth:`state_dict`), and keeps the data order in step with the skipped data steps, also with
+    ``spike.enabled=false`` (a resumed run keeps skipping what an earlier session rolled back).
     """
 
-    def __init__(self, section: SpikeConfig, accelerator, out_dir: Path, *, batches, prefetcher, model, optimizer, checkpointer,
-                 reporter, precision: str):
+    def __init__(self, section: SpikeConfig, accelerator, out_dir: Path, *, batches, prefetcher, precision: str):
         self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.batches = batches
         self.prefetcher = prefetcher
-        self.model = model
-        self.optimizer = optimizer
-        self.checkpointer = checkpointer
-        self.reporter = reporter
         self.detector = SpikeDetector(section, accelerator.device, grad_norm_must_be_finite=precision != "fp16")
-        if section.enabled and checkpointer.section.every_steps == 0:
+        self.window: list | None = None
+        """The rule's window of recent steps' ``[loss, grad_norm]`` as of the last sync point."""
+        self.skipped_batches: list[int] = []
+        """Data steps (blocks of ``train.global_batch_size`` samples of the original order) never trained on, because
+        a loss spike was rolled back; ascending. Step s reads the s-th data step not listed."""
+        self.rollbacks = 0
+        """Rollbacks after loss spikes over the run."""
+
+    def warn_if_nothing_to_roll_back(self, every_steps: int) -> None:
+        if self.section.enabled and every_steps == 0:
             logger.warning("spike.enabled=true with checkpoint.every_steps=0: no checkpoint precedes a spike, so spikes "
                            "are recorded in %s but cannot be rolled back.", SPIKES_FILE)
-        self._fault_inputs = _fault_inputs(batches)
-        if self._fault_inputs:
-            _attach_fault(accelerator.unwrap_model(model), self._fault_inputs)
 
-    def load(self, state) -> None:
-        """Take a resumed (or reloaded) state's skipped batches and window of recent losses."""
-        self.batches.skipped = tuple(state.skipped_batches)
+    def state_dict(self) -> dict:
+        return {"spike_window": self.window, "skipped_batches": list(self.skipped_batches), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Take a resumed (or reloaded) checkpoint's window, skipped data steps and rollback count."""
+        state = state or {}
+        self.window = state.get("spike_window")
+        self.skipped_batches = list(state.get("skipped_batches") or [])
+        self.rollbacks = int(state.get("rollbacks") or 0)
+        self._apply()
+
+    def _apply(self) -> None:
+        self.batches.skipped = tuple(self.skipped_batches)
         self.prefetcher.reset()
-        self.detector.load(state.spike_window)
+        self.detector.load(self.window)
 
-    def observe(self, state, loss: torch.Tensor, grad_norm) -> None:
-        """Judge the step just recorded in ``state`` (device work only)."""
+    def next_sample(self, step: int) -> int:
+        """The global sample index that optimizer step ``step`` (0-based) starts at, skipped data steps included."""
+        return data_step(step, self.skipped_batches) * self.batches.layout.global_batch_size
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm) -> None:
+        """Judge optimizer step ``step`` (1-based), just run (device work only)."""
         if not self.section.enabled:
             return
         if self.accelerator.num_processes > 1:
             loss = self.accelerator.reduce(loss.detach().float(), reduction="mean")
-        self.detector.observe(state.step, loss, grad_norm)
+        self.detector.observe(step, loss, grad_norm)
 
-    def maybe_roll_back(self, state) -> bool:
-        """At a sync point: read the flags since the last one; on a spike, roll back and return True (all ranks)."""
+    def maybe_roll_back(self, state, checkpointer, reporter) -> bool:
+        """At a sync point: read the flags since the last one; on a spike, reload the checkpoint before it through
+        ``checkpointer``, rewind ``reporter``'s history and return True (all ranks alike)."""
         if not self.section.enabled:
             return False
-        flagged, state.spike_window = self.detector.collect(self._reduce_max if self.accelerator.num_processes > 1 else None)
+        flagged, self.window = self.detector.collect(self._reduce_max if self.accelerator.num_processes > 1 else None)
         if not flagged:
             return False
-        self.checkpointer.wait()
+        checkpointer.wait()
         first = flagged[0]["step"]
-        target = self._checkpoint_before(first)
+        target = self._checkpoint_before(first, checkpointer)
         record = {"step": first, "detected_at_step": state.step, "rolled_back_to": None, "checkpoint": None,
-                  "rollback": state.rollbacks, "flagged": flagged, "skipped": []}
+                  "rollback": self.rollbacks, "flagged": flagged, "skipped": []}
         if target is None:
             logger.warning("Loss spike at step %d (%s) but no checkpoint precedes it: recorded in %s, not rolled back.",
                            first, flagged[0]["reason"], self.out_dir / SPIKES_FILE)
             self._append(record)
             return False
-        if state.rollbacks >= self.section.max_rollbacks:
+        if self.rollbacks >= self.section.max_rollbacks:
             self._append(record)
-            self.reporter.close(plot=True)
+            reporter.close(plot=True)
             raise fail(
                 f"Stopped at step {state.step}: a loss spike at step {first} ({flagged[0]['reason']}), after "
-                f"{state.rollbacks} rollbacks already (spike.max_rollbacks={self.section.max_rollbacks}); see "
+                f"{self.rollbacks} rollbacks already (spike.max_rollbacks={self.section.max_rollbacks}); see "
                 f"{self.out_dir / SPIKES_FILE}. Try a lower optim.lr or a longer schedule.warmup_steps, check the data "
                 "the records name, or raise spike.max_rollbacks; then resume from the last checkpoint "
                 "(checkpoint.resume=auto)."
             )
-        positions = [data_step(row["step"] - 1, state.skipped_batches) for row in flagged]
+        positions = [data_step(row["step"] - 1, self.skipped_batches) for row in flagged]
         G = self.batches.layout.global_batch_size
         record["skipped"] = [{"step": row["step"], "data_step": d, "samples": [d * G, (d + 1) * G],
                               "windows": self.batches.data_step_samples(d)} for row, d in zip(flagged, positions)]
-        kept = (sorted(set(state.skipped_batches) | set(positions)), state.rollbacks + 1, state.wall_time_s)
-        self.checkpointer.restore(target, self.model, self.optimizer, state)
-        state.skipped_batches, state.rollbacks, state.wall_time_s = kept  # this run's, not the checkpoint's
-        self.load(state)
-        self.reporter.rewind(state.step)
-        record.update(rolled_back_to=state.step, checkpoint=str(target), rollback=state.rollbacks)
+        kept = (sorted(set(self.skipped_batches) | set(positions)), self.rollbacks + 1, state.wall_time_s)
+        checkpointer.restore(target, state)  # also reloads this guard's state as the checkpoint saved it
+        # This run's skips, rollback count and wall time, not the checkpoint's; the window is the checkpoint's.
+        self.skipped_batches, self.rollbacks, state.wall_time_s = kept
+        self._apply()
+        reporter.rewind(state.step)
+        record.update(rolled_back_to=state.step, checkpoint=str(target), rollback=self.rollbacks)
         self._append(record)
         logger.warning("Loss spike at step %d (%s, loss %.4g): rolled back to %s (step %d); the samples of %d step(s) "
                        "are skipped from now on (%s).", first, flagged[0]["reason"], flagged[0]["loss"], target,
                        state.step, len(positions), self.out_dir / SPIKES_FILE)
         return True
 
-    def _checkpoint_before(self, step: int) -> Path | None:
+    def _checkpoint_before(self, step: int, checkpointer) -> Path | None:
         """The newest published checkpoint whose weights predate step ``step`` (1-based)."""
-        latest = self.checkpointer.latest
-        if latest is not None and int(latest.name.split("_")[-1]) < step:
+        latest = checkpointer.latest
+        if latest is not None and step_of_dir(latest.name) < step:
             return latest
-        earlier = [c.path for c in complete_checkpoints(self.checkpointer.root) if c.step < step]
+        earlier = [c.path for c in complete_checkpoints(checkpointer.root) if c.step < step]
         return earlier[-1] if earlier else None
 
     def _reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -257,27 +269,3 @@ class SpikeGuard:
 def read_spikes(out_dir: str | Path) -> list[dict]:
     path = Path(out_dir) / SPIKES_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def _fault_inputs(batches) -> list[torch.Tensor]:
-    """This rank's micro-batch inputs of the steps ``LMRECIPE_FAULT_SPIKE_STEPS`` names (order without skips)."""
-    value = os.environ.get(FAULT_ENV, "").strip()
-    steps = [int(v) for v in value.split(",") if v.strip()]
-    return [inputs for step in steps for inputs in batches.data_step_inputs(step - 1)]
-
-
-def _attach_fault(module: torch.nn.Module, faulted: list[torch.Tensor]) -> None:
-    hit = {"now": False}
-
-    def before(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        hit["now"] = ids is not None and any(ids.shape == f.shape and torch.equal(ids.cpu(), f) for f in faulted)
-
-    def after(module, args, kwargs, output):
-        if hit["now"]:
-            logger.warning("Injecting a loss spike (%s): logits x %g for these samples", FAULT_ENV, _FAULT_LOGIT_SCALE)
-            output.logits = output.logits * _FAULT_LOGIT_SCALE
-        return output
-
-    module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(after, with_kwargs=True)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -12,7 +12,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainState:
-    """Everything besides weights and optimizer state that a resume needs; saved as JSON in each checkpoint.
+    """The core of what a resume needs besides weights and optimizer state; saved as JSON in each checkpoint.
+
+    The loop features keep their own state (the spike rule's window, early stopping's counter, the weight EMA),
+    which the checkpoint saves beside this one by name.
 
     Skipped updates are counted on the device as steps go (reading a flag would stall a GPU every step) and
     folded into the fields by :meth:`sync`, which the loop calls at its sync points (log, eval, save, end).
@@ -32,17 +35,8 @@ class TrainState:
     """Step of the latest evaluation (a checkpoint saved at that step is ranked by its loss)."""
     last_val_loss_ema: float | None = None
     """Validation loss of the weight EMA at the latest evaluation (None without ``train.ema_decay``)."""
-    evals_without_improvement: int = 0
-    """Evaluations in a row whose loss was not below the best before by more than ``train.early_stopping_min_delta``."""
     wall_time_s: float = 0.0
     """Seconds of training over all sessions of the run (as of the last step), for the report's device-hours."""
-    skipped_batches: list[int] = field(default_factory=list)
-    """Data steps (blocks of ``train.global_batch_size`` samples of the original order) never trained on, because a
-    loss spike was rolled back (``lmrecipe/spikes.py``); ascending. Step s reads the s-th data step not listed."""
-    rollbacks: int = 0
-    """Rollbacks after loss spikes over the run."""
-    spike_window: list | None = None
-    """The spike rule's window of recent steps' ``[loss, grad_norm]`` (as of the last sync), so a resume judges alike."""
 
     def __post_init__(self):
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -70,8 +64,6 @@ class TrainState:
         self._pending = None
         return longest
 
-    def record_eval(self, val_loss: float, min_delta: float = 0.0) -> None:
+    def record_eval(self, val_loss: float) -> None:
         self.last_val_loss, self.last_val_step = val_loss, self.step
-        improved = self.best_val_loss is None or val_loss < self.best_val_loss - min_delta
-        self.evals_without_improvement = 0 if improved else self.evals_without_improvement + 1
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
