@@ -89,7 +89,6 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
 
 
 def in_process(folders: dict[str, Path], seq_len: int, vocab: int, report) -> dict:
-    import numpy as np
 
     from lmrecipe.data.format import open_data
     from lmrecipe.data.order import SampleOrder

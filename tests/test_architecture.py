@@ -34,7 +34,7 @@ LAYERS = {
 INNER = {
     "data": {"documents": 0, "format": 1, "order": 1, "prepare": 2, "batches": 2, "sources": 3},
     "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "pipeline": 1},
-    "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "storage": 1, "compat": 2, "policy": 3},
+    "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "compat": 0, "storage": 1, "policy": 2},
     "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "metrics_log": 1, "run_meta": 1,
                 "run_report": 2, "console": 3},
     "train": {"state": 0, "lock": 0, "preemption": 0, "ema": 0, "oom": 0, "early_stop": 0, "faults": 0,

@@ -206,13 +206,13 @@ def test_background_save_writes_what_a_synchronous_save_writes(tmp_path_factory,
 KILL_DURING_BACKGROUND_WRITE = """
 import json, os, signal, sys, time
 from pathlib import Path
-from lmrecipe.checkpoint.policy import Checkpointer
+from lmrecipe.checkpoint.storage import CheckpointStore
 from lmrecipe.config import load_config
 from lmrecipe.train.loop import train
 
 cfg = load_config("recipes/tiny.yaml", sys.argv[1:])
 metrics = Path(cfg.out_dir) / "metrics.jsonl"
-real_publish = Checkpointer._publish
+real_publish = CheckpointStore.publish
 publishes = []
 
 def publish_after_the_loop_moved_on(self, tmp, final, record):
@@ -226,7 +226,7 @@ def publish_after_the_loop_moved_on(self, tmp, final, record):
         os.kill(os.getpid(), signal.SIGKILL)
     return real_publish(self, tmp, final, record)
 
-Checkpointer._publish = publish_after_the_loop_moved_on
+CheckpointStore.publish = publish_after_the_loop_moved_on
 train(cfg)
 """
 

@@ -6,27 +6,16 @@ The files and their atomic publication are described in ``lmrecipe/checkpoint/st
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import logging
-import math
-import os
 import shutil
-import threading
-import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
-from lmrecipe.checkpoint.background import (
-    BackgroundWriter,
-    deepspeed_writes_captured,
-    snapshot_accelerator_state,
-    write_accelerator_state,
-    write_captured,
-)
+from lmrecipe.checkpoint.compat import check_resume_compatible
 from lmrecipe.checkpoint.portable import (
     cached_portable,
     convert,
@@ -38,39 +27,26 @@ from lmrecipe.checkpoint.portable import (
     state_sha256,
 )
 from lmrecipe.checkpoint.storage import (
-    _DONE,
-    _FAILED,
-    _HF_SHAPE_KEYS,
-    _PORTABLE_LEFTOVER,
-    _TMP_PREFIX,
-    _TRASH_PREFIX,
-    BEST,
     DS_TAG,
-    FORMAT_VERSION,
     HF_DIR,
-    LATEST,
     PREEMPTED_MARKER,
     PROBE_FILE,
     PROBE_TOKENS,
     RNG_DIR,
     STATE_FILE,
+    CheckpointStore,
     _data_signature,
-    _describe_mixture,
-    _follow_latest,
-    _mixture_key,
-    _remove_tree,
     find_resume_checkpoint,
-    prune_checkpoints,
     read_checkpoint,
     rng_state_tensors,
     set_rng_state,
     step_dir_name,
 )
-from lmrecipe.config import CheckpointConfig, fixed_on_resume_keys, flatten_config
+from lmrecipe.config import CheckpointConfig
 from lmrecipe.data.format import TokenWindows
 from lmrecipe.distributed import ZeroSetup
 from lmrecipe.errors import UserError, fail
-from lmrecipe.fileio import fsync_dir, write_text_atomic
+from lmrecipe.fileio import write_text_atomic
 from lmrecipe.optim import optimizer_param_names
 
 logger = logging.getLogger(__name__)
@@ -91,7 +67,9 @@ class CheckpointExtra:
 
 
 class Checkpointer:
-    """Owns the checkpoint policy: when to save, atomic publishing, retention, resume and the final export.
+    """The checkpoint policy of a run: when to save and what goes in (the probe, ``hf/``, the extras, the training
+    state), what a resume must match (``compat.py``), resuming and rolling back; the files are the store's
+    (:class:`~lmrecipe.checkpoint.storage.CheckpointStore`).
 
     Every method is called on every rank; collectives (DeepSpeed's save, the probe forward) run on all of
     them and only the main process writes shared files.
@@ -124,7 +102,6 @@ class Checkpointer:
         self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
-        self.root = out_dir / "checkpoints"
         self.zero = zero
         self.data_dir = Path(data_dir)
         self.mixture = mixture
@@ -138,19 +115,28 @@ class Checkpointer:
         self.probe_kwargs = probe_kwargs
         self.resumed_from: Path | None = None
         self.model = self.optimizer = None
-        self.latest: Path | None = None
-        self.publish_timeout_s = publish_timeout_s
-        self.background = section.background_save
-        self.writer = BackgroundWriter()
+        self.store = CheckpointStore(accelerator, out_dir / "checkpoints", keep_last=section.keep_last,
+                                     background=section.background_save, deepspeed=zero.deepspeed,
+                                     publish_timeout_s=publish_timeout_s)
         if accelerator.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for leftover in self.root.iterdir():
-                name = leftover.name
-                if (name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or _PORTABLE_LEFTOVER.match(name)) and leftover.is_dir():
-                    logger.info("Removing %s, left by an interrupted save or conversion", leftover)
-                    shutil.rmtree(leftover)
             (out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         accelerator.wait_for_everyone()
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    @property
+    def latest(self) -> Path | None:
+        """The newest checkpoint this run published or resumed from."""
+        return self.store.latest
+
+    def wait(self) -> None:
+        """Block until the checkpoint written in the background (if any) is published, on every rank."""
+        self.store.wait()
+
+    def best(self) -> Path | None:
+        return self.store.best()
 
     # ---- resume
 
@@ -166,9 +152,11 @@ class Checkpointer:
         if path is None:
             return None
         saved = read_checkpoint(path)
-        self._check_compatible(saved, path, model)
+        check_resume_compatible(saved, path, run_config=self.run_config,
+                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
+                                data_signature=self._data_signature(), lr_schedule=self.lr_schedule)
         self._load(path, saved, model, optimizer, state)
-        self.resumed_from = self.latest = path
+        self.resumed_from = self.store.latest = path
         changes = layout_changes(layout_of(saved["topology"]), self.layout())
         if changes:
             logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
@@ -221,48 +209,6 @@ class Checkpointer:
         if error is not None:
             raise fail(error)
         return Path(folder)
-
-    def _check_compatible(self, saved: dict, path: Path, model) -> None:
-        fixed_keys = fixed_on_resume_keys()
-        old, new = flatten_config(saved["config"]), flatten_config(self.run_config)
-        problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed_keys if old.get(k) != new.get(k)]
-        old_hf = saved.get("hf_config", {})
-        new_hf = self.accelerator.unwrap_model(model).config.to_dict()
-        problems += [f"model config {k}: {old_hf[k]!r} -> {new_hf[k]!r}"
-                     for k in _HF_SHAPE_KEYS if k in old_hf and k in new_hf and old_hf[k] != new_hf[k]]
-        old_data, new_data = saved.get("data", {}), self._data_signature()
-        problems += [f"data {k}: {old_data[k]!r} -> {new_data[k]!r}"
-                     for k in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256")
-                     if old_data.get(k) is not None and new_data.get(k) is not None and old_data[k] != new_data[k]]
-        old_mix, new_mix = _mixture_key(old_data.get("mixture")), _mixture_key(new_data.get("mixture"))
-        if old_mix != new_mix:
-            problems.append(f"data sources: {_describe_mixture(old_data.get('mixture'))} -> "
-                            f"{_describe_mixture(new_data.get('mixture'))}")
-        if problems:
-            raise fail(
-                f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer state or data "
-                f"position depend on ({'; '.join(problems)}). Resume with the checkpoint's settings, or start a new run "
-                f"from its weights: python tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT "
-                "checkpoint.resume=none."
-            )
-        changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-                   if k not in fixed_keys and old.get(k) != new.get(k)]
-        if changed:
-            logger.info("Resuming with changed settings (allowed): %s", "; ".join(changed))
-        if new_mix is None and new_data.get("train_sha256") != old_data.get("train_sha256"):
-            logger.warning("The training data differs from the checkpoint's (train.bin sha256); the run continues "
-                           "at the same sample index of the new data.")
-        for old_source, new_source in zip(old_data.get("mixture") or [], new_data.get("mixture") or []):
-            if old_source.get("train_sha256") != new_source.get("train_sha256"):
-                logger.warning("The training data of source %s differs from the checkpoint's (%s -> %s, train.bin "
-                               "sha256); the run continues at the same sample index of the new data.",
-                               new_source["name"], old_source.get("path"), new_source.get("path"))
-        step = saved["state"]["step"]
-        lr_now = self.lr_schedule(step)
-        lr_saved = saved["schedule"]["next_lr"]
-        if not math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
-            logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
-                           "schedule.", step, lr_saved, lr_now)
 
     def _data_signature(self) -> dict:
         signature = _data_signature(self.data_dir)
@@ -318,14 +264,6 @@ class Checkpointer:
             if hasattr(extra, "load_files"):
                 extra.load_files(path)
 
-    def best(self) -> Path | None:
-        """The complete checkpoint with the lowest validation loss (what ``checkpoints/best`` names), or None."""
-        pointer = self.root / BEST
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / STATE_FILE).is_file() else None
-
     # ---- save
 
     def due(self, step: int) -> bool:
@@ -359,12 +297,7 @@ class Checkpointer:
         final = self.root / step_dir_name(state.step)
         if final == self.resumed_from:
             raise RuntimeError(f"refusing to overwrite {final}, the checkpoint this run resumed from")
-        tmp = self.root / f"{_TMP_PREFIX}{final.name}"
-        if acc.is_main_process:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            (tmp / RNG_DIR).mkdir(parents=True)
-        acc.wait_for_everyone()
+        tmp = self.store.begin(final)
         probe = self._probe_logits(model)
         try:
             # The small files, in the loop also with background writes: this rank's RNG state, the probe and hf/
@@ -378,111 +311,24 @@ class Checkpointer:
                 if hasattr(extra, "save_files"):
                     extra.save_files(tmp)
             # The JSON part of train_state.json as of this step (a background publication comes later).
-            record = json.loads(json.dumps(self._state_record(state)))
-            if self.background:
-                self.writer.submit(self._write_in_background, self._snapshot(model, tmp), tmp, final, record)
-            else:
-                acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
-                acc.wait_for_everyone()
-                if acc.is_main_process:
-                    self._publish(tmp, final, record)
+            record = json.loads(json.dumps(self._state_record(state, model)))
+            self.store.write(model, tmp, final, record)
         except (OSError, RuntimeError) as err:
-            full = self._disk_full_error(err, tmp, final)
+            full = self.store.disk_full_error(err, tmp, final)
             if full is None:
                 raise
             raise full from None
-        if self.background and not (preempted or state.step >= self.max_steps):
+        if self.store.background and not (preempted or state.step >= self.max_steps):
             return final
         self.wait()
         if acc.is_main_process and preempted:
             marker = {"step": state.step, "checkpoint": str(final)}
             write_text_atomic(self.out_dir / PREEMPTED_MARKER, json.dumps(marker) + "\n", durable=True)
         acc.wait_for_everyone()
-        self.latest = final
+        self.store.latest = final
         return final
 
-    def wait(self) -> None:
-        """Block until the checkpoint written in the background (if any) is published, on every rank."""
-        if not self.writer.pending:
-            return
-        final = self.writer.wait()  # raises what the write raised (a full disk becomes its UserError)
-        self.accelerator.wait_for_everyone()  # the main process returns only once it has published
-        self.latest = final
 
-    def _snapshot(self, model, tmp: Path) -> Callable[[], None]:
-        """Copy this rank's model and optimizer state to CPU memory (the loop waits for this only); return the
-        write of that copy into ``tmp``, for the worker thread."""
-        acc = self.accelerator
-        if not self.zero.deepspeed:
-            return functools.partial(write_accelerator_state, snapshot_accelerator_state(acc), tmp)
-        # The collective part of DeepSpeed's save runs now, on every rank; its files are copied, not written.
-        with deepspeed_writes_captured(model, pin_memory=acc.device.type == "cuda") as captured:
-            acc.save_state(str(tmp))
-        if acc.device.type == "cuda":
-            torch.cuda.synchronize(acc.device)  # the copies were queued non-blocking into pinned memory
-        return functools.partial(write_captured, captured, getattr(model.checkpoint_engine, "zipfile_serialization", True))
-
-    def _write_in_background(self, write: Callable[[], None], tmp: Path, final: Path, record: dict) -> Path:
-        """On the worker thread: this rank's files and its marker; on the main process, then the publication."""
-        rank = self.accelerator.process_index
-        try:
-            write()
-            del write  # the CPU copy
-            (tmp / _DONE.format(rank)).touch()
-            if self.accelerator.is_main_process:
-                self._await_ranks(tmp)
-                self._publish(tmp, final, record)
-        except (OSError, RuntimeError) as err:
-            if tmp.is_dir():
-                (tmp / _FAILED.format(rank)).write_text(f"{err!r}\n")
-            full = self._disk_full_error(err, tmp, final)
-            if full is None:
-                raise
-            raise full from None
-        return final
-
-    def _await_ranks(self, tmp: Path) -> None:
-        """Wait for every rank's marker in ``tmp`` (a barrier through the shared filesystem), then remove them."""
-        ranks = range(self.accelerator.num_processes)
-        deadline = time.monotonic() + self.publish_timeout_s
-        orphaned = False
-        while not all((tmp / _DONE.format(r)).is_file() for r in ranks):
-            failed = [r for r in ranks if (tmp / _FAILED.format(r)).is_file()]
-            if failed:
-                raise RuntimeError(f"rank {failed[0]} failed to write its part of {tmp}: "
-                                   f"{(tmp / _FAILED.format(failed[0])).read_text().strip()}")
-            if not orphaned and not threading.main_thread().is_alive():  # the run ended with an error
-                orphaned, deadline = True, min(deadline, time.monotonic() + 60)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not every rank wrote its part of {tmp} in time; the checkpoint is not published")
-            time.sleep(0.02)
-        for r in ranks:
-            (tmp / _DONE.format(r)).unlink()
-
-    def _disk_full_error(self, err: Exception, tmp: Path, final: Path):
-        """A UserError if ``err`` came from a full disk (after removing the partial folder), else None.
-
-        torch's writer reports a full disk as a RuntimeError without errno ("iostream error"), so the free space is
-        checked too: less than the previous checkpoint's size (or 1 MB without one) counts as full.
-        """
-        previous = self.latest
-        if previous is None and (self.root / LATEST).is_file():
-            previous = _follow_latest(self.root)
-        needed = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file()) if previous else 0
-        try:
-            free = shutil.disk_usage(self.root).free
-        except OSError:
-            free = 0
-        if getattr(err, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= max(needed, 1 << 20):
-            return None
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = f"The previous checkpoint {previous} is intact." if previous else "No earlier checkpoint exists."
-        return fail(
-            f"No space left on the device while writing checkpoint {final.name} to {self.root} ({err}). "
-            f"Free: {free / 1e6:.1f} MB; the previous checkpoint took {needed / 1e6:.1f} MB. The partial folder was "
-            f"removed. {kept} Free some space, lower checkpoint.keep_last, or move out_dir to a larger disk, then "
-            "resume with checkpoint.resume=auto."
-        )
 
     def _write_hf_dir(self, model, hf_dir: Path) -> None:
         hf_dir.mkdir()
@@ -491,11 +337,14 @@ class Checkpointer:
             if file.is_file() and file.suffix not in (".bin", ".idx"):  # tokenizer files and meta.json, not the tokens
                 shutil.copy2(file, hf_dir / file.name)
 
-    def _state_record(self, state) -> dict:
+    def _state_record(self, state, model) -> dict:
         """What ``train_state.json`` says of the run at ``state``: the training state, each extra's state, the
         validation loss of this step, the data position and the schedule's values."""
         return {
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
+            "topology": self.layout(),
+            "hf_config": self._hf_config(model),
+            "config": self.run_config,
             "extras": {name: extra.state_dict() for name, extra in self.extras.items() if hasattr(extra, "state_dict")},
             "val_loss": state.last_val_loss if state.last_val_step == state.step else None,
             "data": {"next_sample": self.next_sample(state.step), **self._data_signature()},
@@ -505,27 +354,6 @@ class Checkpointer:
             },
         }
 
-    def _publish(self, tmp: Path, final: Path, record: dict) -> None:
-        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        payload = {
-            "format_version": FORMAT_VERSION,
-            **record,
-            "topology": self.layout(),
-            "hf_config": json.loads((tmp / HF_DIR / "config.json").read_text()),
-            "config": self.run_config,
-            "manifest": manifest,
-        }
-        write_text_atomic(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n", durable=True)
-        if final.exists():
-            # A step saved before by an abandoned continuation (resumed from an older checkpoint, or resume=none
-            # in a used out_dir): aim `latest` at a folder that stays complete before deleting this one.
-            if self.latest is not None and self.latest.parent == self.root:
-                write_text_atomic(self.root / LATEST, self.latest.name + "\n", durable=True)
-            else:
-                (self.root / LATEST).unlink(missing_ok=True)
-            _remove_tree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        write_text_atomic(self.root / LATEST, final.name + "\n", durable=True)
-        logger.info("Saved checkpoint %s", final)
-        prune_checkpoints(self.root, self.section.keep_last)
+    def _hf_config(self, model) -> dict:
+        """The model's transformers config as ``hf/config.json`` holds it."""
+        return json.loads(self.accelerator.unwrap_model(model).config.to_json_string())

@@ -39,6 +39,8 @@ which unpickles; that is the one full-pickle load left, and the shards are check
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import math
@@ -46,18 +48,28 @@ import os
 import random
 import re
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
+from lmrecipe.checkpoint.background import (
+    BackgroundWriter,
+    deepspeed_writes_captured,
+    snapshot_accelerator_state,
+    write_accelerator_state,
+    write_captured,
+)
 from lmrecipe.checkpoint.portable import (
     portable_dir,
 )
 from lmrecipe.data.format import file_sha256
 from lmrecipe.errors import fail
-from lmrecipe.fileio import write_text_atomic
+from lmrecipe.fileio import fsync_dir, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +91,13 @@ PROBE_TOKENS = 16
 LATEST = "latest"
 BEST = "best"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_TMP_PREFIX = ".tmp_"
+TMP_PREFIX = ".tmp_"
 _PORTABLE_LEFTOVER = re.compile(r"^step_\d{8,}\.portable\.(tmp|old)-\d+$")
 """A topology-free form being built (``fileio.building_dir``) or replaced when a conversion was interrupted."""
 _TRASH_PREFIX = ".trash_"
-_DONE = ".rank_{:05d}.done"
-_FAILED = ".rank_{:05d}.failed"
+DONE_MARKER = ".rank_{:05d}.done"
+FAILED_MARKER = ".rank_{:05d}.failed"
 
-# Shape-defining fields of the transformers config, compared too (catches a changed model.init_from).
-_HF_SHAPE_KEYS = (
-    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
-)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,17 +252,6 @@ def _data_signature(data_dir: Path) -> dict:
     }
 
 
-def _mixture_key(mixture: list[dict] | None) -> list[tuple] | None:
-    """What fixes the order of a mixture: source names (their permutations' seeds) and quotas (the pattern)."""
-    return None if mixture is None else [(s["name"], s["quota"]) for s in mixture]
-
-
-def _describe_mixture(mixture: list[dict] | None) -> str:
-    if mixture is None:
-        return "one folder (data.path)"
-    return "mixture " + ", ".join(f"{s['name']} {s['weight']:.4g}" for s in mixture)
-
-
 # --------------------------------------------------------------------------------------------------
 # RNG state in a safe format (one safetensors file per rank)
 
@@ -305,3 +301,168 @@ def _remove_tree(path: Path) -> None:
     os.rename(path, trash)
     shutil.rmtree(trash)
     shutil.rmtree(portable_dir(path), ignore_errors=True)
+
+
+class CheckpointStore:
+    """The checkpoint folder's files: write a checkpoint (in this thread or on a worker thread), publish it
+    atomically, point ``latest`` at it, prune; the disk-full diagnosis. What to save and when is the policy's
+    (``lmrecipe/checkpoint/policy.py``).
+
+    Every rank writes its files into ``.tmp_step_N``; the main process publishes once every rank is done (after a
+    barrier, or, for a background write, once every rank's marker ``.rank_NNNNN.done`` is there).
+    """
+
+    def __init__(self, accelerator, root: Path, *, keep_last: int, background: bool, deepspeed: bool,
+                 publish_timeout_s: float):
+        self.accelerator = accelerator
+        self.root = root
+        self.keep_last = keep_last
+        self.background = background
+        self.deepspeed = deepspeed
+        self.publish_timeout_s = publish_timeout_s
+        self.writer = BackgroundWriter()
+        self.latest: Path | None = None
+        """The newest checkpoint published (or resumed from) by this run."""
+        if accelerator.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in self.root.iterdir():
+                name = leftover.name
+                if (name.startswith((TMP_PREFIX, _TRASH_PREFIX)) or _PORTABLE_LEFTOVER.match(name)) and leftover.is_dir():
+                    logger.info("Removing %s, left by an interrupted save or conversion", leftover)
+                    shutil.rmtree(leftover)
+
+    def begin(self, final: Path) -> Path:
+        """A fresh temporary folder for checkpoint ``final`` (every rank; the main process creates it)."""
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        if self.accelerator.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / RNG_DIR).mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        return tmp
+
+    def write(self, model, tmp: Path, final: Path, record: dict) -> None:
+        """Accelerate's state into ``tmp`` and the publication: now, or on the worker thread (background writes)."""
+        acc = self.accelerator
+        if self.background:
+            self.writer.submit(self._write_in_background, self._snapshot(model, tmp), tmp, final, record)
+            return
+        acc.save_state(str(tmp))  # on every rank: DeepSpeed's save has collectives, a main-only save hangs
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            self.publish(tmp, final, record)
+
+    def best(self) -> Path | None:
+        """The complete checkpoint with the lowest validation loss (what ``checkpoints/best`` names), or None."""
+        pointer = self.root / BEST
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if (path / STATE_FILE).is_file() else None
+
+    def wait(self) -> None:
+        """Block until the checkpoint written in the background (if any) is published, on every rank."""
+        if not self.writer.pending:
+            return
+        final = self.writer.wait()  # raises what the write raised (a full disk becomes its UserError)
+        self.accelerator.wait_for_everyone()  # the main process returns only once it has published
+        self.latest = final
+
+    def _snapshot(self, model, tmp: Path) -> Callable[[], None]:
+        """Copy this rank's model and optimizer state to CPU memory (the loop waits for this only); return the
+        write of that copy into ``tmp``, for the worker thread."""
+        acc = self.accelerator
+        if not self.deepspeed:
+            return functools.partial(write_accelerator_state, snapshot_accelerator_state(acc), tmp)
+        # The collective part of DeepSpeed's save runs now, on every rank; its files are copied, not written.
+        with deepspeed_writes_captured(model, pin_memory=acc.device.type == "cuda") as captured:
+            acc.save_state(str(tmp))
+        if acc.device.type == "cuda":
+            torch.cuda.synchronize(acc.device)  # the copies were queued non-blocking into pinned memory
+        return functools.partial(write_captured, captured, getattr(model.checkpoint_engine, "zipfile_serialization", True))
+
+    def _write_in_background(self, write: Callable[[], None], tmp: Path, final: Path, record: dict) -> Path:
+        """On the worker thread: this rank's files and its marker; on the main process, then the publication."""
+        rank = self.accelerator.process_index
+        try:
+            write()
+            del write  # the CPU copy
+            (tmp / DONE_MARKER.format(rank)).touch()
+            if self.accelerator.is_main_process:
+                self._await_ranks(tmp)
+                self.publish(tmp, final, record)
+        except (OSError, RuntimeError) as err:
+            if tmp.is_dir():
+                (tmp / FAILED_MARKER.format(rank)).write_text(f"{err!r}\n")
+            full = self.disk_full_error(err, tmp, final)
+            if full is None:
+                raise
+            raise full from None
+        return final
+
+    def _await_ranks(self, tmp: Path) -> None:
+        """Wait for every rank's marker in ``tmp`` (a barrier through the shared filesystem), then remove them."""
+        ranks = range(self.accelerator.num_processes)
+        deadline = time.monotonic() + self.publish_timeout_s
+        orphaned = False
+        while not all((tmp / DONE_MARKER.format(r)).is_file() for r in ranks):
+            failed = [r for r in ranks if (tmp / FAILED_MARKER.format(r)).is_file()]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} failed to write its part of {tmp}: "
+                                   f"{(tmp / FAILED_MARKER.format(failed[0])).read_text().strip()}")
+            if not orphaned and not threading.main_thread().is_alive():  # the run ended with an error
+                orphaned, deadline = True, min(deadline, time.monotonic() + 60)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank wrote its part of {tmp} in time; the checkpoint is not published")
+            time.sleep(0.02)
+        for r in ranks:
+            (tmp / DONE_MARKER.format(r)).unlink()
+
+    def disk_full_error(self, err: Exception, tmp: Path, final: Path):
+        """A UserError if ``err`` came from a full disk (after removing the partial folder), else None.
+
+        torch's writer reports a full disk as a RuntimeError without errno ("iostream error"), so the free space is
+        checked too: less than the previous checkpoint's size (or 1 MB without one) counts as full.
+        """
+        previous = self.latest
+        if previous is None and (self.root / LATEST).is_file():
+            previous = _follow_latest(self.root)
+        needed = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file()) if previous else 0
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = 0
+        if getattr(err, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= max(needed, 1 << 20):
+            return None
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"The previous checkpoint {previous} is intact." if previous else "No earlier checkpoint exists."
+        return fail(
+            f"No space left on the device while writing checkpoint {final.name} to {self.root} ({err}). "
+            f"Free: {free / 1e6:.1f} MB; the previous checkpoint took {needed / 1e6:.1f} MB. The partial folder was "
+            f"removed. {kept} Free some space, lower checkpoint.keep_last, or move out_dir to a larger disk, then "
+            "resume with checkpoint.resume=auto."
+        )
+
+    def publish(self, tmp: Path, final: Path, record: dict) -> None:
+        """Main process: write ``train_state.json`` (``record`` and the manifest) last, rename ``tmp`` to ``final``, point
+        ``latest`` at it, prune."""
+        manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        payload = {
+            "format_version": FORMAT_VERSION,
+            **record,
+            "manifest": manifest,
+        }
+        write_text_atomic(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n", durable=True)
+        if final.exists():
+            # A step saved before by an abandoned continuation (resumed from an older checkpoint, or resume=none
+            # in a used out_dir): aim `latest` at a folder that stays complete before deleting this one.
+            if self.latest is not None and self.latest.parent == self.root:
+                write_text_atomic(self.root / LATEST, self.latest.name + "\n", durable=True)
+            else:
+                (self.root / LATEST).unlink(missing_ok=True)
+            _remove_tree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, final.name + "\n", durable=True)
+        logger.info("Saved checkpoint %s", final)
+        prune_checkpoints(self.root, self.keep_last)

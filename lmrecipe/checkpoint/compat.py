@@ -1,0 +1,80 @@
+"""What a resume must match: the checkpoint's model shape, data meaning, sample order and fixed config keys.
+
+A change of any of them stops the resume with one message listing ``old -> new`` per key; allowed changes are listed
+in the log, and a learning rate that changes with the new schedule is a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+from lmrecipe.config import fixed_on_resume_keys, flatten_config
+from lmrecipe.errors import fail
+
+logger = logging.getLogger(__name__)
+
+# Shape-defining fields of the transformers config, compared too (catches a changed model.init_from).
+HF_SHAPE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
+)
+
+
+def _mixture_key(mixture: list[dict] | None) -> list[tuple] | None:
+    """What fixes the order of a mixture: source names (their permutations' seeds) and quotas (the pattern)."""
+    return None if mixture is None else [(s["name"], s["quota"]) for s in mixture]
+
+
+def _describe_mixture(mixture: list[dict] | None) -> str:
+    if mixture is None:
+        return "one folder (data.path)"
+    return "mixture " + ", ".join(f"{s['name']} {s['weight']:.4g}" for s in mixture)
+
+
+def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_config: dict, data_signature: dict,
+                            lr_schedule: Callable[[int], float]) -> None:
+    """Stop (UserError) when checkpoint ``path`` (``saved``: its ``train_state.json``) cannot continue as this run:
+    ``run_config`` the resolved config, ``hf_config`` the model's transformers config, ``data_signature`` the data's."""
+    fixed_keys = fixed_on_resume_keys()
+    old, new = flatten_config(saved["config"]), flatten_config(run_config)
+    problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed_keys if old.get(k) != new.get(k)]
+    old_hf = saved.get("hf_config", {})
+    new_hf = hf_config
+    problems += [f"model config {k}: {old_hf[k]!r} -> {new_hf[k]!r}"
+                 for k in HF_SHAPE_KEYS if k in old_hf and k in new_hf and old_hf[k] != new_hf[k]]
+    old_data, new_data = saved.get("data", {}), data_signature
+    problems += [f"data {k}: {old_data[k]!r} -> {new_data[k]!r}"
+                 for k in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256")
+                 if old_data.get(k) is not None and new_data.get(k) is not None and old_data[k] != new_data[k]]
+    old_mix, new_mix = _mixture_key(old_data.get("mixture")), _mixture_key(new_data.get("mixture"))
+    if old_mix != new_mix:
+        problems.append(f"data sources: {_describe_mixture(old_data.get('mixture'))} -> "
+                        f"{_describe_mixture(new_data.get('mixture'))}")
+    if problems:
+        raise fail(
+            f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer state or data "
+            f"position depend on ({'; '.join(problems)}). Resume with the checkpoint's settings, or start a new run "
+            f"from its weights: python tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT "
+            "checkpoint.resume=none."
+        )
+    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+               if k not in fixed_keys and old.get(k) != new.get(k)]
+    if changed:
+        logger.info("Resuming with changed settings (allowed): %s", "; ".join(changed))
+    if new_mix is None and new_data.get("train_sha256") != old_data.get("train_sha256"):
+        logger.warning("The training data differs from the checkpoint's (train.bin sha256); the run continues "
+                       "at the same sample index of the new data.")
+    for old_source, new_source in zip(old_data.get("mixture") or [], new_data.get("mixture") or []):
+        if old_source.get("train_sha256") != new_source.get("train_sha256"):
+            logger.warning("The training data of source %s differs from the checkpoint's (%s -> %s, train.bin "
+                           "sha256); the run continues at the same sample index of the new data.",
+                           new_source["name"], old_source.get("path"), new_source.get("path"))
+    step = saved["state"]["step"]
+    lr_now = lr_schedule(step)
+    lr_saved = saved["schedule"]["next_lr"]
+    if not math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
+        logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
+                       "schedule.", step, lr_saved, lr_now)
