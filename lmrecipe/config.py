@@ -417,6 +417,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def due_at(step: int, every_steps: int, last_step: int) -> bool:
+    """Whether an every-``every_steps`` action (0 = never) is due after optimizer step ``step`` (1-based); the last
+    step ``last_step`` always is."""
+    return step == last_step or (every_steps > 0 and step % every_steps == 0)
+
+
 def flatten_config(data: dict, prefix: str = "") -> dict[str, Any]:
     """A ``Config.to_dict()`` as ``{"section.key": value}`` (``model.extra`` stays one value)."""
     flat = {}

@@ -6,6 +6,7 @@ the filled DeepSpeed config and its :class:`ZeroSetup`; every other component re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -80,6 +81,54 @@ class ZeroSetup:
             return "no DeepSpeed"
         offload = [name for name, on in (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if on]
         return f"DeepSpeed ZeRO-{self.stage}" + (f" (offload: {', '.join(offload)})" if offload else "")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run cuts its optimizer state: the process count and the DeepSpeed setup. Recorded as each checkpoint's
+    ``topology``; a resume on another layout goes through the topology-free form (``checkpoint/portable.py``)."""
+
+    world_size: int
+    deepspeed: bool = False
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+    @classmethod
+    def of_run(cls, world_size: int, zero: ZeroSetup) -> "Layout":
+        return cls(world_size, zero.deepspeed, zero.stage if zero.deepspeed else 0, zero.offload_optimizer,
+                   zero.offload_param)
+
+    @classmethod
+    def from_topology(cls, topology: dict) -> "Layout":
+        """The layout a checkpoint's ``topology`` record describes (older records lack the offload keys)."""
+        deepspeed = bool(topology["deepspeed"])
+        return cls(int(topology["world_size"]), deepspeed, int(topology["zero_stage"]) if deepspeed else 0,
+                   bool(topology.get("offload_optimizer", False)), bool(topology.get("offload_param", False)))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        if not self.deepspeed:
+            return "no DeepSpeed"
+        offload = [name for name, on in (("optimizer", self.offload_optimizer), ("param", self.offload_param)) if on]
+        return f"ZeRO-{self.zero_stage}" + (f" (offload {', '.join(offload)})" if offload else "")
+
+    def changes_from(self, saved: "Layout") -> list[str]:
+        """What differs from the saving layout ``saved``, in words (empty: the same)."""
+        changes = []
+        if saved.world_size != self.world_size:
+            changes.append(f"processes {saved.world_size} -> {self.world_size}")
+        if saved.describe() != self.describe():
+            changes.append(f"{saved.describe()} -> {self.describe()}")
+        return changes
+
+    def needs_conversion_from(self, saved: "Layout") -> bool:
+        """Whether state saved on ``saved`` cannot be loaded as it is. Without DeepSpeed on both sides the state is
+        whole on every rank, so any process count loads it; DeepSpeed loads its own shards only into the same
+        stage, offload and data-parallel size."""
+        return (saved.deepspeed or self.deepspeed) and self.changes_from(saved) != []
 
 
 def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, precision: str) -> dict:

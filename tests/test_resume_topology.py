@@ -32,13 +32,11 @@ from safetensors.torch import load_file
 from lmrecipe.checkpoint.portable import (
     cached_portable,
     convert,
-    layout_changes,
-    layout_of,
-    needs_conversion,
     portable_dir,
     state_sha256,
 )
 from lmrecipe.checkpoint.storage import DS_TAG, STATE_FILE, read_checkpoint, step_dir_name
+from lmrecipe.distributed import Layout
 from lmrecipe.optim import optimizer_param_names
 
 PARAM = "model.layers.0.mlp.gate_proj.weight"
@@ -48,9 +46,17 @@ ZERO = {stage: f"distributed.deepspeed_config=ds_configs/zero{stage}.json" for s
 # ---------------------------------------------------------------------------------------------- unit
 
 
-def layout(world_size: int, stage: int | None, offload: bool = False) -> dict:
-    return layout_of({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
-                      "offload_optimizer": offload})
+def layout(world_size: int, stage: int | None, offload: bool = False) -> Layout:
+    return Layout.from_topology({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
+                                 "offload_optimizer": offload})
+
+
+def needs_conversion(saved: Layout, current: Layout) -> bool:
+    return current.needs_conversion_from(saved)
+
+
+def layout_changes(saved: Layout, current: Layout) -> list[str]:
+    return current.changes_from(saved)
 
 
 def test_which_layout_changes_need_a_conversion():
@@ -62,7 +68,8 @@ def test_which_layout_changes_need_a_conversion():
     assert layout_changes(layout(2, 3), layout(1, None)) == ["processes 2 -> 1", "ZeRO-3 -> no DeepSpeed"]
     assert layout_changes(layout(2, 2), layout(2, 2, offload=True)) == ["ZeRO-2 -> ZeRO-2 (offload optimizer)"]
     # Checkpoints written before offload was recorded read as "no offload".
-    assert layout_of({"world_size": 1, "deepspeed": True, "zero_stage": 1}) == layout(1, 1)
+    assert Layout.from_topology({"world_size": 1, "deepspeed": True, "zero_stage": 1}) == layout(1, 1)
+    assert Layout.from_topology(layout(2, 3, offload=True).to_dict()) == layout(2, 3, offload=True)
 
 
 def test_optimizer_names_follow_the_optimizer_groups():

@@ -19,10 +19,7 @@ from lmrecipe.checkpoint.compat import check_resume_compatible
 from lmrecipe.checkpoint.portable import (
     cached_portable,
     convert,
-    layout_changes,
-    layout_of,
     load_portable,
-    needs_conversion,
     portable_dir,
     state_sha256,
 )
@@ -35,16 +32,15 @@ from lmrecipe.checkpoint.storage import (
     RNG_DIR,
     STATE_FILE,
     CheckpointStore,
-    _data_signature,
     find_resume_checkpoint,
     read_checkpoint,
     rng_state_tensors,
     set_rng_state,
     step_dir_name,
 )
-from lmrecipe.config import CheckpointConfig
-from lmrecipe.data.format import TokenWindows
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.config import CheckpointConfig, due_at
+from lmrecipe.data.sources import TrainingData
+from lmrecipe.distributed import Layout, ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import write_text_atomic
 from lmrecipe.optim import optimizer_param_names
@@ -75,19 +71,16 @@ class Checkpointer:
     them and only the main process writes shared files.
     """
 
-    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data_dir: str | Path,
-                 seq_len: int, mixture: list[dict] | None = None, samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
+    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data: TrainingData,
+                 samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
                  extras: Mapping[str, Any] | None = None, next_sample: Callable[[int], int] | None = None,
                  publish_timeout_s: float = 1800.0, probe_kwargs: Callable[[torch.device], dict] | None = None):
         """
         Args:
             section: the recipe's ``checkpoint`` section (interval, retention, resume).
             zero: the run's DeepSpeed setup (recorded, and compared on resume).
-            data_dir, seq_len: the training data (its signature is recorded; a probe window is read from it); for a
-                mixture, the first source (all share the tokenizer).
-            mixture: a data mixture's sources (name, path, weight, quota per block, train sha256), recorded; a resume
-                must keep the names and quotas (the global sample index maps to the same source and sample). None
-                for one folder.
+            data: the training data: its signature is recorded and compared on resume (for a mixture, its sources:
+                a resume must keep names and quotas), the probe window and the tokenizer files come from it.
             samples_per_step: the global batch size (the data position of a step is ``step x samples_per_step``).
             max_steps: the last step of the run, which is always saved.
             run_config: the resolved configuration as a dict, saved with each checkpoint and compared on resume.
@@ -103,15 +96,14 @@ class Checkpointer:
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.zero = zero
-        self.data_dir = Path(data_dir)
-        self.mixture = mixture
+        self.data = data
         self.samples_per_step = samples_per_step
         self.max_steps = max_steps
         self.run_config = run_config
         self.lr_schedule = lr_schedule
         self.extras = dict(extras or {})
         self.next_sample = next_sample or (lambda step: step * samples_per_step)
-        self.probe_ids = TokenWindows(self.data_dir, "val", seq_len).batch([0])[0][:, :PROBE_TOKENS]
+        self.probe_ids = data.probe_ids(PROBE_TOKENS)
         self.probe_kwargs = probe_kwargs
         self.resumed_from: Path | None = None
         self.model = self.optimizer = None
@@ -157,7 +149,7 @@ class Checkpointer:
                                 data_signature=self._data_signature(), lr_schedule=self.lr_schedule)
         self._load(path, saved, model, optimizer, state)
         self.resumed_from = self.store.latest = path
-        changes = layout_changes(layout_of(saved["topology"]), self.layout())
+        changes = self.layout().changes_from(Layout.from_topology(saved["topology"]))
         if changes:
             logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
                         "step counts were loaded by parameter name; the data continues at sample %d.", path, state.step,
@@ -166,11 +158,9 @@ class Checkpointer:
             logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
         return str(path)
 
-    def layout(self) -> dict:
+    def layout(self) -> Layout:
         """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
-        return {"world_size": self.accelerator.num_processes, "deepspeed": self.zero.deepspeed,
-                "zero_stage": self.zero.stage, "offload_optimizer": self.zero.offload_optimizer,
-                "offload_param": self.zero.offload_param}
+        return Layout.of_run(self.accelerator.num_processes, self.zero)
 
     def _portable_form(self, path: Path, saved: dict, model) -> Path:
         """The checkpoint's topology-free form: converted once by the main process, cached beside it
@@ -185,7 +175,7 @@ class Checkpointer:
         digest = state_sha256(path, STATE_FILE)
         outcome = [None, None]  # (folder, error) decided by the main process
         if acc.is_main_process:
-            saved_layout = layout_of(saved["topology"])
+            saved_layout = Layout.from_topology(saved["topology"])
             names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
             for dest in dict.fromkeys((portable_dir(path), portable_dir(path, self.root))):
                 if cached_portable(dest, digest):
@@ -193,7 +183,7 @@ class Checkpointer:
                     outcome = [str(dest), None]
                     break
                 try:
-                    convert(path, dest, deepspeed_dir=path / DS_TAG if saved_layout["deepspeed"] else None,
+                    convert(path, dest, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None,
                             param_names=names, source_layout=saved_layout, source_sha256=digest)
                     outcome = [str(dest), None]
                     break
@@ -211,8 +201,7 @@ class Checkpointer:
         return Path(folder)
 
     def _data_signature(self) -> dict:
-        signature = _data_signature(self.data_dir)
-        return signature if self.mixture is None else {**signature, "mixture": self.mixture}
+        return self.data.signature()
 
     def _restore_rng(self, path: Path, saved_world_size: int) -> None:
         """Each rank's RNG streams as saved. Ranks beyond the saving run's count keep fresh streams: RNG state is
@@ -240,8 +229,8 @@ class Checkpointer:
 
     def _load(self, path: Path, saved: dict, model, optimizer, state) -> None:
         """Weights, optimizer, training state, every rank's RNG and the extra state, from checkpoint ``path``."""
-        saved_layout = layout_of(saved["topology"])
-        if needs_conversion(saved_layout, self.layout()):
+        saved_layout = Layout.from_topology(saved["topology"])
+        if self.layout().needs_conversion_from(saved_layout):
             folder = self._portable_form(path, saved, model)
             load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
                           samples_per_step=self.samples_per_step)
@@ -252,7 +241,7 @@ class Checkpointer:
         for key, value in saved["state"].items():
             if key in names:
                 setattr(state, key, value)
-        self._restore_rng(path, saved_layout["world_size"])
+        self._restore_rng(path, saved_layout.world_size)
         self._load_extras(path, saved)
 
     def _load_extras(self, path: Path, saved: dict) -> None:
@@ -268,8 +257,7 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved (every ``checkpoint.every_steps`` steps and the last); preemption saves any."""
-        every = self.section.every_steps
-        return step == self.max_steps or (every > 0 and step % every == 0)
+        return due_at(step, self.section.every_steps, self.max_steps)
 
     @torch.no_grad()
     def _probe_logits(self, model) -> torch.Tensor:
@@ -333,16 +321,15 @@ class Checkpointer:
     def _write_hf_dir(self, model, hf_dir: Path) -> None:
         hf_dir.mkdir()
         self.accelerator.unwrap_model(model).config.to_json_file(hf_dir / "config.json")
-        for file in self.data_dir.iterdir():
-            if file.is_file() and file.suffix not in (".bin", ".idx"):  # tokenizer files and meta.json, not the tokens
-                shutil.copy2(file, hf_dir / file.name)
+        for file in self.data.tokenizer_files():
+            shutil.copy2(file, hf_dir / file.name)
 
     def _state_record(self, state, model) -> dict:
         """What ``train_state.json`` says of the run at ``state``: the training state, each extra's state, the
         validation loss of this step, the data position and the schedule's values."""
         return {
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
-            "topology": self.layout(),
+            "topology": self.layout().to_dict(),
             "hf_config": self._hf_config(model),
             "config": self.run_config,
             "extras": {name: extra.state_dict() for name, extra in self.extras.items() if hasattr(extra, "state_dict")},

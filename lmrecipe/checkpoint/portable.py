@@ -40,6 +40,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from lmrecipe.distributed import Layout
 from lmrecipe.errors import fail
 from lmrecipe.fileio import building_dir, write_json_atomic
 from lmrecipe.model import bare_parameter_name
@@ -61,45 +62,6 @@ weight has several)."""
 
 # --------------------------------------------------------------------------------------------------
 # Layouts
-
-
-def layout_of(topology: dict) -> dict:
-    """The parts of a checkpoint's ``topology`` record that decide how its optimizer state is cut."""
-    return {
-        "world_size": int(topology["world_size"]),
-        "deepspeed": bool(topology["deepspeed"]),
-        "zero_stage": int(topology["zero_stage"]) if topology["deepspeed"] else 0,
-        "offload_optimizer": bool(topology.get("offload_optimizer", False)),
-        "offload_param": bool(topology.get("offload_param", False)),
-    }
-
-
-def describe_layout(layout: dict) -> str:
-    if not layout["deepspeed"]:
-        return "no DeepSpeed"
-    offload = [name for name in ("optimizer", "param") if layout[f"offload_{name}"]]
-    return f"ZeRO-{layout['zero_stage']}" + (f" (offload {', '.join(offload)})" if offload else "")
-
-
-def layout_changes(saved: dict, current: dict) -> list[str]:
-    """What differs between the saving and the resuming layout, in words (empty: the same)."""
-    changes = []
-    if saved["world_size"] != current["world_size"]:
-        changes.append(f"processes {saved['world_size']} -> {current['world_size']}")
-    if describe_layout(saved) != describe_layout(current):
-        changes.append(f"{describe_layout(saved)} -> {describe_layout(current)}")
-    return changes
-
-
-def needs_conversion(saved: dict, current: dict) -> bool:
-    """Whether the saved optimizer state cannot be loaded as it is.
-
-    Without DeepSpeed on both sides the state is whole on every rank, so any process count loads it. DeepSpeed
-    loads its own shards only into the same stage, offload and data-parallel size.
-    """
-    if not saved["deepspeed"] and not current["deepspeed"]:
-        return False
-    return layout_changes(saved, current) != []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,7 +88,7 @@ def cached_portable(dest: Path, source_sha256: str) -> bool:
 
 
 def convert(checkpoint: Path, dest: Path, *, deepspeed_dir: Path | None, param_names: ParamNames,
-            source_layout: dict, source_sha256: str) -> dict:
+            source_layout: Layout, source_sha256: str) -> dict:
     """Write the portable form of ``checkpoint`` to ``dest`` (atomically: a folder built aside, then renamed).
 
     Args:
@@ -144,7 +106,7 @@ def convert(checkpoint: Path, dest: Path, *, deepspeed_dir: Path | None, param_n
     else:
         states, steps = _read_plain(checkpoint, param_names)
     meta = {
-        "format_version": FORMAT_VERSION, "source_layout": source_layout, "source_state_sha256": source_sha256,
+        "format_version": FORMAT_VERSION, "source_layout": source_layout.to_dict(), "source_state_sha256": source_sha256,
         "params": {name: list(t.shape) for name, t in states["fp32"].items()}, "step": steps,
     }
     from safetensors.torch import save_file

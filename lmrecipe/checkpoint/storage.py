@@ -67,7 +67,6 @@ from lmrecipe.checkpoint.background import (
 from lmrecipe.checkpoint.portable import (
     portable_dir,
 )
-from lmrecipe.data.format import file_sha256
 from lmrecipe.errors import fail
 from lmrecipe.fileio import fsync_dir, write_text_atomic
 
@@ -234,22 +233,6 @@ def _follow_latest(root: Path) -> Path:
             f"newest complete checkpoint, or pass checkpoint.resume=PATH (or none to start fresh)."
         )
     return target
-
-
-def _file_sha256(path: Path) -> str | None:
-    return file_sha256(path) if path.is_file() else None
-
-
-def _data_signature(data_dir: Path) -> dict:
-    """What must not change between a checkpoint and its resume: the token ids' meaning and width."""
-    meta = json.loads((data_dir / "meta.json").read_text())
-    return {
-        "vocab_size": meta.get("vocab_size"),
-        "dtype": meta.get("dtype"),
-        "eos_id": meta.get("eos_id"),
-        "tokenizer_sha256": _file_sha256(data_dir / "tokenizer.json"),
-        "train_sha256": meta.get("splits", {}).get("train", {}).get("sha256"),
-    }
 
 
 # --------------------------------------------------------------------------------------------------

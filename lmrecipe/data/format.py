@@ -254,3 +254,12 @@ def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) 
                     f"model's tokenizer."
                 )
     return meta, train, val
+
+
+def tokenizer_signature(data_dir: str | Path, meta: dict | None = None) -> dict:
+    """What gives the token ids of a folder their meaning and width: vocabulary size, EOS id, token dtype and the
+    sha256 of ``tokenizer.json`` (None without one). Sources of a mixture must share it; a resume must keep it."""
+    meta = meta if meta is not None else read_meta_file(data_dir)
+    tokenizer = Path(data_dir) / "tokenizer.json"
+    return {"vocab_size": meta.get("vocab_size"), "dtype": meta.get("dtype"), "eos_id": meta.get("eos_id"),
+            "tokenizer_sha256": file_sha256(tokenizer) if tokenizer.is_file() else None}

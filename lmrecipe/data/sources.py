@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lmrecipe.config import DataConfig, DataSource
 from lmrecipe.data.batches import BatchLayout, MixtureBatches, TrainBatches, ValBatches
-from lmrecipe.data.format import file_sha256, load_meta, open_data
+from lmrecipe.data.format import load_meta, open_data, read_meta_file, tokenizer_signature
 from lmrecipe.data.order import MIX_BLOCK
 from lmrecipe.errors import UserError, fail
 
@@ -78,14 +78,28 @@ class TrainingData:
                 for n, p, w, q, sha in zip(self.names, self.paths, self.weights, quotas, self.train_sha256)]
 
 
+    def signature(self) -> dict:
+        """What a checkpoint records of its data: the tokenizer signature (a resume must keep it), the training split's
+        sha256 (a change is a warning) and, for a mixture, its sources (a resume must keep names and quotas)."""
+        meta = read_meta_file(self.tokenizer_dir)
+        signature = {**tokenizer_signature(self.tokenizer_dir, meta),
+                     "train_sha256": meta.get("splits", {}).get("train", {}).get("sha256")}
+        return signature if not self.is_mixture else {**signature, "mixture": self.mixture_signature()}
+
+    def probe_ids(self, n_tokens: int):
+        """A fixed input to record the model's logits on: the first ``n_tokens`` of the first validation window."""
+        return next(iter(self.val_sets.values())).windows.batch([0])[0][:, :n_tokens]
+
+    def tokenizer_files(self) -> list[Path]:
+        """The tokenizer files and meta.json an export or an evaluation needs (not the tokens)."""
+        return sorted(f for f in self.tokenizer_dir.iterdir() if f.is_file() and f.suffix not in (".bin", ".idx"))
+
+
 def _where(data: DataConfig, i: int, source: DataSource) -> str:
     return f"data.sources[{i}] ({source.resolved_name()}, {source.path})" if data.is_mixture() else ""
 
 
-def _tokenizer_signature(folder: Path, meta: dict) -> dict:
-    tokenizer = folder / "tokenizer.json"
-    return {"vocab_size": meta["vocab_size"], "eos_id": meta["eos_id"], "dtype": meta["dtype"],
-            "tokenizer.json sha256": file_sha256(tokenizer) if tokenizer.is_file() else None}
+_LABELS = {"tokenizer_sha256": "tokenizer.json sha256"}
 
 
 def check_sources(data: DataConfig) -> dict:
@@ -101,10 +115,10 @@ def check_sources(data: DataConfig) -> dict:
         except UserError as err:
             raise (fail(f"{_where(data, i, source)}: {err}") if data.is_mixture() else err) from None
     if len(sources) > 1:
-        first = _tokenizer_signature(Path(sources[0].path), metas[0])
+        first = tokenizer_signature(sources[0].path, metas[0])
         for i, (source, meta) in enumerate(zip(sources[1:], metas[1:]), start=1):
-            other = _tokenizer_signature(Path(source.path), meta)
-            differ = [f"{k} {first[k]} vs {other[k]}" for k in first if first[k] != other[k]]
+            other = tokenizer_signature(source.path, meta)
+            differ = [f"{_LABELS.get(k, k)} {first[k]} vs {other[k]}" for k in first if first[k] != other[k]]
             if differ:
                 raise fail(
                     f"{_where(data, i, source)} does not share the tokenizer of {_where(data, 0, sources[0])}: "

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from lmrecipe.config import LoggingConfig
+from lmrecipe.config import LoggingConfig, due_at
 from lmrecipe.observe import device as device_stats
 from lmrecipe.observe.metrics_log import Tracker, read_metrics
 from lmrecipe.observe.plots import plot_training
@@ -66,7 +66,7 @@ class Reporter:
         self._skipped_at_interval_start: int | None = None
 
     def should_log(self, step: int) -> bool:
-        return step == 1 or step % self.section.log_every_steps == 0 or step == self.max_steps
+        return step == 1 or due_at(step, self.section.log_every_steps, self.max_steps)
 
     def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | float,
                   step_time_s: float, data_time_s: float) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from lmrecipe.checkpoint.policy import Checkpointer
 from lmrecipe.checkpoint.storage import EXIT_PREEMPTED, PROBE_TOKENS
-from lmrecipe.config import Config, save_config
+from lmrecipe.config import Config, due_at, save_config
 from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import fail
 from lmrecipe.loss import validation_loss
@@ -36,8 +36,7 @@ from lmrecipe.train.step import train_step
 logger = logging.getLogger(__name__)
 
 def eval_due(cfg: Config, step: int) -> bool:
-    every = cfg.train.eval_every_steps
-    return step == cfg.train.max_steps or (every > 0 and step % every == 0)
+    return due_at(step, cfg.train.eval_every_steps, cfg.train.max_steps)
 
 
 def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter, early_stopping: EarlyStopping) -> None:
@@ -115,8 +114,7 @@ def build_features(run: Run, out_dir: Path) -> LoopFeatures:
 def build_checkpointer(run: Run, out_dir: Path, features: LoopFeatures | None = None) -> Checkpointer:
     cfg = run.cfg
     features = features or build_features(run, out_dir)
-    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data_dir=run.data.tokenizer_dir,
-                        mixture=run.data.mixture_signature(), seq_len=cfg.data.seq_len,
+    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data=run.data,
                         samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
                         run_config=cfg.to_dict(), lr_schedule=run.lr_at, extras=features.extras(),
                         next_sample=features.spikes.next_sample, publish_timeout_s=cfg.distributed.timeout_s,
