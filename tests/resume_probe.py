@@ -40,8 +40,9 @@ def main() -> None:
     values["steps"] = torch.tensor(steps)
     if run.accelerator.is_main_process:
         save_file({k: v.detach().float().cpu().contiguous() for k, v in values.items()}, out)
-    run.accelerator.wait_for_everyone()
     run.prefetcher.close()
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()  # every rank tears the process group down after the barrier
 
 
 if __name__ == "__main__":

@@ -251,6 +251,9 @@ def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Re
     reporter.close(plot=True)
     if run.accelerator.is_main_process:
         write_run_end(out_dir, run_outcome(run, state, features, source, export), run.cfg.logging.cost_per_device_hour)
+    # Tear the process group down together: a rank that destroys its side while another still holds the group
+    # open has been seen to abort at exit (SIGABRT, "terminate called without an active exception").
+    run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
 
 
