@@ -38,7 +38,7 @@ from lmrecipe.checkpoint.storage import (
     set_rng_state,
     step_dir_name,
 )
-from lmrecipe.config import CheckpointConfig, due_at
+from lmrecipe.config import Config, due_at
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.distributed import Layout, ZeroSetup
 from lmrecipe.errors import UserError, fail
@@ -71,35 +71,36 @@ class Checkpointer:
     them and only the main process writes shared files.
     """
 
-    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, zero: ZeroSetup, data: TrainingData,
-                 samples_per_step: int, max_steps: int, run_config: dict, lr_schedule: Callable[[int], float],
-                 extras: Mapping[str, Any] | None = None, next_sample: Callable[[int], int] | None = None,
-                 publish_timeout_s: float = 1800.0, probe_kwargs: Callable[[torch.device], dict] | None = None):
+    def __init__(self, cfg: Config, accelerator, out_dir: Path, *, zero: ZeroSetup, data: TrainingData,
+                 lr_schedule: Callable[[int], float], extras: Mapping[str, Any] | None = None,
+                 next_sample: Callable[[int], int] | None = None,
+                 probe_kwargs: Callable[[torch.device], dict] | None = None):
         """
         Args:
-            section: the recipe's ``checkpoint`` section (interval, retention, resume).
+            cfg: the run's configuration: its ``checkpoint`` section (interval, retention, resume); the global batch
+                size (the data position of a step is ``step x train.global_batch_size``); ``train.max_steps``, which is
+                always saved; ``distributed.timeout_s``, how long a background write waits for the other ranks'
+                files. The whole of it is saved with each checkpoint and compared on resume.
             zero: the run's DeepSpeed setup (recorded, and compared on resume).
             data: the training data: its signature is recorded and compared on resume (for a mixture, its sources:
                 a resume must keep names and quotas), the probe window and the tokenizer files come from it.
-            samples_per_step: the global batch size (the data position of a step is ``step x samples_per_step``).
-            max_steps: the last step of the run, which is always saved.
-            run_config: the resolved configuration as a dict, saved with each checkpoint and compared on resume.
             lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
             extras: the loop features' own state, saved and restored by name (see :class:`CheckpointExtra`).
             next_sample: the global sample index the step after a given one reads (the data order's position,
                 skipped batches included), recorded as ``data.next_sample``; None: ``step x samples_per_step``.
-            publish_timeout_s: how long a background write waits for the other ranks' files before failing.
             probe_kwargs: the probe forward's further keyword arguments on a device (the document boundaries of
                 ``data.document_masking``); None for none.
         """
+        section = cfg.checkpoint
+        samples_per_step = cfg.train.global_batch_size
         self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.zero = zero
         self.data = data
         self.samples_per_step = samples_per_step
-        self.max_steps = max_steps
-        self.run_config = run_config
+        self.max_steps = cfg.train.max_steps
+        self.run_config = cfg.to_dict()
         self.lr_schedule = lr_schedule
         self.extras = dict(extras or {})
         self.next_sample = next_sample or (lambda step: step * samples_per_step)
@@ -109,7 +110,7 @@ class Checkpointer:
         self.model = self.optimizer = None
         self.store = CheckpointStore(accelerator, out_dir / "checkpoints", keep_last=section.keep_last,
                                      background=section.background_save, deepspeed=zero.deepspeed,
-                                     publish_timeout_s=publish_timeout_s)
+                                     publish_timeout_s=cfg.distributed.timeout_s)
         if accelerator.is_main_process:
             (out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         accelerator.wait_for_everyone()

@@ -45,14 +45,20 @@ import torch
 from lmrecipe.checkpoint.ema_files import COUNT_KEY, FORMAT, FULL_FILE, SavedEMA, has_ema, partition_file
 from lmrecipe.errors import fail
 from lmrecipe.model import bare_parameter_name
+from lmrecipe.train.features import LoopFeature
 
 logger = logging.getLogger(__name__)
 
-class WeightEMA:
+class WeightEMA(LoopFeature):
     """The fp32 moving average of the weights this rank owns; see the module docstring.
 
-    Every method runs on every rank (the ZeRO-3 swap re-gathers persistent parameters collectively).
+    Every method runs on every rank (the ZeRO-3 swap re-gathers persistent parameters collectively). As a loop
+    feature it adds the averaged weights' validation loss to every evaluation (``val_loss_ema``), measured first, so
+    the trained weights' loss is measured after they were swapped back (a faulty restore would show as a difference
+    from the checkpoint's weights), and its shadow goes in every checkpoint (:meth:`save_files`).
     """
+
+    name = "ema"
 
     def __init__(self, model: torch.nn.Module, decay: float, *, zero3: bool, rank: int = 0, world_size: int = 1,
                  is_main: bool = True, device: torch.device | str | None = None):
@@ -103,6 +109,10 @@ class WeightEMA:
             targets = [self.shadow[i] for i in index]
             sources = [owned[i] if dtype == torch.float32 else owned[i].float() for i in index]
             torch._foreach_lerp_(targets, sources, weight.to(device, non_blocking=True))
+
+    def eval_metrics(self, evaluate) -> dict[str, float]:
+        with self.swapped_in():
+            return {"val_loss_ema": evaluate()}
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

@@ -1,4 +1,4 @@
-"""The training loop: ``train_step``, then the loop's features in order (log, evaluate, save, stop).
+"""The training loop: ``train_step``, then log, evaluate and save, with the loop's features' hooks in between.
 
 ``train`` takes the run folder's lock, builds the run and runs :func:`train_loop` to ``train.max_steps``.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,7 @@ from lmrecipe.loss import validation_loss
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.profiler import StepProfiler
 from lmrecipe.observe.run_report import write_run_end
-from lmrecipe.train.early_stop import EarlyStopping
-from lmrecipe.train.ema import WeightEMA
+from lmrecipe.train.features import EarlyStopping, Features, NonFiniteStop, Stop
 from lmrecipe.train.faults import maybe_install_faults
 from lmrecipe.train.lock import RunLock
 from lmrecipe.train.oom import OOMGuard
@@ -39,28 +37,21 @@ def eval_due(cfg: Config, step: int) -> bool:
     return due_at(step, cfg.train.eval_every_steps, cfg.train.max_steps)
 
 
-def maybe_evaluate(run: Run, state: TrainState, reporter: Reporter, early_stopping: EarlyStopping) -> None:
-    """Evaluate every ``train.eval_every_steps`` steps and at the last step (with a weight EMA, its weights too).
-
-    The EMA goes first, so the trained weights' loss is measured after they were swapped back (a faulty restore
-    would show as a difference from the checkpoint's weights).
-    """
-    if not eval_due(run.cfg, state.step):
-        return
+def evaluate(run: Run, state: TrainState, reporter: Reporter, features: Features) -> None:
+    """The validation loss (per source of a mixture), with the features' figures of the same data (the weight
+    EMA's loss), then the features' ``after_eval``."""
 
     def losses() -> dict[str, float]:
         return {name: validation_loss(run.model, batches, run.accelerator, run.attention) for name, batches in run.data.val_sets.items()}
 
-    val_loss_ema = None
-    if run.ema is not None:
-        with run.ema.swapped_in():
-            val_loss_ema = run.data.val_loss(losses())
+    extra = features.eval_metrics(lambda: run.data.val_loss(losses()))
     per_source = losses()
     val_loss = run.data.val_loss(per_source)
-    early_stopping.record(val_loss, best_before=state.best_val_loss)
+    best_before = state.best_val_loss
     state.record_eval(val_loss)
-    state.last_val_loss_ema = val_loss_ema
-    reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=val_loss_ema)
+    state.last_val_loss_ema = extra.get("val_loss_ema")
+    features.after_eval(state, val_loss, best_before)
+    reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=state.last_val_loss_ema)
 
 
 def export_source(run: Run, checkpointer: Checkpointer) -> Path | None:
@@ -86,39 +77,21 @@ def maybe_export(run: Run, checkpoint: Path | None, out_dir: Path) -> Path | Non
                              max_shard_size=section.max_shard_size, overwrite=True, weights=section.export_weights)
 
 
-@dataclass
-class LoopFeatures:
-    """The loop's features with state of their own, which every checkpoint saves and restores by name (``extras``).
-
-    spikes: the loss-spike rule, its rollbacks and the data steps they skip; early_stopping: the patience counter;
-    ema: the weight EMA (its shadow in tensor files). Preemption, the non-finite-skip stop and the out-of-memory
-    diagnosis keep no state across a resume.
-    """
-
-    spikes: SpikeGuard
-    early_stopping: EarlyStopping
-    ema: WeightEMA | None
-
-    def extras(self) -> dict:
-        extras = {"spikes": self.spikes, "early_stopping": self.early_stopping}
-        return extras if self.ema is None else {**extras, "ema": self.ema}
-
-
-def build_features(run: Run, out_dir: Path) -> LoopFeatures:
-    spikes = SpikeGuard(run.cfg.spike, run.accelerator, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
-                        precision=run.runtime.precision)
-    spikes.warn_if_nothing_to_roll_back(run.cfg.checkpoint.every_steps)
-    return LoopFeatures(spikes, EarlyStopping(run.cfg.train), run.ema)
-
-
-def build_checkpointer(run: Run, out_dir: Path, features: LoopFeatures | None = None) -> Checkpointer:
+def build_features(run: Run, out_dir: Path) -> Features:
+    """The loop's features, in the order their hooks run (``lmrecipe/train/features.py``)."""
     cfg = run.cfg
+    spikes = SpikeGuard(cfg.spike, run.accelerator, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
+                        precision=run.runtime.precision)
+    spikes.warn_if_nothing_to_roll_back(cfg.checkpoint.every_steps)
+    ema = [run.ema] if run.ema is not None else []
+    return Features([spikes, NonFiniteStop(cfg.train.max_consecutive_skips), *ema, EarlyStopping(cfg.train)])
+
+
+def build_checkpointer(run: Run, out_dir: Path, features: Features | None = None) -> Checkpointer:
     features = features or build_features(run, out_dir)
-    return Checkpointer(cfg.checkpoint, run.accelerator, out_dir, zero=run.runtime.zero, data=run.data,
-                        samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
-                        run_config=cfg.to_dict(), lr_schedule=run.lr_at, extras=features.extras(),
-                        next_sample=features.spikes.next_sample, publish_timeout_s=cfg.distributed.timeout_s,
-                        probe_kwargs=probe_kwargs(run))
+    return Checkpointer(run.cfg, run.accelerator, out_dir, zero=run.runtime.zero, data=run.data,
+                        lr_schedule=run.lr_at, extras=features.extras(),
+                        next_sample=features.get(SpikeGuard).next_sample, probe_kwargs=probe_kwargs(run))
 
 
 def probe_kwargs(run: Run):
@@ -139,16 +112,6 @@ def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> 
                         "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
                         "n_train_windows": run.data.n_train_windows,
                         **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta})
-
-
-def stop_after_skips(state: TrainState, reporter: Reporter, limit: int) -> None:
-    reporter.close(plot=True)
-    raise fail(
-        f"Stopped at step {state.step}: {limit} or more consecutive updates were skipped because the loss or "
-        "gradient norm was not finite (the weights were left unchanged). Try a lower optim.lr, a longer "
-        "schedule.warmup_steps, optim.grad_clip=1.0, or train.precision=bf16/fp32 instead of fp16, and resume "
-        "from the last checkpoint (checkpoint.resume=auto)."
-    )
 
 
 def train(cfg: Config, recipe: str | None = None) -> TrainState:
@@ -184,34 +147,31 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
                             barrier=accelerator.wait_for_everyone)
     oom = OOMGuard(cfg, run.runtime, run.model)
     maybe_install_faults(accelerator.unwrap_model(run.model), run.train_batches, oom.current_step)
-    spikes, early_stopping = features.spikes, features.early_stopping
+    features.get(SpikeGuard).connect(checkpointer, reporter)
     while state.step < cfg.train.max_steps:
         step_start = time.perf_counter()
         with profiler.step(state.step + 1), oom.step(state.step + 1):
             result = train_step(run, state.step)
         state.record_step(result.skipped, run.tokens_per_step)
-        spikes.observe(state.step, result.loss, result.grad_norm)
+        features.after_step(state, result)
         # Host reads happen only at sync points: a logged, evaluated or saved step.
         sync_point = reporter.should_log(state.step) or eval_due(cfg, state.step) or checkpointer.due(state.step)
-        longest_skip_run = state.sync() if sync_point else 0
-        if sync_point and spikes.maybe_roll_back(state, checkpointer, reporter):
-            continue  # back at the last checkpoint, with the spike's samples skipped from now on
+        if sync_point and features.at_sync(state, longest_skip_run=state.sync()):
+            continue  # a feature moved the run back (a spike's rollback): go on from state.step
         if state.step == 1 and cfg.train.compile:
             logger.info("Step 1 took %.1f s, torch.compile's compilation included", time.perf_counter() - step_start)
         reporter.step_done(state, result.loss, result.lr, result.grad_norm, time.perf_counter() - step_start,
                            result.data_time_s)
-        if longest_skip_run >= cfg.train.max_consecutive_skips:
-            stop_after_skips(state, reporter, cfg.train.max_consecutive_skips)
-        maybe_evaluate(run, state, reporter, early_stopping)
+        if eval_due(cfg, state.step):
+            evaluate(run, state, reporter, features)
         preempted = stop.requested(accelerator, exchange=sync_point)
         if preempted:
             state.sync()  # the checkpoint records the skip counters
         checkpointer.maybe_save(run.model, state, preempted=preempted)
         if preempted:
             exit_preempted(accelerator, reporter, stop.name, state.step)
-        if early_stopping.should_stop(evaluated_now=state.last_val_step == state.step):
-            logger.info("Early stopping at step %d: %d evaluations without improvement (best val_loss %.4f).",
-                        state.step, early_stopping.evals_without_improvement, state.best_val_loss)
+        if (reason := features.stop_reason(state)) is not None:
+            stop_early(reason, reporter)
             break
     finish(run, state, checkpointer, reporter, features, out_dir)
     return state
@@ -231,6 +191,14 @@ def log_start(run: Run) -> None:
                        run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
 
 
+def stop_early(reason: Stop, reporter: Reporter) -> None:
+    """A feature ended the run: an error exits with code 2 (after the plot), a clean stop goes on to the export."""
+    if reason.error:
+        reporter.close(plot=True)
+        raise fail(reason.message)
+    logger.info("%s", reason.message)
+
+
 def exit_preempted(accelerator, reporter: Reporter, signal_name: str | None, step: int) -> None:
     reporter.close(plot=True)
     logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
@@ -240,7 +208,7 @@ def exit_preempted(accelerator, reporter: Reporter, signal_name: str | None, ste
     raise SystemExit(EXIT_PREEMPTED)
 
 
-def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Reporter, features: LoopFeatures,
+def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Reporter, features: Features,
            out_dir: Path) -> None:
     """After the last step: wait for a background write, export, close the logs, write the run's end."""
     checkpointer.wait()  # a background write in flight (early stopping)
@@ -257,14 +225,14 @@ def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Re
     run.accelerator.end_training()
 
 
-def run_outcome(run: Run, state: TrainState, features: LoopFeatures, export_from: Path | None,
+def run_outcome(run: Run, state: TrainState, features: Features, export_from: Path | None,
                 export: Path | None) -> dict:
     """How the run ended, for ``final.json`` and ``run_meta.json``."""
     return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < run.cfg.train.max_steps,
             "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
             "last_val_loss_ema": state.last_val_loss_ema,
-            "evals_without_improvement": features.early_stopping.evals_without_improvement,
-            "wall_time_s": state.wall_time_s, "rollbacks": features.spikes.rollbacks,
-            "skipped_batches": len(features.spikes.skipped_batches),
+            "evals_without_improvement": features.get(EarlyStopping).evals_without_improvement,
+            "wall_time_s": state.wall_time_s, "rollbacks": features.get(SpikeGuard).rollbacks,
+            "skipped_batches": len(features.get(SpikeGuard).skipped_batches),
             "export": str(export) if export else None, "export_from": str(export_from) if export_from else None,
             "export_weights": run.cfg.checkpoint.export_weights if export else None}

@@ -56,6 +56,7 @@ from lmrecipe.config import SpikeConfig
 from lmrecipe.data.order import data_step
 from lmrecipe.errors import fail
 from lmrecipe.fileio import write_text_atomic
+from lmrecipe.train.features import LoopFeature
 
 logger = logging.getLogger(__name__)
 
@@ -143,16 +144,20 @@ def _reason(row: dict) -> str:
     return "z-score above the threshold"
 
 
-class SpikeGuard:
-    """Detection and rollback for the loop: :meth:`observe` each step, :meth:`maybe_roll_back` at sync points.
+class SpikeGuard(LoopFeature):
+    """Detection and rollback for the loop: :meth:`after_step` judges each step, :meth:`at_sync` rolls back through
+    the checkpointer and rewinds the reporter's history (both given by :meth:`connect`).
 
     Owns its state (the rule's window as of the last sync, the data steps skipped for good, the rollback count;
     :meth:`state_dict`), and keeps the data order in step with the skipped data steps, also with
     ``spike.enabled=false`` (a resumed run keeps skipping what an earlier session rolled back).
     """
 
+    name = "spikes"
+
     def __init__(self, section: SpikeConfig, accelerator, out_dir: Path, *, batches, prefetcher, precision: str):
         self.section = section
+        self.checkpointer = self.reporter = None
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.batches = batches
@@ -165,6 +170,10 @@ class SpikeGuard:
         a loss spike was rolled back; ascending. Step s reads the s-th data step not listed."""
         self.rollbacks = 0
         """Rollbacks after loss spikes over the run."""
+
+    def connect(self, checkpointer, reporter) -> None:
+        """The checkpointer a rollback reloads from, and the reporter whose history it rewinds."""
+        self.checkpointer, self.reporter = checkpointer, reporter
 
     def warn_if_nothing_to_roll_back(self, every_steps: int) -> None:
         if self.section.enabled and every_steps == 0:
@@ -191,19 +200,21 @@ class SpikeGuard:
         """The global sample index that optimizer step ``step`` (0-based) starts at, skipped data steps included."""
         return data_step(step, self.skipped_batches) * self.batches.layout.global_batch_size
 
-    def observe(self, step: int, loss: torch.Tensor, grad_norm) -> None:
-        """Judge optimizer step ``step`` (1-based), just run (device work only)."""
+    def after_step(self, state, result) -> None:
+        """Judge the optimizer step just run (``state.step``, 1-based), by its loss and gradient norm (device work only)."""
         if not self.section.enabled:
             return
+        loss = result.loss
         if self.accelerator.num_processes > 1:
             loss = self.accelerator.reduce(loss.detach().float(), reduction="mean")
-        self.detector.observe(step, loss, grad_norm)
+        self.detector.observe(state.step, loss, result.grad_norm)
 
-    def maybe_roll_back(self, state, checkpointer, reporter) -> bool:
-        """At a sync point: read the flags since the last one; on a spike, reload the checkpoint before it through
-        ``checkpointer``, rewind ``reporter``'s history and return True (all ranks alike)."""
+    def at_sync(self, state, longest_skip_run: int) -> bool:
+        """Read the flags since the last sync point; on a spike, reload the checkpoint before it through the
+        checkpointer, rewind the reporter's history and return True (all ranks alike)."""
         if not self.section.enabled:
             return False
+        checkpointer, reporter = self.checkpointer, self.reporter
         flagged, self.window = self.detector.collect(self._reduce_max if self.accelerator.num_processes > 1 else None)
         if not flagged:
             return False
