@@ -10,7 +10,7 @@ TORCH_PIP_ARGS ?=
 DATA := data/stdlib
 RUN := runs/tiny
 
-.PHONY: venv demo test test-quick clean
+.PHONY: venv demo test test-quick test-unit clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(VENV)/.installed
 # The quick set: everything but the multi-process runs.
 test-quick: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
+
+# The tests that run in one process (seconds).
+test-unit: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) runs data

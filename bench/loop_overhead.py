@@ -6,7 +6,7 @@
 
 Both sides run in this process, in alternating blocks of --block-steps optimizer steps (A B, B A, ...):
 
-- ours: lmrecipe.trainer's own build_run / build_checkpointer / build_reporter, then per step trainer.train_step
+- ours: lmrecipe.train.loop's own build_run / build_checkpointer / build_reporter, then per step lmrecipe.train.step.train_step
   (the prefetched batches, accelerator.accumulate, causal_lm_loss, accelerator.backward, optimizer_step with
   clipping, lr_at/set_lr) and what train's loop does after it (TrainState.record_step, Reporter.step_done with its
   log line every logging.log_every_steps, PreemptionSignal.requested, Checkpointer.maybe_save)

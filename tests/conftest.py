@@ -1,4 +1,5 @@
-"""Session fixtures: a tiny corpus, a tiny prepared dataset shared by the end-to-end tests, a real SLURM cluster."""
+"""Fixtures: a tiny corpus, a tiny prepared dataset shared by the end-to-end tests, a real SLURM cluster (session);
+two prepared sources of one tokenizer, a corpus of unusual documents and its preparation (per module)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import ROOT  # noqa: F401  (puts the repository on sys.path first)
+from helpers import VOCAB, write_corpus
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +57,36 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory, corpus_dir) -> list[Path]:
+    """Two prepared folders of different documents sharing one tokenizer: a trained BPE, then ``--tokenizer`` it."""
+    from lmrecipe.data.prepare.pipeline import prepare
+
+    root = tmp_path_factory.mktemp("mix")
+    files = sorted(corpus_dir.iterdir())
+    for name, part in (("code_corpus", files[::2]), ("prose_corpus", files[1::2])):
+        (root / name).mkdir()
+        for f in part:
+            shutil.copy(f, root / name / f.name)
+    prepare(output=root / "code", inputs=[root / "code_corpus"], vocab_size=384, val_fraction=0.1, num_proc=1)
+    prepare(output=root / "prose", inputs=[root / "prose_corpus"], tokenizer=str(root / "code"), val_fraction=0.1,
+            num_proc=1)
+    return [root / "code", root / "prose"]
+
+
+@pytest.fixture(scope="module")
+def documents_dir(tmp_path_factory) -> Path:
+    """A small corpus with unusual text (Unicode, CRLF, nested folders, files that are skipped)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def prepared_documents(documents_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """``documents_dir`` prepared in-process (trained BPE of ``VOCAB`` tokens, 20% validation)."""
+    from lmrecipe.data.prepare.pipeline import prepare
+
+    out_dir = tmp_path_factory.mktemp("prepared_documents") / "data"
+    meta = prepare(output=out_dir, inputs=[documents_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
+    return out_dir, meta

@@ -188,3 +188,56 @@ def max_loss_diff(resumed: list[tuple[int, float]], reference: list[tuple[int, f
 def tree_digest(path: Path) -> dict[str, str]:
     return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def sources_arg(*sources: tuple[Path, float, str | None]) -> str:
+    import yaml
+
+    items = [{"path": str(p), "weight": w, **({"name": n} if n else {})} for p, w, n in sources]
+    return "data.sources=" + yaml.safe_dump(items, default_flow_style=True).strip()
+
+
+# The preparation tests' corpus: documents with unusual text, written by ``write_corpus``.
+VOCAB = 320
+
+
+DOCUMENTS = {
+    "a.txt": "Hello, world!\nThis is   a test\twith\ttabs.\n\n\nEnd.\n",
+    "b.md": "# Título\n\nÜnïcödé: 日本語テキスト, emoji 🙂🚀, math ∑ x² ≠ y.\n  indented  line  \n",
+    "c.py": "def f(x):\n\treturn x  +  1\n\n\nclass C:\n    pass\n",
+    "d.txt": "windows\r\nline endings\r\n and trailing spaces   ",
+    "e.txt": "a document that mentions <|endoftext|> in its text\n",
+    "sub/f.txt": "nested folder document; " * 20,
+    "sub/g.txt": "  leading spaces and no newline at end",
+    "sub/deeper/h.rst": "Heading\n=======\n\n* item one\n* item two\n",
+    "i.txt": "the quick brown fox jumps over the lazy dog " * 10,
+    "j.txt": "Zeile mit Umlauten: äöüß ÄÖÜ. Ligne française: é è ê à ç.\n",
+    # Far bigger than the rest: its chunk finishes last, so a worker pool that returned chunks out of
+    # order would show up as a different train.bin.
+    "big/k.txt": "".join(f"line {i}: value={i * 7919 % 10007}\n" for i in range(8000)),
+}
+
+
+def write_corpus(root: Path) -> Path:
+    for rel, text in DOCUMENTS.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+    (root / "empty.txt").write_text("   \n")  # whitespace only: skipped
+    (root / "image.bin").write_bytes(b"\x00\x01")  # unsupported type inside a folder: skipped
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.txt").write_text("hidden folders are skipped")
+    return root
+
+
+def siblings(out_dir: Path) -> list[str]:
+    """Leftovers of the atomic write next to ``out_dir`` (temp or set-aside folders)."""
+    return sorted(p.name for p in out_dir.parent.iterdir() if p.name.startswith(f"{out_dir.name}."))
+
+
+def layout(world_size: int, stage: int | None, offload: bool = False):
+    """The :class:`lmrecipe.distributed.Layout` of a run on ``world_size`` processes, ZeRO ``stage`` (None: no DeepSpeed)."""
+    from lmrecipe.distributed import Layout
+
+    return Layout.from_topology({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
+                                 "offload_optimizer": offload})

@@ -145,3 +145,25 @@ def test_package_modules_do_not_print_or_read_argv():
             if isinstance(node, ast.Attribute) and node.attr == "argv":
                 offenders.append(f"{module}:{node.lineno} sys.argv")
     assert not offenders, offenders
+
+
+LAUNCHERS = {"subprocess", "run_script", "run_train", "cached_run", "plain_run", "zero_pair", "launch_cmd"}
+"""What starts a process: the unit tests use none of it (tests/integration launches the scripts)."""
+
+
+def test_unit_tests_start_no_process_and_no_test_module_imports_another():
+    tests = ROOT / "tests"
+    offenders = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+            if any(name.split(".")[-1].startswith("test_") for name in names):
+                offenders.append(f"{path.relative_to(tests)} imports a test module")
+            if path.parent.name == "unit" and LAUNCHERS & {name.split(".")[0] for name in names}:
+                offenders.append(f"{path.relative_to(tests)} imports a process launcher")
+    assert sorted(p.parent.name for p in tests.rglob("test_*.py")) and not offenders, offenders
+    assert {p.parent.name for p in tests.rglob("test_*.py")} == {"unit", "integration"}

@@ -4,21 +4,13 @@ import hashlib
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-# Like the tools/ scripts: import the package from this checkout without installing it.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from helpers import DOCUMENTS, VOCAB, siblings
 
 from lmrecipe.data.format import FORMAT_VERSION, INDEX_DTYPE, load_meta, read_meta_file  # noqa: E402
 from lmrecipe.data.prepare import pipeline as prep  # noqa: E402
@@ -34,26 +26,6 @@ from lmrecipe.data.prepare.read import (  # noqa: E402
 )
 from lmrecipe.data.prepare.tokenize import EOS_TOKEN, ChunkEncoder, train_bpe_tokenizer  # noqa: E402
 from lmrecipe.errors import UserError  # noqa: E402
-
-SCRIPT = REPO / "tools" / "prepare_data.py"
-VOCAB = 320
-
-# Each value is one document: unicode, tabs, runs of spaces, blank lines, CRLF, literal special-token text.
-DOCUMENTS = {
-    "a.txt": "Hello, world!\nThis is   a test\twith\ttabs.\n\n\nEnd.\n",
-    "b.md": "# Título\n\nÜnïcödé: 日本語テキスト, emoji 🙂🚀, math ∑ x² ≠ y.\n  indented  line  \n",
-    "c.py": "def f(x):\n\treturn x  +  1\n\n\nclass C:\n    pass\n",
-    "d.txt": "windows\r\nline endings\r\n and trailing spaces   ",
-    "e.txt": "a document that mentions <|endoftext|> in its text\n",
-    "sub/f.txt": "nested folder document; " * 20,
-    "sub/g.txt": "  leading spaces and no newline at end",
-    "sub/deeper/h.rst": "Heading\n=======\n\n* item one\n* item two\n",
-    "i.txt": "the quick brown fox jumps over the lazy dog " * 10,
-    "j.txt": "Zeile mit Umlauten: äöüß ÄÖÜ. Ligne française: é è ê à ç.\n",
-    # Far bigger than the rest: its chunk finishes last, so a worker pool that returned chunks out of
-    # order would show up as a different train.bin.
-    "big/k.txt": "".join(f"line {i}: value={i * 7919 % 10007}\n" for i in range(8000)),
-}
 
 
 @dataclass
@@ -90,23 +62,6 @@ def split_documents(keys: Sequence[str], val_fraction: float, seed: int = 0) -> 
     return ([i for i, s in enumerate(splits) if s == "train"], [i for i, s in enumerate(splits) if s == "val"])
 
 
-def write_corpus(root: Path) -> Path:
-    for rel, text in DOCUMENTS.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(text.encode("utf-8"))
-    (root / "empty.txt").write_text("   \n")  # whitespace only: skipped
-    (root / "image.bin").write_bytes(b"\x00\x01")  # unsupported type inside a folder: skipped
-    (root / ".hidden").mkdir()
-    (root / ".hidden" / "x.txt").write_text("hidden folders are skipped")
-    return root
-
-
-def siblings(out_dir: Path) -> list[str]:
-    """Leftovers of the atomic write next to ``out_dir`` (temp or set-aside folders)."""
-    return sorted(p.name for p in out_dir.parent.iterdir() if p.name.startswith(f"{out_dir.name}."))
-
-
 def read_ids(out_dir: Path, split: str, meta: dict) -> np.ndarray:
     return np.fromfile(out_dir / f"{split}.bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
 
@@ -124,27 +79,10 @@ def reference_files(texts: list[str], tokenizer, eos_id: int, dtype: str) -> tup
     return np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<")).tobytes(), np.asarray(starts, dtype=INDEX_DTYPE)
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def prepared(corpus_dir, tmp_path_factory) -> tuple[Path, dict]:
-    out_dir = tmp_path_factory.mktemp("prepared") / "data"
-    meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
-    return out_dir, meta
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
-
-
-def test_trained_tokenizer_round_trips_every_document(prepared):
+def test_trained_tokenizer_round_trips_every_document(prepared_documents):
     from transformers import AutoTokenizer
 
-    out_dir, meta = prepared
+    out_dir, meta = prepared_documents
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     assert len(tokenizer) == meta["vocab_size"]
     assert tokenizer.eos_token == EOS_TOKEN and tokenizer.eos_token_id == meta["eos_id"]
@@ -153,13 +91,13 @@ def test_trained_tokenizer_round_trips_every_document(prepared):
         assert tokenizer.decode(ids) == text
 
 
-def test_bin_files_hold_each_split_documents_followed_by_eos(prepared, corpus_dir):
+def test_bin_files_hold_each_split_documents_followed_by_eos(prepared_documents, documents_dir):
     from transformers import AutoTokenizer
 
-    out_dir, meta = prepared
+    out_dir, meta = prepared_documents
     assert meta == {**read_meta_file(out_dir), "timing": meta["timing"]}
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    corpus = load_corpus([corpus_dir])
+    corpus = load_corpus([documents_dir])
     # Files are read byte-exact (CRLF kept); empty, hidden and unsupported files are skipped.
     assert dict(zip(corpus.keys, corpus.texts)) == DOCUMENTS
     train_idx, val_idx = split_documents(corpus.keys, 0.2)
@@ -184,12 +122,12 @@ def test_bin_files_hold_each_split_documents_followed_by_eos(prepared, corpus_di
     assert "e.txt" in corpus.keys
 
 
-def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared, corpus_dir, tmp_path, monkeypatch):
-    out_1, meta_1 = prepared
+def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared_documents, documents_dir, tmp_path, monkeypatch):
+    out_1, meta_1 = prepared_documents
     # Many small chunks, so two workers really interleave and chunk order matters.
     monkeypatch.setattr(prep, "_CHUNK_CHARS", 100)
     out_2 = tmp_path / "two_procs"
-    meta_2 = prep.prepare(output=out_2, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=2)
+    meta_2 = prep.prepare(output=out_2, inputs=[documents_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=2)
     for name in ("train.bin", "val.bin", "train.idx", "val.idx", "tokenizer.json", "tokenizer_config.json"):
         assert (out_1 / name).read_bytes() == (out_2 / name).read_bytes(), name
     assert meta_2["timing"]["num_proc"] == 2
@@ -199,7 +137,7 @@ def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared, corpu
     # The saved tokenizer given back as a Hugging Face tokenizer (the transformers encoding path) must
     # produce the same token stream as the trained one (the tokenizers-backend path).
     out_3 = tmp_path / "given_tokenizer"
-    meta_3 = prep.prepare(output=out_3, inputs=[corpus_dir], tokenizer=str(out_1), val_fraction=0.2, num_proc=1)
+    meta_3 = prep.prepare(output=out_3, inputs=[documents_dir], tokenizer=str(out_1), val_fraction=0.2, num_proc=1)
     assert meta_3["tokenizer"] == str(out_1) and meta_3["splits"] == meta_1["splits"]
     assert (out_3 / "train.bin").read_bytes() == (out_1 / "train.bin").read_bytes()
 
@@ -251,22 +189,7 @@ def test_jsonl_and_parquet_records_are_documents(tmp_path):
     assert len(load_corpus([data], text_field="body", max_documents=3)) == 3
 
 
-def test_refuses_existing_output_then_overwrites_it(corpus_dir, tmp_path):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    (out_dir / "keep.txt").write_text("precious")
-    result = run_script("--input", str(corpus_dir), "--output", str(out_dir), "--vocab-size", str(VOCAB))
-    assert result.returncode == 2
-    assert "--overwrite" in result.stderr and "Traceback" not in result.stderr
-    assert [p.name for p in out_dir.iterdir()] == ["keep.txt"] and siblings(out_dir) == []
-
-    meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
-    assert not (out_dir / "keep.txt").exists()
-    assert read_meta_file(out_dir)["splits"] == meta["splits"]
-    assert siblings(out_dir) == []
-
-
-def test_failure_midway_leaves_no_temp_folder_and_keeps_old_output(corpus_dir, tmp_path, monkeypatch):
+def test_failure_midway_leaves_no_temp_folder_and_keeps_old_output(documents_dir, tmp_path, monkeypatch):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "keep.txt").write_text("precious")
@@ -276,62 +199,13 @@ def test_failure_midway_leaves_no_temp_folder_and_keeps_old_output(corpus_dir, t
 
     monkeypatch.setattr(ChunkEncoder, "__call__", broken_encoder)
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
-        prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
+        prep.prepare(output=out_dir, inputs=[documents_dir], vocab_size=VOCAB, overwrite=True, num_proc=1)
     assert [p.name for p in out_dir.iterdir()] == ["keep.txt"] and siblings(out_dir) == []
 
     fresh = tmp_path / "fresh"
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
-        prep.prepare(output=fresh, inputs=[corpus_dir], vocab_size=VOCAB, num_proc=1)
+        prep.prepare(output=fresh, inputs=[documents_dir], vocab_size=VOCAB, num_proc=1)
     assert not fresh.exists() and siblings(fresh) == []
-
-
-def _error_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
-    """CLI arguments for one error case, and a phrase its message must contain."""
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "a.txt").write_text("one document")
-    (docs / "b.txt").write_text("another document")
-    if case == "missing input":
-        return ["--input", str(tmp_path / "nope.txt")], "does not exist"
-    if case == "unknown type":
-        (tmp_path / "x.docx").write_bytes(b"PK")
-        return ["--input", str(tmp_path / "x.docx")], "Supported"
-    if case == "all empty":
-        (tmp_path / "blank").mkdir()
-        (tmp_path / "blank" / "a.txt").write_text("")
-        (tmp_path / "blank" / "b.md").write_text("\n\n")
-        return ["--input", str(tmp_path / "blank")], "No documents"
-    if case == "one document":
-        return ["--input", str(docs / "a.txt")], "at least 2"
-    if case == "empty val split":  # both documents hash to train at this val fraction
-        return ["--input", str(docs), "--val-fraction", "0.5"], "val split would be empty"
-    if case == "sample size":
-        return ["--input", str(docs), "--tokenizer-sample-mb", "0"], "must be positive"
-    if case == "vocab too small":
-        return ["--input", str(docs), "--vocab-size", "257"], "at least 258"
-    if case == "val fraction":
-        return ["--input", str(docs), "--val-fraction", "0.6"], "(0, 0.5]"
-    if case == "missing tokenizer folder":
-        return ["--input", str(docs), "--tokenizer", str(tmp_path / "no_tokenizer")], "no such folder"
-    if case == "missing text field":
-        (tmp_path / "r.jsonl").write_text('{"content": "a"}\n{"content": "b"}\n')
-        return ["--input", str(tmp_path / "r.jsonl")], "--text-field"
-    raise AssertionError(case)
-
-
-@pytest.mark.parametrize(
-    "case",
-    ["missing input", "unknown type", "all empty", "one document", "empty val split", "sample size",
-     "vocab too small", "val fraction", "missing tokenizer folder", "missing text field"],
-)
-def test_cli_errors_exit_2_with_a_message_and_write_nothing(tmp_path, case):
-    args, phrase = _error_case(tmp_path, case)
-    out_dir = tmp_path / "out"
-    result = run_script(*args, "--output", str(out_dir))
-    assert result.returncode == 2, result.stderr
-    assert "error:" in result.stderr and phrase in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not out_dir.exists() and siblings(out_dir) == []
 
 
 def test_embedded_corpus_is_the_stdlib_without_tests_or_packages():
@@ -346,20 +220,20 @@ def test_embedded_corpus_is_the_stdlib_without_tests_or_packages():
     assert Path("os.py") in rels and Path("json/decoder.py") in rels
 
 
-def test_read_meta_file_rejects_missing_and_invalid(tmp_path, prepared):
+def test_read_meta_file_rejects_missing_and_invalid(tmp_path, prepared_documents):
     with pytest.raises(UserError, match="not a prepared data folder"):
         read_meta_file(tmp_path)
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(UserError, match="not readable JSON"):
         read_meta_file(tmp_path)
-    meta = json.loads((prepared[0] / "meta.json").read_text())
+    meta = json.loads((prepared_documents[0] / "meta.json").read_text())
     del meta["eos_id"]
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="eos_id"):
         read_meta_file(tmp_path)
 
 
-def write_mixed_inputs(root: Path, corpus_dir: Path) -> list[Path]:
+def write_mixed_inputs(root: Path, documents_dir: Path) -> list[Path]:
     """Three inputs of three kinds: a folder of text files, a jsonl file and a parquet file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -368,17 +242,17 @@ def write_mixed_inputs(root: Path, corpus_dir: Path) -> list[Path]:
     jsonl.write_text("".join(json.dumps({"text": f"record {i}: {'word ' * i}\n"}) + "\n" for i in range(12)))
     parquet = root / "rows.parquet"
     pq.write_table(pa.Table.from_pylist([{"text": f"row {i} ✓ {'x' * i}"} for i in range(9)]), parquet)
-    return [corpus_dir, jsonl, parquet]
+    return [documents_dir, jsonl, parquet]
 
 
-def test_streaming_writes_what_an_in_memory_reference_computes(prepared, corpus_dir, tmp_path, monkeypatch):
+def test_streaming_writes_what_an_in_memory_reference_computes(prepared_documents, documents_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    inputs = write_mixed_inputs(tmp_path, corpus_dir)
+    inputs = write_mixed_inputs(tmp_path, documents_dir)
     # Chunks of one or two documents, in flight on two processes: chunking and workers must not show in the output.
     monkeypatch.setattr(prep, "_CHUNK_CHARS", 50)
     monkeypatch.setattr(prep, "_CHUNK_DOCS", 2)
-    tokenizer_dir = prepared[0]
+    tokenizer_dir = prepared_documents[0]
     out_dir = tmp_path / "out"
     meta = prep.prepare(output=out_dir, inputs=inputs, tokenizer=str(tokenizer_dir), val_fraction=0.2, num_proc=2)
 
@@ -403,12 +277,12 @@ def test_streaming_writes_what_an_in_memory_reference_computes(prepared, corpus_
     assert load_meta(out_dir) == meta
 
 
-def test_trained_bpe_learns_from_the_first_megabytes_of_train_documents(corpus_dir, tmp_path):
+def test_trained_bpe_learns_from_the_first_megabytes_of_train_documents(documents_dir, tmp_path):
     out_dir = tmp_path / "out"
     limit_mb = 0.0004  # 400 bytes: a few of the small documents
-    meta = prep.prepare(output=out_dir, inputs=[corpus_dir], vocab_size=VOCAB, val_fraction=0.2,
+    meta = prep.prepare(output=out_dir, inputs=[documents_dir], vocab_size=VOCAB, val_fraction=0.2,
                         tokenizer_sample_mb=limit_mb, num_proc=1)
-    corpus = load_corpus([corpus_dir])
+    corpus = load_corpus([documents_dir])
     sample, n_bytes = [], 0
     for i in split_documents(corpus.keys, 0.2)[0]:
         if n_bytes >= limit_mb * 1e6:
@@ -446,52 +320,6 @@ def test_files_that_are_not_text_are_skipped_and_counted(tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     ids = read_ids(tmp_path / "out", "train", meta)
     assert "\ufffd" not in tokenizer.decode(ids.tolist())
-
-
-def test_killed_preparation_leaves_nothing_that_training_accepts_and_reruns_cleanly(prepared, tmp_path):
-    out_dir = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, str(SCRIPT), "--output", str(out_dir), "--tokenizer", str(prepared[0]), "--num-proc", "1"]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        # Kill it once tokens are being written: the worst moment, with a half-written train.bin on disk.
-        while not any(p.stat().st_size for p in tmp_path.glob("out.tmp-*/train.bin")):
-            assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert not out_dir.exists()
-    [leftover] = siblings(out_dir)
-    with pytest.raises(UserError, match="not a prepared data folder"):
-        load_meta(tmp_path / leftover)
-
-    result = run_script("--output", str(out_dir), "--tokenizer", str(prepared[0]), "--max-documents", "40",
-                        "--val-fraction", "0.2", "--num-proc", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert leftover in result.stderr and "interrupted preparation" in result.stderr
-    assert load_meta(out_dir)["source"].endswith("(first 40 documents)")
-
-
-def test_trained_tokenizer_workers_do_not_import_torch(prepared):
-    # Each worker process imports the preparation modules and builds its encoder; torch would add ~200 MB to each.
-    code = (
-        "import sys\n"
-        "from lmrecipe.data.prepare import pipeline\n"
-        "from lmrecipe.data.prepare.tokenize import ChunkEncoder, EncoderSpec\n"
-        f"encoder = ChunkEncoder(EncoderSpec({str(prepared[0])!r}, True, 0, {VOCAB}, 'uint16'))\n"
-        "data, lengths, top = encoder(['def f(x):\\n    return x\\n'])\n"
-        "assert len(lengths) == 1 and top < {VOCAB}\n"
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
-    ).replace("{VOCAB}", str(VOCAB))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]"
 
 
 def test_hub_datasets_are_streamed_as_records(tmp_path, monkeypatch):

@@ -3,16 +3,13 @@ proportions, per-source metrics end to end, exact resume, and bad input stopping
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
-from helpers import ROOT, SEQ_LEN, TINY_OVERRIDES, run_script, write_data
+from helpers import ROOT, SEQ_LEN, sources_arg, write_data
 
 from lmrecipe.config import DataConfig, DataSource, config_from_dict, load_config
 from lmrecipe.data.batches import BatchLayout, MixtureBatches, TrainBatches
@@ -20,15 +17,6 @@ from lmrecipe.data.format import TokenWindows
 from lmrecipe.data.order import MIX_BLOCK, MixtureOrder
 from lmrecipe.data.sources import check_sources, open_training_data
 from lmrecipe.errors import UserError
-from lmrecipe.observe.metrics_log import read_metrics
-
-LOSS_TOL = 1e-5
-
-
-def sources_arg(*sources: tuple[Path, float, str | None]) -> str:
-    items = [{"path": str(p), "weight": w, **({"name": n} if n else {})} for p, w, n in sources]
-    return "data.sources=" + yaml.safe_dump(items, default_flow_style=True).strip()
-
 
 # ---------------------------------------------------------------------------------------------- config
 
@@ -161,77 +149,6 @@ def test_realised_proportions_over_1000_steps(weights, global_batch):
         assert np.abs(share - target).max() <= 0.01 + 1 / (100 * global_batch)
 
 
-# ---------------------------------------------------------------------------------------------- real folders
-
-
-@pytest.fixture(scope="module")
-def two_sources(tmp_path_factory, corpus_dir) -> list[Path]:
-    """Two prepared folders of different documents sharing one tokenizer: a trained BPE, then ``--tokenizer`` it."""
-    from lmrecipe.data.prepare.pipeline import prepare
-
-    root = tmp_path_factory.mktemp("mix")
-    files = sorted(corpus_dir.iterdir())
-    for name, part in (("code_corpus", files[::2]), ("prose_corpus", files[1::2])):
-        (root / name).mkdir()
-        for f in part:
-            shutil.copy(f, root / name / f.name)
-    prepare(output=root / "code", inputs=[root / "code_corpus"], vocab_size=384, val_fraction=0.1, num_proc=1)
-    prepare(output=root / "prose", inputs=[root / "prose_corpus"], tokenizer=str(root / "code"), val_fraction=0.1,
-            num_proc=1)
-    return [root / "code", root / "prose"]
-
-
-def mix_args(out: Path, sources: str, *overrides: str) -> list[str]:
-    return ["train.py", "recipes/tiny.yaml", f"out_dir={out}", *TINY_OVERRIDES, sources, *overrides]
-
-
-def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path, two_sources):
-    code, prose = two_sources
-    mix = sources_arg((code, 0.7, None), (prose, 0.3, None))
-    steps = ["train.max_steps=6", "train.eval_every_steps=3", "checkpoint.every_steps=3"]
-    full = tmp_path / "full"
-    run_script(mix_args(full, mix, *steps))
-    rows = read_metrics(full / "metrics.jsonl")
-    train_rows = [r for r in rows if "loss" in r]
-    val_rows = [r for r in rows if "val_loss" in r]
-    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in val_rows] == [3, 6]
-    for r in train_rows:  # every sample is counted once, by its source; 8 x 32 tokens per step
-        assert r["tokens_seen/code"] + r["tokens_seen/prose"] == r["tokens_seen"] == r["step"] * 8 * 32
-    assert train_rows[-1]["tokens_seen/code"] == round(6 * 8 * 0.7) * 32  # 48 samples, 0.7 of them within one
-    for r in val_rows:
-        assert r["val_loss/code"] > 0 and r["val_loss/prose"] > 0
-        assert r["val_loss"] == pytest.approx(0.7 * r["val_loss/code"] + 0.3 * r["val_loss/prose"], rel=1e-12)
-    assert (full / "training.png").stat().st_size > 10_000
-    meta = json.loads((full / "run_meta.json").read_text())
-    assert [(s["name"], s["weight"]) for s in meta["data_mixture"]] == [("code", 0.7), ("prose", 0.3)]
-    saved = json.loads((full / "checkpoints/step_00000003/train_state.json").read_text())
-    assert saved["data"]["next_sample"] == 24 and [s["name"] for s in saved["data"]["mixture"]] == ["code", "prose"]
-
-    # Resume from the step-3 checkpoint in a new run folder: the same losses and per-source figures.
-    resumed = tmp_path / "resumed"
-    proc = run_script(mix_args(resumed, mix, *steps, f"checkpoint.resume={full}/checkpoints/step_00000003"))
-    assert "Resumed from" in proc.stderr
-    again = {(r["step"], "val_loss" in r): r for r in read_metrics(resumed / "metrics.jsonl")}
-    assert sorted(again) == [(4, False), (5, False), (6, False), (6, True)]
-    worst = 0.0
-    for r in rows:
-        if r["step"] > 3:
-            twin = again[r["step"], "val_loss" in r]
-            for key in ("loss", "val_loss", "val_loss/code", "val_loss/prose"):
-                if key in r:
-                    worst = max(worst, abs(twin[key] - r[key]))
-                    assert abs(twin[key] - r[key]) <= LOSS_TOL, (r["step"], key, twin[key], r[key])
-            assert all(twin[k] == r[k] for k in r if k.startswith("tokens_seen"))
-    print(f"2-source mixture, 1 process: max |loss difference| after resume = {worst:.3g}")
-
-    # Other weights on resume would remap every global sample index: refused, naming the change.
-    changed = tmp_path / "changed"
-    proc = run_script(mix_args(changed, sources_arg((code, 0.5, None), (prose, 0.5, None)), *steps,
-                               f"checkpoint.resume={full}/checkpoints/step_00000003"), check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "data sources: mixture code 0.7, prose 0.3 -> mixture code 0.5, prose 0.5" in proc.stderr
-
-
 def test_sources_with_different_tokenizers_are_refused(tmp_path, two_sources, corpus_dir):
     from lmrecipe.data.prepare.pipeline import prepare
 
@@ -244,37 +161,3 @@ def test_sources_with_different_tokenizers_are_refused(tmp_path, two_sources, co
     assert f"data.sources[1] (other, {other}) does not share the tokenizer of data.sources[0] (code, {two_sources[0]})" in message
     assert "vocab_size 384 vs 300" in message and "tokenizer.json sha256" in message and "--tokenizer" in message
     check_sources(load_config(None, [sources_arg((two_sources[0], 1, None), (two_sources[1], 1, None))]).data)
-
-
-def bad_inputs(tmp_path: Path, two_sources: list[Path]) -> dict[str, tuple[str, str]]:
-    code, prose = two_sources
-    (tmp_path / "empty").mkdir()
-    empty_train = tmp_path / "empty_train"  # same tokenizer, no training tokens
-    shutil.copytree(prose, empty_train)
-    (empty_train / "train.bin").write_bytes(b"")
-    np.zeros(1, dtype="<u8").tofile(empty_train / "train.idx")
-    meta = json.loads((empty_train / "meta.json").read_text())
-    meta["splits"]["train"].update(n_tokens=0, n_documents=0)
-    (empty_train / "meta.json").write_text(json.dumps(meta))
-    other = tmp_path / "other_tok"  # the same vocabulary size and EOS, another tokenizer.json
-    shutil.copytree(prose, other)
-    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + "\n")
-    return {
-        "negative": (sources_arg((code, 1, None), (prose, -1, None)), "data.sources[1].weight=-1.0"),
-        "zero_sum": (sources_arg((code, 0, None), (prose, 0, None)), "sum to zero"),
-        "duplicate": (sources_arg((code, 1, "x"), (prose, 1, "x")), "both named 'x'"),
-        "missing": (sources_arg((code, 1, None), (tmp_path / "nope", 1, None)), "data.sources[1] (nope"),
-        "empty_folder": (sources_arg((code, 1, None), (tmp_path / "empty", 1, None)), "is empty"),
-        "empty_split": (sources_arg((code, 1, None), (empty_train, 1, None)), "The train split of"),
-        "tokenizer": (sources_arg((code, 1, None), (other, 1, None)), "does not share the tokenizer"),
-    }
-
-
-@pytest.mark.parametrize("case", ["negative", "zero_sum", "duplicate", "missing", "empty_folder", "empty_split", "tokenizer"])
-def test_bad_input_exits_2_and_writes_nothing(tmp_path, two_sources, case):
-    arg, expected = bad_inputs(tmp_path, two_sources)[case]
-    out = tmp_path / "run"
-    proc = run_script(mix_args(out, arg, "train.max_steps=2"), check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert expected in proc.stderr and "Traceback" not in proc.stderr
-    assert not out.exists()

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TINY_OVERRIDES, subprocess_env
 
-pytestmark = pytest.mark.slow
-
 MAX_STEPS = 300  # about 10 s of training: long enough to preempt in the middle
 OVERRIDES = [*TINY_OVERRIDES, f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=0"]
 JOB_TIMEOUT_S = 600

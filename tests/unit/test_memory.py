@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import ROOT
 from torch import nn
 
 from lmrecipe.config import load_config
@@ -174,23 +174,3 @@ def test_probe_writes_the_second_update(tmp_path):
     assert measured["rank"] == 0 and measured["weights"] == 4 * n and measured["gradients"] == 4 * n
     assert measured["optimizer"] >= 8 * n
     assert probe._hook is None  # detached after writing
-
-
-def test_estimate_memory_cli(tmp_path):
-    proc = run_script(["tools/estimate_memory.py", "recipes/tiny.yaml", "train.global_batch_size=64",
-                       "--world-size", "8", "--nodes", "2", "--vocab-size", "1000", "--json"])
-    report = json.loads(proc.stdout)
-    assert report["world_size"] == 8 and report["precision"] == "bf16"
-    assert list(report["configs"]) == ["none", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
-    device = {name: c["model_states_device"] for name, c in report["configs"].items()}
-    assert device["zero3"] < device["zero2"] < device["none"]
-
-    with_ema = json.loads(run_script(["tools/estimate_memory.py", "recipes/tiny.yaml", "train.global_batch_size=64",
-                                      "train.ema_decay=0.999", "--world-size", "8", "--vocab-size", "1000",
-                                      "--json"]).stdout)["configs"]
-    assert with_ema["zero2"]["ema"] == 4 * report["n_params"] and with_ema["zero3"]["ema"] == 4 * report["n_params"] / 8
-    assert report["configs"]["zero2"]["ema"] == 0
-
-    bad = run_script(["tools/estimate_memory.py", "recipes/tiny.yaml", "--world-size", "3"], check=False)
-    assert bad.returncode == 2
-    assert "global_batch_size" in bad.stderr and "Traceback" not in bad.stderr
