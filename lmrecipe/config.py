@@ -203,6 +203,10 @@ class ScheduleConfig:
         _non_negative(self, "warmup_steps")
 
 
+AUTO_LOSS_CHUNK_TOKENS = 1024
+AUTO_LOSS_CHUNK_MIN_VOCAB = 65_536
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
@@ -231,14 +235,27 @@ class TrainConfig:
     """An evaluation improves when its loss is below the best so far by more than this (loss units)."""
     deterministic: bool = False
     """Deterministic kernels (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``) for debugging."""
+    loss_chunk_tokens: Optional[int] = None
+    """The chunked loss (``lmrecipe/loss.py``): logits and their gradient are computed this many tokens at a time and
+    never held whole. 0 = off (full logits); null = auto: 1,024 when the vocabulary has at least 65,536 tokens
+    (Llama-3, Qwen, Gemma), off below (there the logits of a micro-batch are small next to the activations and the
+    recomputation would cost more than it saves)."""
     ema_decay: float = 0.0
     """Decay per applied optimizer step of an exponential moving average of the weights (bias-corrected, fp32; an
     average over about ``1 / (1 - ema_decay)`` steps, e.g. 0.999: 1,000 steps), evaluated as ``val_loss_ema`` and
     saved in checkpoints (``lmrecipe/ema.py``); 0 = off. In [0, 1)."""
 
+    def chunk_tokens(self, vocab_size: int) -> int:
+        """Tokens per chunk of the chunked loss for a vocabulary of ``vocab_size``; 0 = the full-logits path."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return AUTO_LOSS_CHUNK_TOKENS if vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
+
     def validate(self) -> None:
         _positive(self, "max_steps", "global_batch_size", "micro_batch_size", "max_consecutive_skips")
         _non_negative(self, "eval_every_steps", "early_stopping_patience", "early_stopping_min_delta")
+        if self.loss_chunk_tokens is not None:
+            _non_negative(self, "loss_chunk_tokens")
         if not 0.0 <= self.ema_decay < 1.0:
             raise fail(f"train.ema_decay={self.ema_decay} must be in [0, 1): e.g. 0.999 averages over about 1,000 "
                        "optimizer steps; 0 turns the weight EMA off.")
@@ -344,9 +361,14 @@ class DistributedConfig:
     """JSON in ds_configs/ choosing the ZeRO stage and offload; null trains without DeepSpeed (DDP)."""
     timeout_s: int = 1800
     """Collective-operation timeout (seconds) before a hung rank fails the job."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism (DeepSpeed ALST through Accelerate): each window is split over this many
+    consecutive ranks, which attend over the whole window through all-to-alls; the data-parallel ranks are
+    ``world_size / sequence_parallel_size``. 1 = off. Needs DeepSpeed; must divide the process count, the attention
+    heads and ``data.seq_len``."""
 
     def validate(self) -> None:
-        _positive(self, "timeout_s")
+        _positive(self, "timeout_s", "sequence_parallel_size")
         self.deepspeed_config_path()
 
     def deepspeed_config_path(self) -> Optional[Path]:

@@ -93,18 +93,21 @@ class Layout:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_param: bool = False
+    sequence_parallel_size: int = 1
 
     @classmethod
-    def of_run(cls, world_size: int, zero: ZeroSetup) -> "Layout":
+    def of_run(cls, world_size: int, zero: ZeroSetup, sequence_parallel_size: int = 1) -> "Layout":
         return cls(world_size, zero.deepspeed, zero.stage if zero.deepspeed else 0, zero.offload_optimizer,
-                   zero.offload_param)
+                   zero.offload_param, sequence_parallel_size)
 
     @classmethod
     def from_topology(cls, topology: dict) -> "Layout":
-        """The layout a checkpoint's ``topology`` record describes (older records lack the offload keys)."""
+        """The layout a checkpoint's ``topology`` record describes (older records lack the offload and sequence
+        parallel keys)."""
         deepspeed = bool(topology["deepspeed"])
         return cls(int(topology["world_size"]), deepspeed, int(topology["zero_stage"]) if deepspeed else 0,
-                   bool(topology.get("offload_optimizer", False)), bool(topology.get("offload_param", False)))
+                   bool(topology.get("offload_optimizer", False)), bool(topology.get("offload_param", False)),
+                   int(topology.get("sequence_parallel_size", 1)))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -122,6 +125,8 @@ class Layout:
             changes.append(f"processes {saved.world_size} -> {self.world_size}")
         if saved.describe() != self.describe():
             changes.append(f"{saved.describe()} -> {self.describe()}")
+        if saved.sequence_parallel_size != self.sequence_parallel_size:
+            changes.append(f"sequence parallel {saved.sequence_parallel_size} -> {self.sequence_parallel_size}")
         return changes
 
     def needs_conversion_from(self, saved: "Layout") -> bool:
@@ -153,6 +158,10 @@ def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, pr
     ds["gradient_accumulation_steps"] = layout.accum_steps
     ds["train_batch_size"] = layout.global_batch_size
     ds["gradient_clipping"] = cfg.optim.grad_clip
+    if cfg.distributed.sequence_parallel_size > 1:
+        # Read where DeepSpeed has no process-group object yet (ZeRO-3's zero.Init while the model is built): its
+        # batch check divides the process count by it.
+        ds["sequence_parallel_size"] = cfg.distributed.sequence_parallel_size
     ds.setdefault("bf16", {})["enabled"] = precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
     if precision != "bf16":
@@ -187,6 +196,8 @@ class Runtime:
     zero: ZeroSetup
     ds_config: dict | None
     """The DeepSpeed config as given to DeepSpeed, every "auto" filled; None without DeepSpeed."""
+    sequence: SequenceParallel | None = None
+    """This rank's share of each sequence (``distributed.sequence_parallel_size`` > 1); None: whole sequences."""
 
 
 def build_runtime(cfg: Config) -> Runtime:
@@ -197,16 +208,126 @@ def build_runtime(cfg: Config) -> Runtime:
     if precision == "fp16" and not torch.cuda.is_available():
         raise fail("train.precision=fp16 needs a GPU; use fp32 or bf16 on a CPU.")
     world_size = world_size_from_env()
-    layout = BatchLayout.from_config(cfg.train, world_size)  # fails before any process group exists
-    ds_config, plugin = None, None
     ds_path = cfg.distributed.deepspeed_config_path()
+    sp = cfg.distributed.sequence_parallel_size
+    check_sequence_parallel_topology(sp, world_size, ds_path is not None)
+    # Data-parallel ranks: the ranks of one sequence-parallel group read the same samples.
+    layout = BatchLayout.from_config(cfg.train, world_size // sp)  # fails before any process group exists
+    ds_config, plugin = None, None
     if ds_path is not None:
         ds_config = load_deepspeed_config(ds_path, cfg, layout, precision)
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
-    accelerator = _build_accelerator(world_size, precision, layout.accum_steps, plugin, cfg.distributed.timeout_s)
-    return Runtime(accelerator, precision, replace(layout, rank=accelerator.process_index),
-                   ZeroSetup.from_ds_config(ds_config), ds_config)
+    parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
+    accelerator = _build_accelerator(world_size, precision, layout.accum_steps, plugin, cfg.distributed.timeout_s,
+                                     parallelism)
+    rank = accelerator.process_index
+    sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
+    return Runtime(accelerator, precision, replace(layout, rank=rank // sp), ZeroSetup.from_ds_config(ds_config),
+                   ds_config, sequence)
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Ulysses sequence parallelism: ranks ``[g * size, (g + 1) * size)`` form group g (DeepSpeed's grouping) and
+    share each of its sequences; group rank ``rank`` holds tokens ``[rank * L, (rank + 1) * L)``, ``L = seq_len /
+    size``. Inside attention DeepSpeed's all-to-alls trade the sequence split for a head split, so every rank attends
+    over the whole sequence for ``heads / size`` heads; elsewhere a rank computes only its own tokens.
+
+    Each rank backpropagates its own tokens' mean loss divided by ``loss_divisor``, so the reduced gradient is the
+    gradient of the windows' mean loss, as without sequence parallelism (every rank holds an equal number of
+    tokens: ``seq_len`` divides evenly and every token has a target). DeepSpeed 0.19.8 reduces differently by path:
+    ZeRO-1/2 (and ZeRO-3 with ``"reduce_scatter": false``) sum a group's gradients and average over the
+    data-parallel ranks (divisor = size); ZeRO-3's default reduce-scatter averages over every rank (divisor 1).
+    The multi-process tests compare gradient norms with and without sequence parallelism for each stage. The logged
+    loss is the mean over ranks of their tokens' means: the same figure as without.
+    """
+
+    size: int
+    rank: int
+    loss_divisor: int = 1
+
+    @classmethod
+    def of_rank(cls, size: int, rank: int, ds_config: dict) -> "SequenceParallel":
+        zero = ds_config.get("zero_optimization", {})
+        averages_over_all = int(zero.get("stage", 0)) == 3 and zero.get("reduce_scatter", True)
+        return cls(size, rank % size, 1 if averages_over_all else size)
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict, device) -> tuple:
+        """This rank's tokens of a micro-batch and the forward keywords for them: its slice of ``position_ids``
+        (whole-window positions otherwise; DeepSpeed all-gathers them in every attention layer); the document
+        keywords of document masking stay whole, as they describe the sequence the attention sees."""
+        seq_len = inputs.shape[1]
+        local = slice(self.rank * seq_len // self.size, (self.rank + 1) * seq_len // self.size)
+        kwargs = dict(model_kwargs)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(local.start, local.stop, device=device).expand(inputs.shape[0], -1)
+        else:
+            positions = positions[:, local]
+        kwargs["position_ids"] = positions
+        return inputs[:, local], targets[:, local], kwargs
+
+
+def check_sequence_parallel_topology(sp: int, world_size: int, deepspeed: bool) -> None:
+    """What ``distributed.sequence_parallel_size`` needs of the launch, checked before any process group exists."""
+    if sp == 1:
+        return
+    if not deepspeed:
+        raise fail(f"""
+            distributed.sequence_parallel_size={sp} runs through DeepSpeed (Ulysses): choose a DeepSpeed config,
+            e.g. distributed.deepspeed_config=zero1 (any ZeRO stage works), or set distributed.sequence_parallel_size=1.""")
+    if world_size % sp:
+        raise fail(f"""
+            distributed.sequence_parallel_size={sp} does not divide the {world_size} processes: each group of {sp}
+            consecutive ranks shares a sequence. Launch a multiple of {sp} processes, or choose a divisor of
+            {world_size}.""")
+
+
+def check_sequence_parallel_model(cfg: Config, hf_config, attn_implementation: str) -> None:
+    """What ``distributed.sequence_parallel_size`` needs of the model and the windows (exit 2 naming the fix)."""
+    sp = cfg.distributed.sequence_parallel_size
+    if sp == 1:
+        return
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % sp or (kv_heads % sp and sp % kv_heads):
+        raise fail(f"""
+            distributed.sequence_parallel_size={sp} must divide the attention heads (model.num_heads={heads}) and
+            divide or be a multiple of the key/value heads ({kv_heads}): the all-to-all splits heads over the group.
+            Choose a sequence_parallel_size that does.""")
+    if cfg.data.seq_len % sp:
+        raise fail(f"""
+            data.seq_len={cfg.data.seq_len} is not divisible by distributed.sequence_parallel_size={sp}: every rank
+            of a group holds an equal share of each window. Choose a seq_len that is a multiple of {sp}.""")
+    if attn_implementation in ("eager", "flex_attention"):
+        raise fail(f"""
+            model.attn_implementation={attn_implementation} cannot run under sequence parallelism (eager needs the
+            full 4D mask, and DeepSpeed's Ulysses wrapper drops it). Use model.attn_implementation=sdpa or
+            flash_attention_2, or set distributed.sequence_parallel_size=1.""")
+
+
+def _sequence_parallelism(sp: int, world_size: int, seq_len: int):
+    """Accelerate's ParallelismConfig for DeepSpeed Ulysses; the attention it wraps is named before ``prepare``
+    (:func:`name_sequence_parallel_attention`)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length=seq_len, sp_seq_length_is_variable=False,
+                                              sp_attn_implementation="sdpa")
+    # dp_replicate_size: Accelerate sizes DeepSpeed's train_batch_size from it under SP.
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp, sp_handler=handler,
+                             dp_replicate_size=world_size // sp)
+
+
+def name_sequence_parallel_attention(accelerator, model) -> None:
+    """Tell Accelerate which attention function Ulysses wraps: the one the model was built with. The recipe's
+    attention functions are registered in transformers' ``AttentionInterface`` under their own names (no mask
+    builder, no host sync), which Accelerate's up-front check of builtin names does not know; DeepSpeed accepts
+    any registered name that matches the model's."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and config.sp_size > 1:
+        config.sp_handler.sp_attn_implementation = model.config._attn_implementation
 
 
 def build_eval_accelerator():
@@ -214,7 +335,8 @@ def build_eval_accelerator():
     return _build_accelerator(world_size_from_env(), "fp32", 1, None, 1800)
 
 
-def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin, timeout_s: int):
+def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin, timeout_s: int,
+                       parallelism=None):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -231,6 +353,7 @@ def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin
         deepspeed_plugin=plugin,
         kwargs_handlers=handlers,
         step_scheduler_with_optimizer=False,
+        parallelism_config=parallelism,
     )
     if accelerator.num_processes != world_size or (world_size > 1 and accelerator.distributed_type.value == "NO"):
         raise fail(

@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 
 from lmrecipe.attention import DocumentAttention, build_document_attention
+from lmrecipe.config import TrainConfig
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.data.format import TokenWindows, file_sha256, load_meta
 from lmrecipe.distributed import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
-from lmrecipe.loss import validation_loss
+from lmrecipe.loss import use_chunked_loss, validation_loss
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def evaluate_path(
     if seq_len > model.config.max_position_embeddings:
         raise fail(f"--seq-len={seq_len} exceeds the model's max_position_embeddings={model.config.max_position_embeddings}.")
     model.to(accelerator.device)
+    if chunk_tokens := TrainConfig().chunk_tokens(model.config.vocab_size):  # large vocabularies: no full logits
+        use_chunked_loss(model, chunk_tokens)
 
     val = TokenWindows(data_dir, "val", seq_len, meta)
     vocab = model.config.vocab_size

@@ -100,6 +100,7 @@ class Checkpointer:
         self.data = data
         self.samples_per_step = samples_per_step
         self.max_steps = cfg.train.max_steps
+        self.sequence_parallel_size = cfg.distributed.sequence_parallel_size
         self.run_config = cfg.to_dict()
         self.lr_schedule = lr_schedule
         self.extras = dict(extras or {})
@@ -161,7 +162,7 @@ class Checkpointer:
 
     def layout(self) -> Layout:
         """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
-        return Layout.of_run(self.accelerator.num_processes, self.zero)
+        return Layout.of_run(self.accelerator.num_processes, self.zero, self.sequence_parallel_size)
 
     def _portable_form(self, path: Path, saved: dict, model) -> Path:
         """The checkpoint's topology-free form: converted once by the main process, cached beside it

@@ -17,8 +17,14 @@ from lmrecipe.config import Config
 from lmrecipe.data.batches import MixtureBatches, Prefetcher, TrainBatches
 from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
-from lmrecipe.distributed import Runtime, build_runtime
+from lmrecipe.distributed import (
+    Runtime,
+    build_runtime,
+    check_sequence_parallel_model,
+    name_sequence_parallel_attention,
+)
 from lmrecipe.errors import fail
+from lmrecipe.loss import use_chunked_loss
 from lmrecipe.memory import attach_model_state_probe
 from lmrecipe.model import build_attention, build_hf_config, build_model, flops_per_token, param_counts
 from lmrecipe.optim import build_optimizer, lr_at
@@ -84,12 +90,16 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     torch.manual_seed(cfg.train.seed)
     attention = build_attention(cfg, hf_config)
     model = build_model(cfg, hf_config, attention)
+    check_sequence_parallel_model(cfg, hf_config, cfg.model.attn_implementation)
+    if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
+        use_chunked_loss(model, chunk_tokens)
     counts = param_counts(model)
     fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
     if cfg.train.compile and not runtime.zero.deepspeed:
         model = torch.compile(model)
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer,
                                 fused=not runtime.zero.deepspeed and runtime.precision != "fp16")
+    name_sequence_parallel_attention(accelerator, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.train.compile and runtime.zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph

@@ -51,7 +51,9 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
             loss = causal_lm_loss(model, inputs, targets, model_kwargs=model_kwargs)
         forward_done = time.perf_counter()
         with region("backward"):
-            accelerator.backward(loss)
+            # Sequence parallelism: scaled to how DeepSpeed reduces the group's gradients (SequenceParallel).
+            sequence = run.runtime.sequence
+            accelerator.backward(loss if sequence is None else loss / sequence.loss_divisor)
     if timer is not None:
         timer("forward+loss", forward_done - start)
         timer("backward", time.perf_counter() - forward_done)
@@ -104,11 +106,14 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
         micro_batches = run.prefetcher.get(step)
     data_time_s = time.perf_counter() - fetch_start
     loss_sum = torch.zeros((), device=device)
+    sequence = run.runtime.sequence
     for inputs, targets, documents in micro_batches:
         copy_start = time.perf_counter()
         with region("data"):
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             model_kwargs = forward_kwargs(run.attention, documents, device)
+            if sequence is not None:  # this rank's share of each window (sequence parallelism)
+                inputs, targets, model_kwargs = sequence.shard(inputs, targets, model_kwargs, device)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         data_time_s += time.perf_counter() - copy_start
         loss_sum += forward_backward_step(run, inputs, targets, timer, model_kwargs)
     optimizer_start = time.perf_counter()
