@@ -46,9 +46,23 @@ _RUN_OVERRIDES = ("logging.log_every_steps=1", "logging.progress_bar=false", "ch
 
 
 def ds_config_path(name: str) -> str | None:
-    """``none`` -> no DeepSpeed; ``zero2`` -> ``ds_configs/zero2.json``; a path to a JSON file as is."""
-    path = resolve_deepspeed_config(name)
+    """``none`` -> no DeepSpeed; ``zero2`` -> ``ds_configs/zero2.json``; a path to a JSON file as is; a ``+option``
+    suffix (:func:`config_overrides`) is not part of the path."""
+    path = resolve_deepspeed_config(name.split("+")[0])
     return None if path is None else path.as_posix()
+
+
+def config_overrides(name: str) -> list[str]:
+    """The recipe overrides of a config's ``+option`` suffixes: ``zero3+sp2`` trains ZeRO-3 with
+    ``distributed.sequence_parallel_size=2``."""
+    overrides = []
+    for option in name.split("+")[1:]:
+        if option.startswith("sp") and option[2:].isdigit():
+            overrides.append(f"distributed.sequence_parallel_size={int(option[2:])}")
+        else:
+            raise fail(f"Config {name!r}: unknown option +{option}. Options: +spN (Ulysses sequence parallelism over "
+                       "N ranks, e.g. zero3+sp2).")
+    return overrides
 
 
 def config_label(name: str) -> str:
@@ -114,7 +128,7 @@ def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps:
     for name, label in zip(configs, labels):
         ds_path = ds_config_path(name)
         args = [recipe, *overrides, *_RUN_OVERRIDES, f"train.max_steps={steps}", f"out_dir={out / label}",
-                f"distributed.deepspeed_config={ds_path if ds_path else 'null'}"]
+                f"distributed.deepspeed_config={ds_path if ds_path else 'null'}", *config_overrides(name)]
         runs.append((label, load_config(args[0], args[1:]), args))  # check every config before the first run
         if (out / label).exists() and not overwrite:
             raise fail(f"{out / label} exists. Pass --overwrite to replace it, or choose another --out.")
@@ -207,13 +221,17 @@ def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, 
     """Per-rank memory of the recipe under one DeepSpeed config (None = no DeepSpeed)."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
-    layout = BatchLayout.from_config(cfg.train, world_size)
+    sp = cfg.distributed.sequence_parallel_size
+    if world_size % sp:
+        raise fail(f"distributed.sequence_parallel_size={sp} does not divide the world size {world_size}.")
+    layout = BatchLayout.from_config(cfg.train, world_size // sp)
     ds = load_deepspeed_config(ds_path, cfg, layout, precision) if ds_path else None
     return estimate(
         shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
         accum_steps=layout.accum_steps, micro_batch_size=cfg.train.micro_batch_size,
         seq_len=cfg.data.seq_len, gradient_checkpointing=cfg.train.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
+        loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
     )
 
 

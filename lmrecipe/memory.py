@@ -49,8 +49,14 @@ layer saves for its backward pass (no dropout)::
 (inputs of the two norms and of the q/k/v, output and MLP projections, rotated q and k, v, gate, up,
 SiLU(gate) and their product), the same terms as Korthikanti et al. 2022, eq. 2, without
 dropout masks and with the MLP of this architecture. The output layer adds b * s * (2h e + V e + 4 V) (final
-norm and head inputs, logits, fp32 log-softmax for the loss). With activation checkpointing each layer keeps
-only its input (e * b * s * h) and one layer's activations exist again while it is recomputed.
+norm and head inputs, logits, fp32 log-softmax for the loss). With the chunked loss (``train.loss_chunk_tokens``
+= c) it keeps b * s * (2h e + 4) (the inputs and each token's log-sum-exp) and, while one chunk's logits and their
+gradient exist, min(c, b * s) * V * (e + 4) more; below fp32 its weight gradient is summed in an fp32 buffer
+(4 V h). With activation checkpointing each layer keeps only its input (e * b * s * h) and one layer's activations
+exist again while it is recomputed. Under sequence parallelism (``distributed.sequence_parallel_size`` = p) a rank
+holds s / p tokens of every window: every per-token term above divides by p (inside attention the all-to-all trades
+the sequence split for a head split, so the kernel's output is the same size), while the model states still divide
+over all ranks.
 """
 
 from __future__ import annotations
@@ -374,15 +380,27 @@ def _placed(weights, grads, optim, cpu_weights, cpu_grads, cpu_optim, gpus_per_n
     }
 
 
+def output_layer_bytes(shape: ModelShape, tokens: int, precision: str, loss_chunk_tokens: int = 0) -> float:
+    """Bytes of the output layer and the loss for ``tokens`` tokens: the logits path or the chunked loss."""
+    e = 2 if precision in ("bf16", "fp16") else 4
+    h, vocab = shape.hidden_size, shape.vocab_size
+    if loss_chunk_tokens <= 0:
+        return float(tokens * (2 * h * e + vocab * e + 4 * vocab))
+    fp32_weight_grad = 4 * vocab * h if e != 4 else 0
+    return float(tokens * (2 * h * e + 4) + min(loss_chunk_tokens, tokens) * vocab * (e + 4) + fp32_weight_grad)
+
+
 def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
-                         attn_implementation: str = "sdpa") -> tuple[float, float]:
-    """Saved-activation bytes of one micro-batch without and with activation checkpointing (module docstring)."""
+                         attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
+                         sequence_parallel_size: int = 1) -> tuple[float, float]:
+    """Saved-activation bytes of one micro-batch on one rank without and with activation checkpointing (module
+    docstring); ``seq_len`` is the whole window's, of which a rank holds ``1 / sequence_parallel_size``."""
     e = 2 if precision in ("bf16", "fp16") else 4
     h, kv, f = shape.hidden_size, shape.kv_size, shape.mlp_size
-    tokens = micro_batch_size * seq_len
+    tokens = micro_batch_size * seq_len // sequence_parallel_size
     per_layer = e * tokens * (6 * h + 2 * kv + 4 * f)
     per_layer += e * micro_batch_size * shape.num_heads * seq_len**2 if attn_implementation == "eager" else e * tokens * h
-    output = tokens * (2 * h * e + shape.vocab_size * e + 4 * shape.vocab_size)
+    output = output_layer_bytes(shape, tokens, precision, loss_chunk_tokens)
     full = shape.num_layers * per_layer + output
     checkpointed = shape.num_layers * e * tokens * h + per_layer + output
     return float(full), float(checkpointed)
@@ -390,13 +408,16 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
 
 def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: int, precision: str,
              accum_steps: int, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
-             attn_implementation: str = "sdpa", ema: bool = False) -> MemoryEstimate:
-    """The per-rank memory budget of one ZeRO setup (``ema``: with a weight EMA)."""
+             attn_implementation: str = "sdpa", ema: bool = False, loss_chunk_tokens: int = 0,
+             sequence_parallel_size: int = 1) -> MemoryEstimate:
+    """The per-rank memory budget of one ZeRO setup (``ema``: with a weight EMA; ``loss_chunk_tokens``: the chunked
+    loss, 0 = full logits; ``sequence_parallel_size``: ranks sharing each window)."""
     if world_size % num_nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes}")
     states = estimate_model_states(shape, setup, world_size, world_size // num_nodes, precision, accum_steps)
     gathered = 2.0 * weight_bytes(precision, setup.stage) * shape.largest_layer_params if setup.stage == 3 else 0.0
-    full, checkpointed = estimate_activations(shape, micro_batch_size, seq_len, precision, attn_implementation)
+    full, checkpointed = estimate_activations(shape, micro_batch_size, seq_len, precision, attn_implementation,
+                                              loss_chunk_tokens, sequence_parallel_size)
     activations = checkpointed if gradient_checkpointing else full
     ema_bytes = (4.0 * shape.n_params / (world_size if setup.stage == 3 else 1)) if ema else 0.0
     return MemoryEstimate(

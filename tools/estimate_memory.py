@@ -48,7 +48,8 @@ def main() -> int:
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise fail(f"--vocab-size={args.vocab_size} must be positive.")
     cfg = load_config(args.recipe, args.overrides)
-    accum_steps = BatchLayout.from_config(cfg.train, args.world_size).accum_steps  # fails early if the batch does not split
+    data_parallel = args.world_size // cfg.distributed.sequence_parallel_size
+    accum_steps = BatchLayout.from_config(cfg.train, data_parallel).accum_steps  # fails early if the batch does not split
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
     shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg, args.vocab_size)))
     names = [c.strip() for c in args.configs.split(",") if c.strip()]

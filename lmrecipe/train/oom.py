@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from lmrecipe.config import Config
+from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS, Config
 from lmrecipe.distributed import Runtime, ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.memory import estimate, format_bytes, model_shape
@@ -96,9 +96,13 @@ class OOMGuard:
     def _alternatives(self) -> list[tuple[str, dict]]:
         """(the change, the estimate's arguments after it), cumulatively, skipping what is already in effect."""
         cfg, layout, zero = self.cfg, self.runtime.layout, self.runtime.zero
+        chunk_tokens = cfg.train.chunk_tokens(self.model.config.vocab_size)
         args = {"setup": zero, "micro_batch_size": layout.micro_batch_size,
-                "gradient_checkpointing": cfg.train.gradient_checkpointing}
+                "gradient_checkpointing": cfg.train.gradient_checkpointing, "loss_chunk_tokens": chunk_tokens}
         out = []
+        if chunk_tokens == 0:
+            args = {**args, "loss_chunk_tokens": AUTO_LOSS_CHUNK_TOKENS}
+            out.append((f"train.loss_chunk_tokens={AUTO_LOSS_CHUNK_TOKENS} (the loss in chunks: no full logits)", args))
         smaller = _largest_proper_divisor(layout.micro_batch_size)
         if smaller:
             accum = layout.global_batch_size // (smaller * layout.world_size)
@@ -126,13 +130,15 @@ class OOMGuard:
         # device would enter zero.Init and wait for the other ranks.
         unset_hf_deepspeed_config()
         shape = model_shape(self.model.config)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-        nodes = max(1, layout.world_size // max(local, 1))
+        world_size = runtime.accelerator.num_processes
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes = max(1, world_size // max(local, 1))
 
-        def describe(setup, micro_batch_size, gradient_checkpointing) -> str:
-            est = estimate(shape, setup, layout.world_size, nodes, runtime.precision, layout.accum_steps,
+        def describe(setup, micro_batch_size, gradient_checkpointing, loss_chunk_tokens) -> str:
+            est = estimate(shape, setup, world_size, nodes, runtime.precision, layout.accum_steps,
                            micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation,
-                           ema=cfg.train.ema_decay > 0)
+                           ema=cfg.train.ema_decay > 0, loss_chunk_tokens=loss_chunk_tokens,
+                           sequence_parallel_size=cfg.distributed.sequence_parallel_size)
             activations = est.activations_checkpointed if gradient_checkpointing else est.activations
             if host and setup.offload_optimizer:
                 return f"{format_bytes(est.cpu_per_node)} offloaded per node, {format_bytes(est.device_total)} per device"
@@ -144,7 +150,8 @@ class OOMGuard:
                 text += f" + {format_bytes(est.cpu_per_node)} of CPU memory per node"
             return text
 
-        current = ("now", describe(runtime.zero, layout.micro_batch_size, cfg.train.gradient_checkpointing))
+        current = ("now", describe(runtime.zero, layout.micro_batch_size, cfg.train.gradient_checkpointing,
+                                   cfg.train.chunk_tokens(self.model.config.vocab_size)))
         return [current] + [(change, describe(**args)) for change, args in self._alternatives()]
 
 
