@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import VOCAB, write_corpus
+from helpers import SHORT_DOC_LEN, VOCAB, write_corpus, write_data
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +90,15 @@ def prepared_documents(documents_dir, tmp_path_factory) -> tuple[Path, dict]:
     out_dir = tmp_path_factory.mktemp("prepared_documents") / "data"
     meta = prepare(output=out_dir, inputs=[documents_dir], vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
     return out_dir, meta
+
+
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory, tiny_data) -> Path:
+    """Random token ids in documents of SHORT_DOC_LEN tokens (windows of 32 hold two or three boundaries), with the
+    tiny data's tokenizer (same vocabulary) for exports."""
+    folder = write_data(tmp_path_factory.mktemp("short_docs") / "data", n_train=12_000, n_val=2_000, vocab=384,
+                        doc_len=SHORT_DOC_LEN)
+    for file in tiny_data.iterdir():
+        if file.suffix not in (".bin", ".idx") and file.name != "meta.json":
+            shutil.copy(file, folder / file.name)
+    return folder

@@ -89,6 +89,8 @@ def run_train(out_dir: Path, data_dir: Path, overrides: list[str] = (), nproc: i
 # in EOS 0), so each test controls exactly what the files and meta.json say.
 
 SEQ_LEN = 16
+SHORT_DOC_LEN = 13
+"""Documents of the ``short_docs`` fixture: windows of 32 tokens hold two or three boundaries."""
 
 
 EOS = 0

@@ -29,6 +29,9 @@ class HostSyncCounter(TorchFunctionMode):
         super().__init__()
         self.calls: dict[str, int] = {}
         self.in_optimizer = 0
+        self.sources: dict[str, int] = {}
+        """Counted calls by the first caller outside torch, as ``package/path.py:function`` (below site-packages or
+        the repository)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
@@ -37,11 +40,27 @@ class HostSyncCounter(TorchFunctionMode):
                 self.in_optimizer += 1
             else:
                 self.calls[name] = self.calls.get(name, 0) + 1
+                source = _caller_outside_torch()
+                self.sources[source] = self.sources.get(source, 0) + 1
         return func(*args, **(kwargs or {}))
 
     @property
     def total(self) -> int:
         return sum(self.calls.values())
+
+
+def _caller_outside_torch() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/" not in path:
+            if "/site-packages/" in path:
+                path = path.split("/site-packages/")[-1]
+            elif "/lmrecipe/" in path:
+                path = "lmrecipe/" + path.split("/lmrecipe/", 1)[-1]
+            return f"{path}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "torch"
 
 
 def _called_from_torch_optim() -> bool:

@@ -17,7 +17,7 @@ from lmrecipe.checkpoint.storage import EXIT_PREEMPTED, PROBE_TOKENS
 from lmrecipe.config import Config, due_at, save_config
 from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import fail
-from lmrecipe.loss import validation_loss
+from lmrecipe.loss import chunked_head, validation_loss
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.profiler import StepProfiler
 from lmrecipe.observe.run_report import write_run_end
@@ -178,11 +178,14 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
 
 
 def log_start(run: Run) -> None:
-    cfg, layout = run.cfg, run.runtime.layout
+    cfg, layout, sequence = run.cfg, run.runtime.layout, run.runtime.sequence
+    ranks = f"{layout.world_size} processes" if sequence is None else (
+        f"{layout.world_size} data-parallel groups of {sequence.size} ranks sharing each sequence")
     logger.info(
-        "model %.2fM params | %d processes x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s",
-        run.n_params / 1e6, layout.world_size, layout.micro_batch_size, layout.accum_steps,
-        layout.global_batch_size, cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
+        "model %.2fM params | %s x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s%s",
+        run.n_params / 1e6, ranks, layout.micro_batch_size, layout.accum_steps, layout.global_batch_size,
+        cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
+        "" if (head := chunked_head(run.model)) is None else f" | loss in chunks of {head.chunk_tokens} tokens",
     )
     if cfg.schedule.warmup_steps > cfg.train.max_steps:
         # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.

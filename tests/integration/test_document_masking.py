@@ -4,31 +4,15 @@ and clear refusals for the attention paths that cannot mask."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
-from helpers import HALF, LOSS_TOL, STEPS, losses, max_loss_diff, run_script, run_train, write_data
+from helpers import HALF, LOSS_TOL, STEPS, losses, max_loss_diff, run_script, run_train
 
 from lmrecipe.observe.metrics_log import read_metrics
 
 # ---------------------------------------------------------------------------------------------- whole runs
-# Synthetic folders of short documents (13 tokens, windows of 32): every window holds two or three boundaries,
-# so a run that trained across documents could not give the masked losses.
-
-DOC_LEN = 13
-
-
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory, tiny_data) -> Path:
-    """Random token ids in documents of DOC_LEN tokens, with the tiny data's tokenizer (same vocabulary) for exports."""
-    folder = write_data(tmp_path_factory.mktemp("short_docs") / "data", n_train=12_000, n_val=2_000, vocab=384,
-                        doc_len=DOC_LEN)
-    for file in tiny_data.iterdir():
-        if file.suffix not in (".bin", ".idx") and file.name != "meta.json":
-            shutil.copy(file, folder / file.name)
-    return folder
-
+# The short_docs fixture (conftest.py): every window holds two or three document boundaries, so a run that trained
+# across documents could not give the masked losses.
 
 @pytest.fixture(scope="module")
 def masked_runs(tmp_path_factory, short_docs):
