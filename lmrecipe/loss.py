@@ -56,9 +56,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         losses = torch.empty_like(lse)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logits = F.linear(hidden[rows], weight, bias).float()
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            losses[rows] = lse[rows] - logits.gather(1, targets[rows, None]).squeeze(1)
+            logits = _fp32(F.linear(hidden[rows], weight, bias))
+            target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
+            # log-sum-exp in place: one chunk of logits is the only chunk-sized tensor alive.
+            top = logits.amax(dim=1, keepdim=True)
+            lse[rows] = logits.sub_(top).exp_().sum(dim=1).log_().add_(top.squeeze(1))
+            losses[rows] = lse[rows] - target_logit
+            del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_tokens = chunk_tokens
         return losses
@@ -72,7 +76,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             # d loss / d logits = softmax - one_hot(target), times the incoming gradient of each token's loss.
-            grad_logits = (F.linear(hidden[rows], weight, bias).float() - lse[rows, None]).exp_()
+            grad_logits = _fp32(F.linear(hidden[rows], weight, bias)).sub_(lse[rows, None]).exp_()
             grad_logits.scatter_add_(1, targets[rows, None], grad_logits.new_full((grad_logits.shape[0], 1), -1.0))
             grad_logits.mul_(grad_losses[rows, None])
             grad_logits = grad_logits.to(hidden.dtype)
@@ -85,9 +89,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     grad_weight.add_(grad_logits.t() @ hidden[rows])
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
+            del grad_logits  # before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _fp32(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits that may be written in place: a copy of lower-precision ones, fp32 ones as they are (fresh)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 class ChunkedLossHead(torch.nn.Module):

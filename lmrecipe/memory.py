@@ -48,12 +48,16 @@ layer saves for its backward pass (no dropout)::
 
 (inputs of the two norms and of the q/k/v, output and MLP projections, rotated q and k, v, gate, up,
 SiLU(gate) and their product), the same terms as Korthikanti et al. 2022, eq. 2, without
-dropout masks and with the MLP of this architecture. The output layer adds b * s * (2h e + V e + 4 V) (final
-norm and head inputs, logits, fp32 log-softmax for the loss). With the chunked loss (``train.loss_chunk_tokens``
-= c) it keeps b * s * (2h e + 4) (the inputs and each token's log-sum-exp) and, while one chunk's logits and their
-gradient exist, min(c, b * s) * V * (e + 4) more; below fp32 its weight gradient is summed in an fp32 buffer
-(4 V h). With activation checkpointing each layer keeps only its input (e * b * s * h) and one layer's activations
-exist again while it is recomputed. Under sequence parallelism (``distributed.sequence_parallel_size`` = p) a rank
+dropout masks and with the MLP of this architecture. The output layer adds b * s * (2h e + V (e + 8)) (final
+norm and head inputs; logits, the fp32 log-probabilities the loss keeps for its backward, and their fp32 gradient
+while it forms: three logits-sized tensors at the peak, as ``bench/long_context.py`` measures). With the chunked
+loss (``train.loss_chunk_tokens`` = c) it keeps b * s * (2h e + 4) (the inputs and each token's log-sum-exp) and
+one chunk of fp32 logits at a time, min(c, b * s) * V * 4 (computed in place), plus below fp32 the chunk's copy in
+the model's dtype (min(c, b * s) * V * e). Both paths count the output weight's gradient, which forms at that peak
+(e V h; the chunked loss sums it in an fp32 buffer, 4 V h), before any earlier layer's gradient exists. With activation checkpointing each layer keeps only its input (e * b * s * h) and one layer's activations
+exist again while it is recomputed. The peak is either in the output layer's backward (the output term) or in a
+decoder layer's, whose gradients of the MLP's gate and up outputs (2 e * b * s * f) exist besides the saved
+tensors; the larger of the two counts. Under sequence parallelism (``distributed.sequence_parallel_size`` = p) a rank
 holds s / p tokens of every window: every per-token term above divides by p (inside attention the all-to-all trades
 the sequence split for a head split, so the kernel's output is the same size), while the model states still divide
 over all ranks.
@@ -385,9 +389,17 @@ def output_layer_bytes(shape: ModelShape, tokens: int, precision: str, loss_chun
     e = 2 if precision in ("bf16", "fp16") else 4
     h, vocab = shape.hidden_size, shape.vocab_size
     if loss_chunk_tokens <= 0:
-        return float(tokens * (2 * h * e + vocab * e + 4 * vocab))
-    fp32_weight_grad = 4 * vocab * h if e != 4 else 0
-    return float(tokens * (2 * h * e + 4) + min(loss_chunk_tokens, tokens) * vocab * (e + 4) + fp32_weight_grad)
+        return float(tokens * (2 * h * e + vocab * (e + 8)) + e * vocab * h)
+    chunk = min(loss_chunk_tokens, tokens) * vocab * (4 + (e if e != 4 else 0))
+    return float(tokens * (2 * h * e + 4) + chunk + 4 * vocab * h)
+
+
+def layer_extras(shape: ModelShape, e: int) -> int:
+    """Bytes per token per layer that transformers' Llama layer saves beyond the terms of Korthikanti et al. (measured
+    with saved-tensor hooks, transformers 5.23): RMSNorm's normalized input before its weight (e h), below fp32 the
+    norms' fp32 copies of their inputs (4 h), their fp32 reciprocal RMS (2 x 4) and the attention kernel's fp32
+    log-sum-exp per head (4 a)."""
+    return e * shape.hidden_size + (4 * shape.hidden_size if e < 4 else 0) + 8 + 4 * shape.num_heads
 
 
 def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
@@ -398,11 +410,13 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
     e = 2 if precision in ("bf16", "fp16") else 4
     h, kv, f = shape.hidden_size, shape.kv_size, shape.mlp_size
     tokens = micro_batch_size * seq_len // sequence_parallel_size
-    per_layer = e * tokens * (6 * h + 2 * kv + 4 * f)
+    per_layer = tokens * (e * (6 * h + 2 * kv + 4 * f) + layer_extras(shape, e))
     per_layer += e * micro_batch_size * shape.num_heads * seq_len**2 if attn_implementation == "eager" else e * tokens * h
     output = output_layer_bytes(shape, tokens, precision, loss_chunk_tokens)
-    full = shape.num_layers * per_layer + output
-    checkpointed = shape.num_layers * e * tokens * h + per_layer + output
+    # While a layer's backward runs, the gradients of its MLP's gate and up outputs exist besides the saved tensors.
+    working = 2 * e * tokens * f
+    full = shape.num_layers * per_layer + max(output, working)
+    checkpointed = shape.num_layers * e * tokens * h + per_layer + max(output, working)
     return float(full), float(checkpointed)
 
 

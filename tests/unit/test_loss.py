@@ -141,6 +141,6 @@ def test_the_estimate_counts_one_chunk_of_logits_instead_of_all():
     tokens = 2 * 8192
     full = output_layer_bytes(shape, tokens, "bf16")
     chunked = output_layer_bytes(shape, tokens, "bf16", loss_chunk_tokens=1024)
-    assert full == tokens * (2 * 4096 * 2 + 128_256 * (2 + 4))
-    assert chunked == tokens * (2 * 4096 * 2 + 4) + 1024 * 128_256 * (2 + 4) + 4 * 128_256 * 4096
+    assert full == tokens * (2 * 4096 * 2 + 128_256 * (2 + 8)) + 2 * 128_256 * 4096
+    assert chunked == tokens * (2 * 4096 * 2 + 4) + 1024 * 128_256 * (4 + 2) + 4 * 128_256 * 4096
     assert chunked < full / 2
