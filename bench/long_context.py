@@ -6,14 +6,18 @@
 Each configuration runs in fresh processes (``train.py``'s own ``build_run`` and ``train_step``, fp32, DeepSpeed
 ZeRO-1 for both sides of ``sp``; no DeepSpeed for ``loss``). Steps 1 and 2 allocate the optimizer state and warm
 up; before each later step the process's resident-memory high-water mark is reset (``/proc/self/clear_refs``) and
-its current size read, after it the high-water mark: the step's peak is the difference, per rank. It holds what a
+its current size read, after it the high-water mark: the step's peak is the difference, per rank (with glibc's
+mmap threshold fixed at 64 KiB, so freed tensors leave the resident set). The loss is the mean over ranks (under
+sequence parallelism each rank's loss covers its share of the window). It holds what a
 step allocates and frees (activations, logits, gradients), not the weights and optimizer states held throughout.
-The same run's ``lmrecipe.memory.estimate`` (activations of one micro-batch on one rank, plus the fp32 gradients a
-step allocates) is printed beside it. Step time: the median over the measured steps; ratios against the baseline
+The same run's ``lmrecipe.memory`` estimate (activations of one micro-batch on one rank, output layer and its weight's
+gradient included) is printed beside it. Step time: the median over the measured steps; ratios against the baseline
 of the same run.
 
 loss: a 2-layer Llama (hidden 64) with Llama-3's 128,256-token vocabulary on data/stdlib's tokens (ids below 8,192),
-so the output layer dominates; ``train.loss_chunk_tokens`` 0 (full logits) and 1,024.
+so the output layer dominates; ``train.loss_chunk_tokens`` 0 (full logits) and 1,024. Document masking is off in
+both benchmarks: on CPU, SDPA under a boolean mask keeps a float copy of the mask per layer for its backward
+(measured: +32 MiB per layer at 2 x 2,048 tokens), which is the masking's cost, not the loss's or the split's.
 sp: a 2-layer Llama (hidden 256, 4 heads) with the data's 8,192-token vocabulary, ``data.document_masking=false`` (on CPU
 the SDPA mask of a 16k window would hold 256 MiB per row; with masking the flash varlen path is the GPU choice),
 micro-batch 1, the chunked loss on.
@@ -36,7 +40,8 @@ import _common as C  # noqa: E402
 STEPS = 5
 """Steps per run: 2 of warm-up, 3 measured."""
 LOSS_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
-              "model.vocab_size=128256", "data.seq_len=2048", "train.micro_batch_size=2", "train.global_batch_size=2"]
+              "model.vocab_size=128256", "data.seq_len=2048", "train.micro_batch_size=2", "train.global_batch_size=2",
+              "data.document_masking=false"]
 SP_MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_heads=4", "train.micro_batch_size=1",
             "data.document_masking=false", "train.loss_chunk_tokens=1024", "distributed.deepspeed_config=zero1"]
 
@@ -95,12 +100,15 @@ def measure(name: str, recipe: str, data: str, overrides: list[str], nproc: int)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         args = [str(Path(__file__).resolve()), "worker", "--out", str(out), "--recipe", recipe, "--data", data,
-                "--", *overrides]
+                *overrides]
         cmd = ([sys.executable] if nproc == 1 else
                [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
                 str(free_port())])
-        env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+        # A fixed mmap threshold: every allocation of 64 KiB or more is mapped and unmapped, so the resident size
+        # follows the tensors alive (glibc's dynamic threshold would keep freed ones of up to 32 MiB in its heap).
+        env = {**os.environ, "PYTHONPATH": str(C.ROOT), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)),
+               "MALLOC_MMAP_THRESHOLD_": "65536"}
         proc = subprocess.run([*cmd, *args], cwd=C.ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -108,12 +116,12 @@ def measure(name: str, recipe: str, data: str, overrides: list[str], nproc: int)
     cfg = C.bench_config(recipe, overrides, "unused", data)
     estimate = estimated_step_bytes(cfg, nproc, ranks[0]["n_params"])
     return {"name": name, "peak_bytes": max(r["peak_bytes"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
-            "loss": ranks[0]["loss"], "estimate_bytes": estimate, "nproc": nproc}
+            "loss": statistics.mean(r["loss"] for r in ranks), "estimate_bytes": estimate, "nproc": nproc}
 
 
 def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
-    """What lmrecipe.memory says a step allocates on one rank: one micro-batch's activations (with the output layer)
-    and the fp32 gradients of every parameter."""
+    """What lmrecipe.memory says a step's peak holds on one rank: one micro-batch's activations with the output
+    layer's (the peak is in the output layer's backward, before any other layer's gradient exists)."""
     from lmrecipe.data.format import load_meta
     from lmrecipe.memory import estimate_activations, model_shape
     from lmrecipe.model import build_hf_config
@@ -123,7 +131,7 @@ def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
     full, checkpointed = estimate_activations(
         shape, cfg.train.micro_batch_size, cfg.data.seq_len, "fp32", cfg.model.attn_implementation,
         cfg.train.chunk_tokens(vocab), cfg.distributed.sequence_parallel_size)
-    return (checkpointed if cfg.train.gradient_checkpointing else full) + 4.0 * n_params
+    return checkpointed if cfg.train.gradient_checkpointing else full
 
 
 def row(result: dict, baseline: dict) -> str:
@@ -145,7 +153,7 @@ def main() -> int:
     parser.add_argument("--data", default="data/stdlib")
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if args.what == "worker":
         worker(args.out, args.recipe, args.data, args.overrides)
         return 0

@@ -106,9 +106,10 @@ class WeightEMA(LoopFeature):
         for i, tensor in enumerate(owned):
             by_device.setdefault((tensor.device, tensor.dtype), []).append(i)
         for (device, dtype), index in by_device.items():
-            targets = [self.shadow[i] for i in index]
-            sources = [owned[i] if dtype == torch.float32 else owned[i].float() for i in index]
-            torch._foreach_lerp_(targets, sources, weight.to(device, non_blocking=True))
+            weight_here = weight.to(device, non_blocking=True)
+            for i in index:
+                # lerp_ per tensor: _foreach_lerp_ turns a tensor weight into a host scalar (a device sync).
+                self.shadow[i].lerp_(owned[i] if dtype == torch.float32 else owned[i].float(), weight_here)
 
     def eval_metrics(self, evaluate) -> dict[str, float]:
         with self.swapped_in():
