@@ -7,7 +7,8 @@ extra keyword arguments down to the attention function (``**kwargs: Transformers
 attention module -> attention function), so per-batch data reaches it without changing the model code.
 
 - ``sdpa`` -> :data:`DOCUMENT_SDPA`: transformers' SDPA under a block-diagonal causal boolean mask that is built once
-  per forward, on the device, from ``document_ids`` (keyword ``document_mask``).
+  per forward, on the device, from ``document_ids`` (keyword ``document_mask``), and turned once per forward into
+  the additive mask all layers share.
 - ``eager`` -> ``eager``: the model's own eager attention with that mask as an additive 4D ``attention_mask``
   (transformers passes a 4D mask through as is). Refused for models with sliding-window layers.
 - ``flash_attention_2`` / ``flash_attention_3`` -> the names of :data:`DOCUMENT_FLASH`: the variable-length kernel
@@ -179,7 +180,21 @@ def document_sdpa_forward(module, query, key, value, attention_mask, document_ma
     if sliding_window is not None:  # this layer only sees the last sliding_window keys (transformers' convention)
         positions = torch.arange(document_mask.shape[-1], device=document_mask.device)
         document_mask = document_mask & (positions[:, None] - positions[None, :] < sliding_window)
+    else:
+        document_mask = _shared_additive(document_mask, query.dtype)
     return sdpa_attention_forward(module, query, key, value, document_mask, **kwargs)
+
+
+def _shared_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask as one additive mask in the attention's dtype, made by the first layer of a forward and
+    reused by the others (kept on the mask tensor, which lives for one forward). Handed a boolean mask, SDPA would
+    convert it in every layer and keep each copy for the backward: measured on CPU, 32 MiB per layer for 2 x 2,048
+    tokens. The results are the same: the allowed scores get 0 added, the others the dtype's minimum."""
+    cached = getattr(mask, "_lmrecipe_additive", None)
+    if cached is None or cached.dtype != dtype:
+        cached = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        mask._lmrecipe_additive = cached
+    return cached
 
 
 def document_flash_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,

@@ -59,8 +59,9 @@ exist again while it is recomputed. The peak is either in the output layer's bac
 decoder layer's, whose gradients of the MLP's gate and up outputs (2 e * b * s * f) exist besides the saved
 tensors; the larger of the two counts. Under sequence parallelism (``distributed.sequence_parallel_size`` = p) a rank
 holds s / p tokens of every window: every per-token term above divides by p (inside attention the all-to-all trades
-the sequence split for a head split, so the kernel's output is the same size), while the model states still divide
-over all ranks.
+the sequence split for a head split, so the kernel's inputs and output are the same size), plus the exchanged
+q, k, v, which are kept besides the rank's own (e * b * s / p * (h + 2 h_kv)); the model states still divide over
+all ranks.
 """
 
 from __future__ import annotations
@@ -412,6 +413,8 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
     tokens = micro_batch_size * seq_len // sequence_parallel_size
     per_layer = tokens * (e * (6 * h + 2 * kv + 4 * f) + layer_extras(shape, e))
     per_layer += e * micro_batch_size * shape.num_heads * seq_len**2 if attn_implementation == "eager" else e * tokens * h
+    if sequence_parallel_size > 1:  # the exchanged q, k, v are kept for the backward besides the rank's own
+        per_layer += e * tokens * (h + 2 * kv)
     output = output_layer_bytes(shape, tokens, precision, loss_chunk_tokens)
     # While a layer's backward runs, the gradients of its MLP's gate and up outputs exist besides the saved tensors.
     working = 2 * e * tokens * f

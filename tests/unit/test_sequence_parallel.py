@@ -80,3 +80,19 @@ def test_compare_zero_configs_take_a_sequence_parallel_option():
     assert ds_config_path("zero3+sp2").endswith("ds_configs/zero3.json") and config_label("zero3+sp2") == "zero3+sp2"
     with pytest.raises(UserError, match=r"\+spN"):
         config_overrides("zero3+fast")
+
+
+def test_the_long_context_recipe_fits_eight_80gb_gpus_by_the_estimate():
+    from lmrecipe.compare import estimate_config
+    from lmrecipe.memory import model_shape
+
+    def device_total(*overrides: str) -> float:
+        cfg = load_config(ROOT / "recipes" / "llama3_8b_long.yaml", ["model.init_from=null", "model.vocab_size=128256",
+                                                                   *overrides])
+        shape = model_shape(build_hf_config(cfg, 128_256))
+        return estimate_config(cfg, shape, "ds_configs/zero3.json", 8, 1, "bf16").device_total
+
+    recipe = device_total()
+    assert recipe < 80e9 * 0.5  # headroom for what the estimate leaves out (allocator, communication buffers)
+    assert recipe < device_total("distributed.sequence_parallel_size=1") < device_total(
+        "distributed.sequence_parallel_size=1", "train.loss_chunk_tokens=0")
