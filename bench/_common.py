@@ -161,7 +161,7 @@ def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str
     from lmrecipe.config import load_config
 
     fixed = [f"out_dir={out_dir}", "train.max_steps=1000000000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
-             "checkpoint.export_at_end=false", "checkpoint.resume=none", "logging.progress_bar=false", "logging.tracker=none"]
+             "checkpoint.export_at_end=false", "checkpoint.resume=none", "logging.progress_bar=false", "logging.trackers=[]"]
     if data_path:
         fixed.append(f"data.path={data_path}")
     return load_config(recipe, [*fixed, *overrides])

@@ -46,7 +46,7 @@ def loader_block(train_batches, first_step: int, n_steps: int, device) -> tuple[
 def real_run(args, out_dir: str) -> tuple[list[dict], str]:
     cmd = [sys.executable, "train.py", args.recipe, f"out_dir={out_dir}", f"data.path={args.data}",
            f"train.max_steps={args.run_steps}", "train.eval_every_steps=0", "checkpoint.every_steps=0",
-           "checkpoint.export_at_end=false", "logging.progress_bar=false", "logging.tracker=none", "logging.log_every_steps=10",
+           "checkpoint.export_at_end=false", "logging.progress_bar=false", "logging.trackers=[]", "logging.log_every_steps=10",
            *args.run_overrides]
     env = {**os.environ, "ACCELERATE_DISABLE_RICH": "1"}
     if args.device == "cpu":

@@ -115,7 +115,7 @@ def gpu_run(args, ds_config: str, report) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_mfu_gpu_", dir=args.run_dir) as tmp:
         cmd = [sys.executable, "train.py", args.recipe, f"out_dir={tmp}", f"data.path={args.data}",
                f"distributed.deepspeed_config={ds_config}", f"train.max_steps={args.steps}", "train.eval_every_steps=0",
-               "checkpoint.every_steps=0", "checkpoint.export_at_end=false", "logging.tracker=none",
+               "checkpoint.every_steps=0", "checkpoint.export_at_end=false", "logging.trackers=[]",
                "logging.progress_bar=false", "logging.log_every_steps=5", *args.overrides]
         report.line(f"  {' '.join(cmd[1:])}")
         proc = subprocess.run(cmd, cwd=C.ROOT, env={**os.environ, "ACCELERATE_DISABLE_RICH": "1"}, capture_output=True, text=True)

@@ -183,6 +183,9 @@ class OptimConfig:
     """Also apply weight decay to the embedding matrices."""
 
     def validate(self) -> None:
+        for key in ("lr", "eps", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2"):
+            if not math.isfinite(getattr(self, key)):  # nan passes every comparison below; inf trains NaN weights
+                raise fail(f"optim.{key}={getattr(self, key)} must be a finite number.")
         _positive(self, "lr", "eps")
         _non_negative(self, "min_lr", "weight_decay", "grad_clip")
         if self.min_lr > self.lr:
@@ -327,14 +330,21 @@ class SpikeConfig:
             raise fail(f"spike.grad_norm_z_threshold={self.grad_norm_z_threshold} must be positive (or null).")
 
 
+TrackerName = Literal["wandb", "tensorboard", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"]
+RENAMED = {"logging.tracker": "logging.trackers, a list: logging.trackers=[wandb] or [wandb,tensorboard]"}
+"""Keys of earlier versions and what replaced them."""
+
+
 @dataclass
 class LoggingConfig:
     log_every_steps: int = 10
     """Write a metrics row and a log line every this many optimizer steps (and at the first and last)."""
-    tracker: Literal["none", "wandb", "tensorboard"] = "none"
-    """Experiment tracker; wandb runs offline when no API key is set."""
+    trackers: list[TrackerName] = field(default_factory=list)
+    """Experiment trackers, any of wandb, tensorboard, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio
+    (Accelerate's tracker classes; each tool's own login and environment variables apply, see
+    ``lmrecipe/observe/trackers.py``); [] = none. metrics.jsonl is always written."""
     project: str = "lmrecipe"
-    """Tracker project name."""
+    """Tracker project (wandb project, MLflow experiment) unless the tool's own variable sets it."""
     run_name: Optional[str] = None
     """Tracker run name; null uses the out_dir's name."""
     progress_bar: bool = True
@@ -515,12 +525,17 @@ def load_config(recipe_path: str | os.PathLike | None, overrides: list[str] | tu
     cfg = Config()
     if recipe_path is not None:
         path = Path(recipe_path)
+        if path.is_dir():
+            raise fail(f"Recipe {str(path)!r} is a folder, not a file. Pass a YAML file such as recipes/tiny.yaml.")
         if not path.is_file():
             raise fail(f"Recipe {str(path)!r} does not exist. Pass a YAML file such as recipes/tiny.yaml.")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
+            data = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise fail(f"Recipe {str(path)!r} is not valid YAML: {err}") from None
+        if data is None:  # an empty file would train the full default model without a word
+            raise fail(f"Recipe {str(path)!r} is empty. Write its sections (model:, data:, train:, ...) or start from "
+                       "a recipe such as recipes/tiny.yaml.")
         if not isinstance(data, dict):
             raise fail(f"Recipe {str(path)!r} must hold a mapping of sections (model:, data:, ...).")
         _merge(cfg, data, prefix="")
@@ -587,6 +602,8 @@ def _check_key(obj: Any, key: str, prefix: str) -> None:
 def _check_name(key: str, names: list[str], prefix: str) -> None:
     """UserError unless ``key`` is one of ``names``: names the closest valid key and lists them all (``prefix``ed)."""
     if key not in names:
+        if prefix + key in RENAMED:
+            raise fail(f"{prefix}{key} was replaced by {RENAMED[prefix + key]}.")
         close = difflib.get_close_matches(key, names, n=1)
         hint = f" Did you mean {prefix}{close[0]}?" if close else ""
         raise fail(f"Unknown config key {prefix}{key}.{hint} Valid keys here: {', '.join(prefix + n for n in names)}.")
@@ -658,6 +675,8 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
                 raise fail(f"{key}={value!r} is not valid YAML ({err}).") from None
         if value is None:
             value = []
+        if isinstance(value, str):
+            value = [value]  # one item
         if not isinstance(value, list):
             raise fail(f"{key}={value!r} must be a list, e.g. {key}='[{{path: data/code, weight: 0.7}}]'.")
         return [_coerce(f"{key}[{i}]", item, args[0], from_cli=False) for i, item in enumerate(value)]

@@ -243,3 +243,44 @@ def layout(world_size: int, stage: int | None, offload: bool = False):
 
     return Layout.from_topology({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
                                  "offload_optimizer": offload})
+
+
+# ------------------------------------------------------------------------------------------ tracker read-back
+
+def wandb_runs(wandb_dir: Path) -> dict[str, dict]:
+    """The runs of a wandb folder's offline files, read back from their record logs (wandb's LevelDB-style format:
+    a 7-byte header, 32 KiB blocks of records with a 7-byte header each): ``{run id: {"config": {...},
+    "history": {step: row}}}``; sessions of one run id are merged in file order."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    def records(path: Path):
+        data, pos, block, pending = path.read_bytes(), 7, 32768, b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:
+                pos += block - pos % block
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            pending += chunk
+            if kind in (1, 4) and pending:  # a whole record, or the last piece of one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                pending = b""
+                yield record
+
+    runs: dict[str, dict] = {}
+    for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
+        run = runs.setdefault(path.stem.removeprefix("run-"), {"config": {}, "history": {}})
+        for record in records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run["config"].update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+            elif kind == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                if "_step" in row:
+                    run["history"][row["_step"]] = row
+    return runs

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from lmrecipe.config import LoggingConfig, due_at
 from lmrecipe.observe import device as device_stats
-from lmrecipe.observe.metrics_log import Tracker, read_metrics
+from lmrecipe.observe.metrics_log import MetricsLog, read_metrics
 from lmrecipe.observe.plots import plot_training
 from lmrecipe.observe.run_meta import run_metadata, write_run_meta
 
@@ -30,7 +30,7 @@ class Reporter:
                  source_tokens: Callable[[int], dict[str, int]] | None = None):
         """
         Args:
-            section: the recipe's ``logging`` section (interval, tracker, progress bar, peak TFLOP/s).
+            section: the recipe's ``logging`` section (interval, trackers, progress bar, peak TFLOP/s).
             max_steps: the last step (always logged; the progress bar's total).
             tokens_per_step: tokens of one optimizer step over all ranks.
             run_config: the resolved configuration (``run_meta.json`` and the tracker's config).
@@ -50,8 +50,8 @@ class Reporter:
             meta = run_metadata(run_config, accelerator.num_processes, precision,
                                 {**run_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
             write_run_meta(out_dir, meta)
-        self.tracker = Tracker(out_dir, section.tracker, section.project, section.run_name or out_dir.name,
-                               run_config, enabled=self.is_main, start_step=start_step)
+        self.tracker = MetricsLog(out_dir, section.trackers, section.project, section.run_name or out_dir.name,
+                                  run_config, enabled=self.is_main, start_step=start_step)
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
         self._reset_interval(time.perf_counter())

@@ -1,12 +1,10 @@
-"""The metrics log: ``metrics.jsonl`` (one JSON object per logged step) and its mirror in wandb or tensorboard.
+"""The metrics log: ``metrics.jsonl`` (one JSON object per logged step), mirrored to the experiment trackers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import uuid
 from pathlib import Path
 
 from lmrecipe.fileio import write_text_atomic
@@ -14,82 +12,66 @@ from lmrecipe.fileio import write_text_atomic
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb_run_id"
 
 
-class Tracker:
-    """Appends one JSON object per row to ``metrics.jsonl`` and mirrors numeric values to a tracker backend.
+class MetricsLog:
+    """Appends one JSON object per row to ``metrics.jsonl`` and sends the same rows to the run's trackers
+    (``logging.trackers``, ``lmrecipe/observe/trackers.py``).
 
-    Only the main process writes; other ranks get a Tracker with ``enabled=False`` that does nothing.
-    A run that starts at ``start_step`` (a resume, or 0) first drops the rows of later steps, written by a
-    continuation that was abandoned, so the file, the plots and the trackers show one history. A wandb run keeps
-    its id in ``out_dir/wandb_run_id``, so a resumed or requeued job continues the same wandb run.
+    Only the main process writes; other ranks get a MetricsLog with ``enabled=False`` that does nothing. A run that
+    starts at ``start_step`` (a resume, or 0) first drops the rows of later steps, written by a continuation that
+    was abandoned, so the file, the plots and the trackers show one history.
     """
 
-    def __init__(self, out_dir: Path, backend: str, project: str, run_name: str, config: dict, enabled: bool,
+    def __init__(self, out_dir: Path, trackers: list[str], project: str, run_name: str, config: dict, enabled: bool,
                  start_step: int = 0):
         self.enabled = enabled
         self.out_dir = out_dir
-        self.backend = backend
-        self._wandb_run = None
-        self._tb = None
         self._file = None
+        self.trackers = None
         if not enabled:
             return
+        last_logged = last_step(out_dir / METRICS_FILE)
         dropped = truncate_metrics(out_dir / METRICS_FILE, start_step)
         if dropped:
             logger.info("Dropped %d rows after step %d from %s (an abandoned continuation)", dropped, start_step,
                         out_dir / METRICS_FILE)
         self._file = open(out_dir / METRICS_FILE, "a", buffering=1)  # line-buffered: a crash loses no row
-        if backend == "wandb":
-            import wandb
+        if trackers:
+            from lmrecipe.observe.trackers import Trackers
 
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            id_file = out_dir / WANDB_ID_FILE
-            run_id = id_file.read_text().strip() if id_file.is_file() else None
-            if run_id is None:
-                run_id = uuid.uuid4().hex[:8]  # wandb's id form: 8 lowercase alphanumerics
-                write_text_atomic(id_file, run_id + "\n")
-            self._wandb_run = wandb.init(project=project, name=run_name, dir=str(out_dir), config=config, mode=mode,
-                                         id=run_id, resume="allow")
-            logger.info("wandb run %s in %s mode under %s", run_id, mode, out_dir / "wandb")
-        elif backend == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            self.trackers = Trackers(trackers, out_dir, project, run_name, config, start_step, last_logged)
 
     def rewind(self, step: int) -> None:
-        """Drop the rows after ``step`` (a rollback to that step's checkpoint): metrics.jsonl keeps one history.
-
-        wandb and tensorboard keep what they were sent (neither takes rows back); the continuation logs the steps
-        after ``step`` again, as after a resume.
-        """
+        """Drop the rows after ``step`` (a rollback to that step's checkpoint): metrics.jsonl keeps one history, and
+        the trackers undo or restart as each can (``lmrecipe/observe/trackers.py``)."""
         if not self.enabled:
             return
         self._file.close()
         dropped = truncate_metrics(self.out_dir / METRICS_FILE, step)
         logger.info("Dropped %d rows after step %d from %s (rolled back)", dropped, step, self.out_dir / METRICS_FILE)
         self._file = open(self.out_dir / METRICS_FILE, "a", buffering=1)
+        if self.trackers is not None:
+            self.trackers.rewind(step)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(row) + "\n")
-        step = row["step"]
-        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
-        if self._wandb_run is not None:
-            self._wandb_run.log(numbers, step=step)
-        if self._tb is not None:
-            for key, value in numbers.items():
-                self._tb.add_scalar(key, value, step)
+        if self.trackers is not None:
+            self.trackers.log(row)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-        if self._tb is not None:
-            self._tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
+
+
+def last_step(path: Path) -> int:
+    """The step of the last row of a metrics file (0 when there is none)."""
+    rows = read_metrics(path)
+    return max((row.get("step", 0) for row in rows), default=0)
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:

@@ -27,6 +27,7 @@ from lmrecipe.errors import fail
 from lmrecipe.loss import use_chunked_loss
 from lmrecipe.memory import attach_model_state_probe
 from lmrecipe.model import build_attention, build_hf_config, build_model, flops_per_token, param_counts
+from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.train.ema import WeightEMA
 
@@ -74,6 +75,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     accelerator = runtime.accelerator
     # The data is checked before out_dir is touched: bad data writes nothing.
     meta = check_sources(cfg.data)
+    check_trackers(cfg.logging.trackers)  # a tracker library that is missing stops the run before it writes
     hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
     data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed)
     if accelerator.is_main_process:

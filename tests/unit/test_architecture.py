@@ -35,7 +35,7 @@ INNER = {
     "data": {"documents": 0, "format": 1, "order": 1, "prepare": 2, "batches": 2, "sources": 3},
     "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "pipeline": 1},
     "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "compat": 0, "storage": 1, "policy": 2},
-    "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "metrics_log": 1, "run_meta": 1,
+    "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "trackers": 0, "metrics_log": 1, "run_meta": 1,
                 "run_report": 2, "console": 3},
     "train": {"state": 0, "lock": 0, "preemption": 0, "oom": 0, "faults": 0, "features": 0,
               "ema": 1, "setup": 2, "step": 3, "spikes": 3, "loop": 4},

@@ -88,3 +88,14 @@ def test_accumulation_is_derived():
     assert BatchLayout.from_config(cfg.train, 4, rank=3).accum_steps == 2
     with pytest.raises(UserError, match="not a multiple of train.micro_batch_size=4 x 3 processes"):
         BatchLayout.from_config(cfg.train, 3)
+
+
+def test_trackers_are_a_list_of_known_names_and_the_old_key_says_what_replaced_it():
+    assert load_config(ROOT / "recipes" / "tiny.yaml", ["logging.trackers=[wandb,mlflow]"]).logging.trackers == [
+        "wandb", "mlflow"]
+    assert load_config(ROOT / "recipes" / "tiny.yaml", ["logging.trackers=tensorboard"]).logging.trackers == [
+        "tensorboard"]
+    with pytest.raises(UserError, match="Choose one of: wandb, tensorboard, mlflow"):
+        load_config(ROOT / "recipes" / "tiny.yaml", ["logging.trackers=[weights_and_biases]"])
+    with pytest.raises(UserError, match=r"replaced by logging.trackers, a list: logging.trackers=\[wandb\]"):
+        load_config(ROOT / "recipes" / "tiny.yaml", ["logging.tracker=wandb"])
