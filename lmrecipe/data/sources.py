@@ -129,8 +129,13 @@ def check_sources(data: DataConfig) -> dict:
     return metas[0]
 
 
-def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLayout, seed: int) -> TrainingData:
-    """Open every source (start-up checks of :func:`lmrecipe.data.format.open_data`) and build the batches."""
+def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLayout, seed: int,
+                       val_ranks: tuple[int, int] | None = None) -> TrainingData:
+    """Open every source (start-up checks of :func:`lmrecipe.data.format.open_data`) and build the batches.
+
+    ``val_ranks``: (processes, this rank) the validation windows are split over, when they are not the layout's
+    data-parallel ranks (sequence parallelism evaluates whole windows on every rank).
+    """
     sources = data.source_list()
     opened = []
     for i, source in enumerate(sources):
@@ -141,7 +146,8 @@ def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLay
     names = [s.resolved_name() for s in sources]
     total = sum(s.weight for s in sources)
     weights = [s.weight / total for s in sources]
-    val_sets = {name: ValBatches(val, data.val_windows, layout.micro_batch_size, layout.world_size, layout.rank,
+    val_world, val_rank = val_ranks or (layout.world_size, layout.rank)
+    val_sets = {name: ValBatches(val, data.val_windows, layout.micro_batch_size, val_world, val_rank,
                                  documents=data.document_masking)
                 for name, (_, _, val) in zip(names, opened)}
     train = [windows for _, windows, _ in opened]

@@ -77,7 +77,8 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     meta = check_sources(cfg.data)
     check_trackers(cfg.logging.trackers)  # a tracker library that is missing stops the run before it writes
     hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
-    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed)
+    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed,
+                              val_ranks=(accelerator.num_processes, accelerator.process_index))
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
