@@ -145,7 +145,17 @@ class Trackers:
         if "resume_from" not in kwargs:
             kwargs.update(id=run_id, resume="allow")
         tracker = cls(os.environ.get("WANDB_PROJECT", self.project), **kwargs)
-        tracker.start()
+        try:
+            tracker.start()
+        except Exception as err:  # noqa: BLE001 - a server that cannot rewind: continue in a linked run instead
+            if "resume_from" not in kwargs:
+                raise
+            run_id = uuid.uuid4().hex[:8]
+            logger.warning("wandb: rewinding run %s failed (%s); run %s continues it", previous, err, run_id)
+            kwargs.pop("resume_from")
+            kwargs.update(id=run_id, resume="allow", config={**self.config, "lmrecipe_continues_run": previous})
+            tracker = cls(os.environ.get("WANDB_PROJECT", self.project), **kwargs)
+            tracker.start()
         write_text_atomic(id_file, run_id + "\n")
         logger.info("wandb run %s (%s) under %s", run_id, "offline" if offline else mode or "online", kwargs["dir"])
         return tracker
