@@ -100,7 +100,7 @@ class OOMGuard:
         args = {"setup": zero, "micro_batch_size": layout.micro_batch_size,
                 "gradient_checkpointing": cfg.train.gradient_checkpointing, "loss_chunk_tokens": chunk_tokens}
         out = []
-        if chunk_tokens == 0:
+        if chunk_tokens == 0 and self.model.config.vocab_size >= 32_768:  # where the logits take GiBs
             args = {**args, "loss_chunk_tokens": AUTO_LOSS_CHUNK_TOKENS}
             out.append((f"train.loss_chunk_tokens={AUTO_LOSS_CHUNK_TOKENS} (the loss in chunks: no full logits)", args))
         smaller = _largest_proper_divisor(layout.micro_batch_size)
