@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from lmrecipe.cli import cli_main, setup_logging
+from lmrecipe.cli import check_output_path, cli_main, setup_logging
+from lmrecipe.fileio import write_text_atomic
 
 
 @cli_main
@@ -36,19 +37,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-document-masking", dest="document_masking", action="store_false",
                         help="let every token attend to the whole window, across documents (default: each token "
                              "attends only to its own document, as training with data.document_masking does)")
+    parser.add_argument("--allow-other-tokenizer", action="store_true",
+                        help="evaluate data whose tokenizer.json differs from the model's (refused by default: the "
+                             "ids would mean other text, and the loss would be meaningless)")
     args = parser.parse_args(argv)
     setup_logging()
+    if args.output:  # before the evaluation, whose result would otherwise be lost
+        check_output_path(args.output, "--output", folder=False)
     from lmrecipe.evaluate import evaluate_path  # heavy imports only after the arguments parsed
 
     result, is_main = evaluate_path(
         args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
         generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed, weights=args.weights,
-        document_masking=args.document_masking,
+        document_masking=args.document_masking, allow_other_tokenizer=args.allow_other_tokenizer,
     )
     if is_main:
         print(json.dumps(result), flush=True)
         if args.output:
-            Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(args.output, json.dumps(result, indent=2) + "\n")
         if "continuation" in result:
             print(result["prompt"] + result["continuation"], flush=True)
     return 0

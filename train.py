@@ -6,7 +6,7 @@
 import argparse
 import sys
 
-from lmrecipe.cli import cli_main, setup_logging
+from lmrecipe.cli import check_output_path, cli_main, setup_logging
 from lmrecipe.config import load_config
 
 
@@ -18,6 +18,7 @@ def main() -> int:
     args = parser.parse_args()
     setup_logging()
     cfg = load_config(args.recipe, args.overrides)
+    check_output_path(cfg.out_dir, "out_dir")
     from lmrecipe.train.loop import train  # heavy imports only after the config is known to be valid
 
     train(cfg, recipe=args.recipe)

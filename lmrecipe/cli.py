@@ -1,4 +1,4 @@
-"""What every script shares: clean exits on user errors, and one logging setup."""
+"""What every script shares: clean exits on user errors and Ctrl-C, checks of output paths, one logging setup."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ import functools
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
-from lmrecipe.errors import EXIT_USER_ERROR, UserError
+from lmrecipe.errors import EXIT_INTERRUPTED, UserError, fail
+from lmrecipe.fileio import write_json_atomic
+
+#: Environment variable naming a file where the script records how it ended (``{"exit_code", "error"}``), so a
+#: wrapper (``slurm/launch.sh``) can report a rank's exit status and last words, which launchers replace by 1.
+EXIT_FILE_ENV = "LMRECIPE_EXIT_FILE"
 
 
 def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) -> None:
@@ -26,19 +32,61 @@ def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) 
 
 
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap a script's ``main`` so a UserError prints one paragraph on stderr and exits non-zero.
+    """Wrap a script's ``main``: a UserError prints one paragraph on stderr and exits with its code (2 for bad
+    input), Ctrl-C exits 130 without a traceback.
 
     Under a launcher every rank meets the same bad input; only rank 0 prints it, so the user reads it once.
     """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> int:
+        rank = int(os.environ.get("RANK", "0"))
+        error = None
         try:
             code = fn(*args, **kwargs)
+            code = 0 if code is None else int(code)
         except UserError as err:
-            if int(os.environ.get("RANK", "0")) == 0:
+            error, code = str(err), err.exit_code
+            if rank == 0 or code != 2:  # a bad input is every rank's; any other stop is this rank's own
                 print(f"error: {err}", file=sys.stderr, flush=True)
-            return EXIT_USER_ERROR
-        return 0 if code is None else int(code)
+        except KeyboardInterrupt:
+            error, code = "interrupted (Ctrl-C)", EXIT_INTERRUPTED
+            if rank == 0:
+                print("Interrupted (Ctrl-C): stopped. Nothing half-written is left; run the command again to start "
+                      "over.", file=sys.stderr, flush=True)
+        except SystemExit as err:  # a clean stop that chose its code (preemption: 124), or argparse's
+            if err.code is not None and not isinstance(err.code, int):  # a message: Python prints it, exit 1
+                _record_exit(rank, 1, str(err.code))
+                raise
+            code = err.code or 0
+        _record_exit(rank, code, error)
+        return code
 
     return wrapper
+
+
+def _record_exit(rank: int, code: int, error: str | None) -> None:
+    """Write ``{"exit_code", "error"}`` to ``$LMRECIPE_EXIT_FILE``: rank 0's, or the first failing rank's."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path or (rank != 0 and (code == 0 or Path(path).exists())):
+        return
+    try:
+        write_json_atomic(path, {"exit_code": code, "error": error, "rank": rank})
+    except OSError:
+        pass  # the status file is a courtesy to the wrapper; the exit code itself still says it
+
+
+def check_output_path(path: str | os.PathLike, option: str, folder: bool = True) -> Path:
+    """UserError unless ``path`` can be created as a folder (``folder``) or written as a file: it is not the
+    wrong kind of thing, and no part of the path above it is a file."""
+    path = Path(path)
+    kind, other = ("folder", "file") if folder else ("file", "folder")
+    if path.exists() and path.is_dir() != folder:
+        raise fail(f"{option} {path} is a {other}, not a {kind}. Choose another path, or move the {other} away.")
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise fail(f"{option} {path} lies under {parent}, which is a file, not a folder. Choose a path "
+                           "whose parent folders are folders.")
+            break
+    return path

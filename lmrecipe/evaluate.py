@@ -35,6 +35,7 @@ def evaluate_path(
     seed: int = 0,
     weights: str = "raw",
     document_masking: bool = True,
+    allow_other_tokenizer: bool = False,
 ) -> tuple[dict, bool]:
     """Evaluate ``path`` (export folder or training checkpoint) on the val split of ``data_dir``.
 
@@ -48,6 +49,8 @@ def evaluate_path(
         weights: a checkpoint's trained weights (``raw``) or their moving average (``ema``).
         document_masking: each token attends only to its own document, positions restarting at each document (as
             training with ``data.document_masking`` does); False evaluates the windows as one stream each.
+        allow_other_tokenizer: evaluate data whose ``tokenizer.json`` differs from the model's (a UserError
+            otherwise: its ids fit the vocabulary but mean other text).
 
     Returns:
         ``({"loss", "perplexity", "tokens", "document_masking"[, "prompt", "continuation"]}, is_main_process)``.
@@ -75,6 +78,11 @@ def evaluate_path(
     data_tokenizer = Path(data_dir) / "tokenizer.json"
     model_tokenizer = Path(getattr(tokenizer, "name_or_path", "")) / "tokenizer.json"
     if data_tokenizer.is_file() and model_tokenizer.is_file() and file_sha256(data_tokenizer) != file_sha256(model_tokenizer):
+        if not allow_other_tokenizer:
+            raise fail(f"{data_dir} was prepared with another tokenizer than the model's ({data_tokenizer} differs from "
+                       f"{model_tokenizer}): its ids fit the vocabulary but stand for other text, so the loss would be "
+                       f"meaningless. Prepare the data with the model's tokenizer (tools/prepare_data.py --tokenizer "
+                       f"{model_tokenizer.parent}), or pass --allow-other-tokenizer if the two encode alike.")
         logger.warning("%s differs from the model's tokenizer; the perplexity is only meaningful if they encode alike.",
                        data_tokenizer)
     n_windows = len(val) if max_batches is None else min(len(val), max_batches * batch_size)

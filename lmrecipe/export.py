@@ -26,10 +26,17 @@ from pathlib import Path
 import torch
 
 from lmrecipe.checkpoint.ema_files import read_ema_state_dict
-from lmrecipe.checkpoint.storage import DS_TAG, HF_DIR, looks_like_checkpoint, read_checkpoint, resolve_checkpoint
+from lmrecipe.checkpoint.storage import (
+    DS_TAG,
+    HF_DIR,
+    looks_like_checkpoint,
+    no_checkpoint_message,
+    read_checkpoint,
+    resolve_checkpoint,
+)
 from lmrecipe.config import parse_shard_size
 from lmrecipe.errors import fail
-from lmrecipe.fileio import building_dir, write_json_atomic
+from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic
 from lmrecipe.model import bare_parameter_name
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     if dtype not in DTYPES:
         raise fail(f"Export dtype {dtype!r} is not supported. Choose one of: {', '.join(DTYPES)}.")
     ckpt = resolve_checkpoint(checkpoint)
+    if not looks_like_checkpoint(ckpt):
+        raise fail(f"{no_checkpoint_message(Path(checkpoint))} Pass a checkpoint folder (out_dir/checkpoints/step_N), "
+                   "or a run folder that saved one.")
     read_checkpoint(ckpt)
     out = Path(out_dir)
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
@@ -142,12 +152,24 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    with building_dir(out, overwrite=True) as tmp:
-        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
-        _index_single_shard(tmp)
-        for file in (ckpt / HF_DIR).iterdir():
-            if file.is_file() and file.name not in _NOT_TOKENIZER:
-                shutil.copy2(file, tmp / file.name)
+    existed = out.exists()
+    size = sum(t.numel() * t.element_size() for t in {id(t): t for t in state_dict.values()}.values())
+    try:
+        with building_dir(out, overwrite=True) as tmp:
+            model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
+            _index_single_shard(tmp)
+            for file in (ckpt / HF_DIR).iterdir():
+                if file.is_file() and file.name not in _NOT_TOKENIZER:
+                    shutil.copy2(file, tmp / file.name)
+    except Exception as err:  # safetensors reports a full disk as its own error type, torch as a RuntimeError
+        if not is_disk_full(err):
+            raise
+        kept = f"{out} is unchanged" if existed else f"nothing was left at {out}"
+        raise fail(
+            f"No space left on the device while exporting {ckpt} to {out} ({err}). The partial export was removed and "
+            f"{kept}; the checkpoint is intact. Free about {size / 1e6:.1f} MB (the weights in {dtype}) or choose a "
+            f"folder on a larger disk, then run: python tools/export_hf.py {ckpt} {out} --dtype {dtype} --weights {weights} --overwrite"
+        ) from None
     logger.info("Exported %s to %s (%s, %s weights)", ckpt, out, dtype, weights)
     return out
 

@@ -8,6 +8,7 @@ is atomic on POSIX filesystems. A crash at any moment leaves the previous file, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -109,3 +110,43 @@ def building_dir(dest: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         remove_path(tmp)
         raise
+
+
+@contextlib.contextmanager
+def removing_new_empty_dirs(*paths: str | os.PathLike) -> Iterator[None]:
+    """If the block fails, remove those of ``paths`` that it created and left empty (deepest last in ``paths``).
+
+    Only empty folders are removed (``rmdir``), so nothing written inside them is ever lost.
+    """
+    new = [Path(p) for p in paths if not os.path.lexists(p)]
+    try:
+        yield
+    except BaseException:
+        for path in reversed(new):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def is_disk_full(err: BaseException, path: str | os.PathLike | None = None, needed: int = 1 << 20) -> bool:
+    """Whether ``err``, raised while writing, came from a full disk (or quota).
+
+    Its errno or message says so (safetensors reports "os error 28" in its message); a writer that says nothing of
+    the cause (torch's "unexpected pos") counts as full when ``path``'s filesystem has less than ``needed`` bytes
+    free. Check before removing what the failed write left, which would free the space.
+    """
+    if getattr(err, "errno", None) in _FULL_ERRNOS or any(text in str(err) for text in _FULL_TEXTS):
+        return True
+    if path is None:
+        return False
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < needed
+    except OSError:
+        return False

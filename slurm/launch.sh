@@ -25,6 +25,10 @@
 # SIGUSR1 until it installs its handler, just before the first step. A stop that arrives earlier is kept and
 # delivered to each training process once /proc shows it catching SIGUSR1; one that arrives before the
 # launcher starts stops the node at once with exit 124 (there is nothing to save yet).
+#
+# Exit status: the launcher reports any failed worker as 1 (after a ChildFailedError traceback). The training
+# processes record how they ended in $LMRECIPE_EXIT_FILE (lmrecipe/cli.py); this script exits with that code
+# (2: bad input, 124: preempted, 130: Ctrl-C) and repeats the error's paragraph as its last line.
 set -euo pipefail
 
 EXIT_PREEMPTED=124  # lmrecipe.checkpoint.EXIT_PREEMPTED
@@ -124,6 +128,9 @@ if [[ $stop_requested -eq 1 ]]; then
     echo "[launch] node $machine_rank: stopped before training started" >&2
     exit "$EXIT_PREEMPTED"
 fi
+LMRECIPE_EXIT_FILE=$(mktemp "${TMPDIR:-/tmp}/lmrecipe-exit.XXXXXX")
+rm -f "$LMRECIPE_EXIT_FILE"  # written by the training processes only when they end
+export LMRECIPE_EXIT_FILE
 (trap '' USR1 && exec "${cmd[@]}") &
 launcher_pid=$!
 
@@ -141,6 +148,17 @@ while [[ -z $status ]]; do
     kill -0 "$launcher_pid" 2>/dev/null || status=$rc
 done
 
+if [[ $status -ne 0 && -f $LMRECIPE_EXIT_FILE ]]; then
+    # The training processes' own exit status and last words, which the launcher replaced by 1 and a traceback.
+    recorded=$("$python" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(d["exit_code"], d.get("error") or "")' \
+        "$LMRECIPE_EXIT_FILE" 2>/dev/null || true)
+    if [[ $recorded =~ ^[0-9]+ ]]; then
+        status=${recorded%% *}
+        words=${recorded#"$status"}
+        echo "[launch] node $machine_rank: training exited $status${words:+:$words}" >&2
+    fi
+fi
+rm -f "$LMRECIPE_EXIT_FILE"
 if [[ $stop_requested -eq 1 && $status -ne 0 ]]; then
     # The launcher reports a worker's exit 124 as a generic failure; restore the meaning.
     exit "$EXIT_PREEMPTED"

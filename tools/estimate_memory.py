@@ -43,7 +43,9 @@ def main() -> int:
     from lmrecipe.memory import format_estimates, model_shape
     from lmrecipe.model import build_hf_config  # noqa: PLC0415
 
-    if args.world_size < 1 or args.nodes < 1 or args.world_size % args.nodes:
+    if args.nodes < 1:
+        raise fail(f"--nodes={args.nodes} must be at least 1.")
+    if args.world_size < 1 or args.world_size % args.nodes:
         raise fail(f"--world-size={args.world_size} must be a positive multiple of --nodes={args.nodes}.")
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise fail(f"--vocab-size={args.vocab_size} must be positive.")

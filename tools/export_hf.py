@@ -16,7 +16,7 @@ from pathlib import Path
 # Run as `python tools/export_hf.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
+from lmrecipe.cli import check_output_path, cli_main, setup_logging  # noqa: E402
 
 
 @cli_main
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     setup_logging()
+    check_output_path(args.out_dir, "OUT_DIR")
     from lmrecipe.export import export_checkpoint  # heavy imports only after the arguments parsed
 
     export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,

@@ -16,7 +16,7 @@ from pathlib import Path
 # Run as `python tools/prepare_data.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
+from lmrecipe.cli import check_output_path, cli_main, setup_logging  # noqa: E402
 from lmrecipe.data.prepare.pipeline import prepare  # noqa: E402
 
 # The defaults live once, in prepare()'s signature.
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    check_output_path(args.output, "--output")
     prepare(
         output=args.output,
         inputs=args.input,

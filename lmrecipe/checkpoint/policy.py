@@ -8,12 +8,14 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import pickle
 import shutil
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from safetensors import SafetensorError
 
 from lmrecipe.checkpoint.compat import check_resume_compatible
 from lmrecipe.checkpoint.portable import (
@@ -37,6 +39,7 @@ from lmrecipe.checkpoint.storage import (
     rng_state_tensors,
     set_rng_state,
     step_dir_name,
+    use_earlier,
 )
 from lmrecipe.config import Config, due_at
 from lmrecipe.data.sources import TrainingData
@@ -146,6 +149,10 @@ class Checkpointer:
         if path is None:
             return None
         saved = read_checkpoint(path)
+        if saved["state"]["step"] > self.max_steps:  # the loop would not run, and the end of the run would re-export
+            raise fail(f"{path} is at step {saved['state']['step']}, past train.max_steps={self.max_steps}: there is "
+                       "nothing to train. Raise train.max_steps to train on, pass checkpoint.resume=PATH of an earlier "
+                       "checkpoint, or export this one with tools/export_hf.py.")
         check_resume_compatible(saved, path, run_config=self.run_config,
                                 hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
                                 data_signature=self._data_signature(), lr_schedule=self.lr_schedule)
@@ -232,13 +239,18 @@ class Checkpointer:
     def _load(self, path: Path, saved: dict, model, optimizer, state) -> None:
         """Weights, optimizer, training state, every rank's RNG and the extra state, from checkpoint ``path``."""
         saved_layout = Layout.from_topology(saved["topology"])
-        if self.layout().needs_conversion_from(saved_layout):
-            folder = self._portable_form(path, saved, model)
-            load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
-                          samples_per_step=self.samples_per_step)
-        else:
-            # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
-            self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        try:
+            if self.layout().needs_conversion_from(saved_layout):
+                folder = self._portable_form(path, saved, model)
+                load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
+                              samples_per_step=self.samples_per_step)
+            else:
+                # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
+                self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as err:
+            # The manifest checked names, sizes and safetensors headers; a file damaged inside fails only here.
+            raise fail(f"Loading checkpoint {path} failed: {type(err).__name__}: {str(err)[:300]}. A file of it is "
+                       f"damaged, or was written by different code. {use_earlier(path)}") from None
         names = {f.name for f in fields(state)}
         for key, value in saved["state"].items():
             if key in names:

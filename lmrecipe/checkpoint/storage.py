@@ -16,7 +16,8 @@ A checkpoint folder holds what ``accelerator.save_state`` writes (DeepSpeed's pe
 - with ``train.ema_decay`` > 0, the weight EMA (``ema.safetensors``, or ``ema/rank_NNNNN.safetensors`` under
   ZeRO-3; see ``lmrecipe/train/ema.py``), written through the loop features' ``extras``;
 - ``train_state.json``: step, tokens seen, data position, best validation loss, the schedule's values, the
-  resolved config, the topology and a manifest of every file with its size. Written last.
+  resolved config, the topology, a manifest of every file with its size, and the sha256 of every file up to
+  ``CHECKSUM_MAX_BYTES``. Written last.
 
 Atomicity: every rank writes into ``.tmp_step_N``; after a barrier the main process writes
 ``train_state.json`` and renames the folder to ``step_N``, then replaces ``latest``. A crash or ``kill -9``
@@ -67,13 +68,14 @@ from lmrecipe.checkpoint.background import (
 from lmrecipe.checkpoint.portable import (
     portable_dir,
 )
+from lmrecipe.data.format import file_sha256
 from lmrecipe.errors import fail
 from lmrecipe.fileio import fsync_dir, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-#: Exit code of every training process after a SIGTERM/SIGUSR1 stop with a checkpoint saved; a requeued job
-#: resumes with the default ``checkpoint.resume=auto``. Launchers (torchrun, accelerate launch) report any
+#: Exit code of every training process after a SIGTERM/SIGUSR1 stop with a checkpoint saved (after Ctrl-C: 130,
+#: ``lmrecipe.errors.EXIT_INTERRUPTED``); a requeued job resumes with the default ``checkpoint.resume=auto``. Launchers (torchrun, accelerate launch) report any
 #: failed worker as exit 1 (slurm/launch.sh restores 124), so the main process also writes
 #: ``out_dir/preempted.json`` ({"step", "checkpoint"}); the next run removes it when it starts.
 EXIT_PREEMPTED = 124
@@ -95,6 +97,10 @@ _PORTABLE_LEFTOVER = re.compile(r"^step_\d{8,}\.portable\.(tmp|old)-\d+$")
 """A topology-free form being built (``fileio.building_dir``) or replaced when a conversion was interrupted."""
 _TRASH_PREFIX = ".trash_"
 DONE_MARKER = ".rank_{:05d}.done"
+CHECKSUM_MAX_BYTES = 64 << 20
+"""Files up to this size get a sha256 in ``train_state.json`` (checked on every read: cheap for them). Larger ones
+(weights, optimizer states, ZeRO shards) are checked by size and, for safetensors, by header: hashing them would
+read every checkpoint twice."""
 FAILED_MARKER = ".rank_{:05d}.failed"
 
 
@@ -151,32 +157,63 @@ def read_checkpoint(path: str | Path) -> dict:
     if not state_file.is_file():
         raise fail(
             f"{path} has no {STATE_FILE}: it is not a complete checkpoint of this recipe (a save that was "
-            f"interrupted, or a folder written by another tool). Use an intact checkpoint such as the one named in "
-            f"{path.parent / LATEST}, or checkpoint.resume=none to start fresh."
+            f"interrupted, or a folder written by another tool). {use_earlier(path)}"
         )
     try:
         saved = json.loads(state_file.read_text())
         version = saved["format_version"]
         manifest = saved["manifest"]
         saved["state"]["step"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise fail(f"{state_file} is not a readable checkpoint state ({err!r}); the checkpoint is damaged.") from None
+        sizes = {str(rel): int(size) for rel, size in manifest.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise fail(f"{state_file} is not a readable checkpoint state ({err!r}); the checkpoint is damaged. "
+                   f"{use_earlier(path)}") from None
     if version != FORMAT_VERSION:
         raise fail(f"{state_file} has format_version {version}; this code reads {FORMAT_VERSION}.")
     problems = []
-    for rel, size in manifest.items():
+    checksums = saved.get("sha256") if isinstance(saved.get("sha256"), dict) else {}
+    for rel, size in sizes.items():
         file = path / rel
         if not file.is_file():
             problems.append(f"{rel} is missing")
         elif file.stat().st_size != size:
             problems.append(f"{rel} holds {file.stat().st_size} bytes instead of {size} (truncated or replaced)")
+        elif rel.endswith(".safetensors") and (bad := safetensors_problem(file)) is not None:
+            problems.append(f"{rel} {bad} (its size is right, its content is not)")
+        elif rel in checksums and file_sha256(file) != checksums[rel]:
+            problems.append(f"{rel} does not match its sha256 (its size is right, its content is not)")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise fail(
-            f"Checkpoint {path} is damaged: {shown}. Resume from an earlier checkpoint with "
-            "checkpoint.resume=PATH, or copy the checkpoint again if it was transferred."
-        )
+        raise fail(f"Checkpoint {path} is damaged: {shown}. {use_earlier(path)} Or copy the checkpoint again if it "
+                   "was transferred.")
     return saved
+
+
+def use_earlier(path: Path) -> str:
+    """The way out of a damaged checkpoint ``path``: the newest complete checkpoint before it, if there is one."""
+    step = step_of_dir(path.name)
+    earlier = [c.path for c in complete_checkpoints(path.parent) if step is None or c.step < step]
+    target = str(earlier[-1]) if earlier else "PATH"
+    found = "" if earlier else " (none is left beside it)"
+    return (f"Use an earlier checkpoint{found}: resume training with checkpoint.resume={target} (or "
+            f"checkpoint.resume=none to start fresh), or pass it to tools/export_hf.py or eval.py.")
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with the header of safetensors file ``path`` (a cheap read of its first bytes), or None."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < header_len <= path.stat().st_size - 8:
+                return "has an impossible header length"
+            header = json.loads(fh.read(header_len).decode("utf-8"))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        return f"has an unreadable header ({type(err).__name__})"
+    if 8 + header_len + end != path.stat().st_size:
+        return "has a header that does not describe its bytes"
+    return None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -187,7 +224,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (path, path / "checkpoints"):
         if (root / LATEST).is_file():
             return _follow_latest(root)
+        if (found := complete_checkpoints(root)):
+            return found[-1].path
     return path
+
+
+def no_checkpoint_message(path: Path) -> str:
+    """Why ``path`` (as given) names no checkpoint: it is absent, or neither a checkpoint nor a folder holding one."""
+    if not path.exists():
+        return f"{str(path)!r} does not exist."
+    if not path.is_dir():
+        return f"{path} is a file, not a checkpoint folder."
+    return (f"{path} is not a training checkpoint (no {STATE_FILE}) and holds none (no {LATEST} pointer, no "
+            "step_N folder, neither in it nor in its checkpoints/).")
 
 
 def find_resume_checkpoint(resume: str, root: Path) -> Path | None:
@@ -200,7 +249,12 @@ def find_resume_checkpoint(resume: str, root: Path) -> Path | None:
     if resume == "none":
         return None
     if resume != "auto":
-        return resolve_checkpoint(resume)
+        path = resolve_checkpoint(resume)
+        if not looks_like_checkpoint(path):
+            raise fail(f"checkpoint.resume={resume}: {no_checkpoint_message(Path(resume))} Pass a checkpoint folder "
+                       "(out_dir/checkpoints/step_N) or a run folder that saved one, checkpoint.resume=auto for this "
+                       "out_dir's newest, or checkpoint.resume=none to start fresh.")
+        return path
     if (root / LATEST).is_file():
         return _follow_latest(root)
     found = complete_checkpoints(root)
@@ -375,8 +429,10 @@ class CheckpointStore:
                 self._await_ranks(tmp)
                 self.publish(tmp, final, record)
         except (OSError, RuntimeError) as err:
-            if tmp.is_dir():
+            try:  # tells the main process to stop waiting; on a full disk even this may not fit
                 (tmp / FAILED_MARKER.format(rank)).write_text(f"{err!r}\n")
+            except OSError:
+                pass
             full = self.disk_full_error(err, tmp, final)
             if full is None:
                 raise
@@ -389,6 +445,8 @@ class CheckpointStore:
         deadline = time.monotonic() + self.publish_timeout_s
         orphaned = False
         while not all((tmp / DONE_MARKER.format(r)).is_file() for r in ranks):
+            if not tmp.is_dir():  # another rank met a full disk and removed the partial folder
+                raise RuntimeError(f"{tmp} was removed by a rank whose write failed; the checkpoint is not published")
             failed = [r for r in ranks if (tmp / FAILED_MARKER.format(r)).is_file()]
             if failed:
                 raise RuntimeError(f"rank {failed[0]} failed to write its part of {tmp}: "
@@ -434,6 +492,7 @@ class CheckpointStore:
             "format_version": FORMAT_VERSION,
             **record,
             "manifest": manifest,
+            "sha256": {rel: file_sha256(tmp / rel) for rel, size in manifest.items() if size <= CHECKSUM_MAX_BYTES},
         }
         write_text_atomic(tmp / STATE_FILE, json.dumps(payload, indent=2) + "\n", durable=True)
         if final.exists():

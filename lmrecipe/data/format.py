@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,11 @@ def load_meta(data_dir: str | Path) -> dict:
     it (each ``.bin`` and ``.idx`` has the size ``meta.json`` implies); UserError naming the fix otherwise.
     """
     data_dir = Path(data_dir)
+    _refuse_leftover(data_dir)
     how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
+    if data_dir.exists() and not data_dir.is_dir():
+        raise fail(f"Data folder {str(data_dir)!r} is a file, not a prepared data folder. Pass the folder that "
+                   f"tools/prepare_data.py wrote (it holds meta.json).")
     if not data_dir.is_dir():
         raise fail(f"Data folder {str(data_dir)!r} does not exist. {how_to_make}")
     if not any(data_dir.iterdir()):
@@ -69,6 +74,7 @@ def read_meta_file(data_dir: str | os.PathLike) -> dict[str, Any]:
     another format version or lacking a key.
     """
     data_dir = Path(data_dir)
+    _refuse_leftover(data_dir)
     path = data_dir / "meta.json"
     remedy = f"Create it with `python tools/prepare_data.py --output {data_dir}` (add --overwrite to replace it)."
     if not path.is_file():
@@ -90,6 +96,17 @@ def read_meta_file(data_dir: str | os.PathLike) -> dict[str, Any]:
                                            for s in SPLITS):
         raise fail(f"{path} must describe splits train and val, each with {', '.join(_SPLIT_KEYS)}. {remedy}")
     return meta
+
+
+def _refuse_leftover(data_dir: Path) -> None:
+    """UserError for the ``<output>.tmp-<pid>`` folder of an interrupted preparation, naming its real destination."""
+    match = re.fullmatch(r"(.+)\.tmp-\d+", data_dir.name)
+    if match is None or (data_dir / "meta.json").is_file():
+        return
+    dest = data_dir.with_name(match.group(1))
+    use = f"use {dest}, which exists." if dest.is_dir() else f"create {dest} with: python tools/prepare_data.py --output {dest}"
+    raise fail(f"{data_dir} is the temporary folder of an interrupted preparation into {dest}, not a prepared data "
+               f"folder. Delete it, and {use}")
 
 
 def _check_version(version: Any, path: Path, remedy: str) -> None:
@@ -158,6 +175,9 @@ class TokenWindows:
             )
         # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
         self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
+        self.max_token_id = int(meta["splits"][split]["max_token_id"])
+        """The largest id ``meta.json`` records (checked against the model's vocabulary at start); every window is
+        checked against it as it is read."""
         self.index_path = Path(data_dir) / f"{split}.idx"
         check_sample(self.tokens, self.index_path, meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
@@ -171,9 +191,21 @@ class TokenWindows:
         return self.n_windows
 
     def window(self, i: int) -> np.ndarray:
-        """The ``seq_len + 1`` tokens of window ``i``: a view of the memmap, nothing read yet."""
+        """The ``seq_len + 1`` tokens of window ``i`` (a view of the memmap), checked against ``max_token_id``.
+
+        The start-up sample cannot see every token; this check does, as each window is read, on the host (in
+        training, on the prefetch thread), so an id past the vocabulary stops the run with a message instead of an
+        index error in the embedding (on a GPU, a device-side assert that kills the process).
+        """
         L = self.seq_len
-        return self.tokens[i * L : i * L + L + 1]
+        tokens = self.tokens[i * L : i * L + L + 1]
+        if len(tokens) and int(tokens.max()) > self.max_token_id:
+            at = i * L + int(np.argmax(tokens > self.max_token_id))
+            raise fail(f"{self.path} holds token id {int(tokens[at - i * L])} at token {at} (window {i}), above the "
+                       f"largest id meta.json records ({self.max_token_id}), which the model's vocabulary was checked "
+                       f"against: the file was changed or damaged after preparation. Re-create the folder with the same "
+                       f"inputs: python tools/prepare_data.py --output {self.path.parent} --overwrite ...")
+        return tokens
 
     def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from lmrecipe.checkpoint.policy import Checkpointer
-from lmrecipe.checkpoint.storage import EXIT_PREEMPTED, PROBE_TOKENS
+from lmrecipe.checkpoint.storage import PROBE_TOKENS
 from lmrecipe.config import Config, due_at, save_config
 from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import fail
+from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.loss import chunked_head, validation_loss
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.profiler import StepProfiler
@@ -25,7 +26,7 @@ from lmrecipe.train.features import EarlyStopping, Features, NonFiniteStop, Stop
 from lmrecipe.train.faults import maybe_install_faults
 from lmrecipe.train.lock import RunLock
 from lmrecipe.train.oom import OOMGuard
-from lmrecipe.train.preemption import PreemptionSignal
+from lmrecipe.train.preemption import PreemptionSignal, lost_peer_error, peer_processes
 from lmrecipe.train.setup import Run, build_run
 from lmrecipe.train.spikes import SpikeGuard
 from lmrecipe.train.state import TrainState
@@ -120,19 +121,27 @@ def train(cfg: Config, recipe: str | None = None) -> TrainState:
     ``recipe``: the recipe file ``cfg`` was loaded from, which the run report compares the configuration with.
     """
     out_dir = Path(cfg.out_dir)
-    run = build_run(cfg, out_dir)
-    lock = RunLock(out_dir)
-    if run.accelerator.is_main_process:
-        lock.acquire()  # before anything in out_dir is cleaned up or written
-    run.accelerator.wait_for_everyone()
-    try:
-        return train_loop(run, out_dir, recipe)
-    finally:
-        run.prefetcher.close()
-        lock.release()
+    with removing_new_empty_dirs(out_dir, out_dir / "checkpoints"):  # a failed start leaves no empty folders
+        run = build_run(cfg, out_dir)
+        lock = RunLock(out_dir)
+        if run.accelerator.is_main_process:
+            lock.acquire()  # before anything in out_dir is cleaned up or written
+        run.accelerator.wait_for_everyone()
+        peers, stop = peer_processes(run.accelerator), PreemptionSignal()
+        try:
+            return train_loop(run, out_dir, recipe, stop)
+        except RuntimeError as err:
+            lost = lost_peer_error(err, peers, out_dir / "checkpoints")
+            if lost is None:
+                raise
+            raise lost from None
+        finally:
+            stop.close()
+            run.prefetcher.close()
+            lock.release()
 
 
-def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState:
+def train_loop(run: Run, out_dir: Path, recipe: str | None = None, stop: PreemptionSignal | None = None) -> TrainState:
     cfg, accelerator = run.cfg, run.accelerator
     features = build_features(run, out_dir)
     checkpointer = build_checkpointer(run, out_dir, features)
@@ -142,7 +151,7 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
         save_config(cfg, out_dir / "config.yaml")
     reporter = build_reporter(run, out_dir, state.step, {"resumed_from": resumed_from, "recipe": recipe})
     log_start(run)
-    stop = PreemptionSignal()
+    stop = stop or PreemptionSignal()
     profiler = StepProfiler(cfg.profile, out_dir, rank=accelerator.process_index, is_main=accelerator.is_main_process,
                             barrier=accelerator.wait_for_everyone)
     oom = OOMGuard(cfg, run.runtime, run.model)
@@ -169,7 +178,7 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None) -> TrainState
             state.sync()  # the checkpoint records the skip counters
         checkpointer.maybe_save(run.model, state, preempted=preempted)
         if preempted:
-            exit_preempted(accelerator, reporter, stop.name, state.step)
+            exit_preempted(accelerator, reporter, stop.name, state.step, stop.exit_code)
         if (reason := features.stop_reason(state)) is not None:
             stop_early(reason, reporter)
             break
@@ -202,13 +211,13 @@ def stop_early(reason: Stop, reporter: Reporter) -> None:
     logger.info("%s", reason.message)
 
 
-def exit_preempted(accelerator, reporter: Reporter, signal_name: str | None, step: int) -> None:
+def exit_preempted(accelerator, reporter: Reporter, signal_name: str | None, step: int, code: int) -> None:
     reporter.close(plot=True)
     logger.info("Stopped by %s after step %d; checkpoint saved. Resume with checkpoint.resume=auto.",
                 signal_name or "a signal to another rank", step)
     # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
     accelerator.wait_for_everyone()
-    raise SystemExit(EXIT_PREEMPTED)
+    raise SystemExit(code)
 
 
 def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Reporter, features: Features,

@@ -45,7 +45,7 @@ from lmrecipe.data.prepare.tokenize import (
 )
 from lmrecipe.data.prepare.write import SplitWriter, check_output_free, warn_stale_temp_dirs, write_meta
 from lmrecipe.errors import fail
-from lmrecipe.fileio import building_dir
+from lmrecipe.fileio import building_dir, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +116,19 @@ def prepare(
     # A given tokenizer is loaded before the corpus is read, so a wrong name fails in seconds.
     given_tokenizer = load_hf_tokenizer(tokenizer) if tokenizer is not None else None
 
-    with building_dir(out_dir, overwrite) as tmp_dir:
-        meta = _build(tmp_dir, source, tokenizer, given_tokenizer, vocab_size, tokenizer_sample_mb, num_proc,
-                      val_fraction, seed)
-        check_output_free(out_dir, overwrite)  # again: it may have appeared while we worked
+    existed = out_dir.exists()
+    try:
+        with building_dir(out_dir, overwrite) as tmp_dir:
+            meta = _build(tmp_dir, source, tokenizer, given_tokenizer, vocab_size, tokenizer_sample_mb, num_proc,
+                          val_fraction, seed)
+            check_output_free(out_dir, overwrite)  # again: it may have appeared while we worked
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        kept = f"{out_dir} is unchanged" if existed else f"nothing was left at {out_dir}"
+        raise fail(f"No space left on the device while writing {out_dir} ({err}). The partial folder was removed and "
+                   f"{kept}. Free some space (the folder takes about 2 bytes per token with a vocabulary of up to "
+                   f"65536, 4 above) or choose an --output on a larger disk, then run the command again.") from None
     logger.info("wrote %s in %.1fs", out_dir, time.perf_counter() - started)
     return meta
 

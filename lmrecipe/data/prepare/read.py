@@ -320,17 +320,32 @@ def _is_empty(text: str | None) -> bool:
 def _open_records(kind: str, path: Path):
     import datasets
 
+    # datasets logs a parse error itself (twice, through its handler and ours) before raising it: the UserError
+    # below says it once, with the fix.
+    logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}").setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
     except Exception as err:  # datasets wraps parse errors in several types; all mean "bad file"
-        raise fail(f"Could not read {path} as {kind} records: {_describe(err)}") from err
+        raise fail(f"Could not read {path} as {kind} records: {_describe(err)}. {_record_fix(path)}") from None
+
+
+def _record_fix(where: str | Path) -> str:
+    """How to mend a record file that does not parse."""
+    if str(where).endswith(".jsonl"):
+        return ("Each line of a .jsonl file must be one complete JSON object: fix or remove the broken line (rows "
+                "are counted from 0), or leave the file out of --input.")
+    return "Fix the file (it does not parse), or leave it out of --input."
 
 
 def _describe(err: BaseException) -> str:
     """The message of ``err`` and of the errors that caused it: wrappers often hide the useful part."""
-    messages = []
-    while err is not None and len(messages) < 4:
-        messages.append(str(err) or type(err).__name__)
+    messages: list[str] = []
+    for _ in range(8):
+        if err is None or len(messages) == 4:
+            break
+        message = str(err) or type(err).__name__
+        if not any(message in seen for seen in messages):  # wrappers often repeat their cause's text
+            messages.append(message)
         err = err.__cause__ or err.__context__
     return " <- ".join(messages)
 
@@ -370,7 +385,7 @@ def _record_documents(
         try:
             batch = next(batches, None)
         except Exception as err:  # a parse error deep in the file surfaces here, in one of several types
-            raise fail(f"Could not read {where} (record {index} on): {_describe(err)}") from err
+            raise fail(f"Could not read {where} (record {index} on): {_describe(err)}. {_record_fix(where)}") from None
         if batch is None:
             return
         if text_field not in batch:
