@@ -53,6 +53,15 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------------
 
 
+def continue_sample_order(batches, saved: dict) -> None:
+    """A checkpoint written with an earlier sample order (no ``order_version``: version 1) continues in it."""
+    version = int(saved.get("data", {}).get("order_version", 1))
+    if version != batches.order_version:
+        logger.info("The checkpoint was written with sample order version %d; this run continues in it (new runs use "
+                    "version %d, constant in memory).", version, batches.order_version)
+        batches.use_order_version(version)
+
+
 class CheckpointExtra:
     """What a loop feature hands the checkpoint, by name (``Checkpointer(extras={name: feature})``); every method is
     optional.
@@ -156,6 +165,7 @@ class Checkpointer:
         check_resume_compatible(saved, path, run_config=self.run_config,
                                 hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
                                 data_signature=self._data_signature(), lr_schedule=self.lr_schedule)
+        continue_sample_order(self.data.train_batches, saved)
         self._load(path, saved, model, optimizer, state)
         self.resumed_from = self.store.latest = path
         changes = self.layout().changes_from(Layout.from_topology(saved["topology"]))

@@ -145,7 +145,16 @@ class TrainBatches(StepBatches):
 
     def __init__(self, windows: TokenWindows, layout: BatchLayout, seed: int):
         super().__init__([windows], layout)
+        self.seed = seed
         self.order = SampleOrder(len(windows), seed)
+
+    @property
+    def order_version(self) -> int:
+        return self.order.version
+
+    def use_order_version(self, version: int) -> None:
+        """Read in the sample order of ``version`` (a checkpoint written with an earlier one continues in it)."""
+        self.order = SampleOrder(len(self.windows), self.seed, version=version)
 
     @property
     def windows(self) -> TokenWindows:
@@ -162,8 +171,18 @@ class MixtureBatches(StepBatches):
                  seed: int):
         super().__init__(windows, layout)
         self.names = names
+        self.seed = seed
         self.order = MixtureOrder(weights)
         self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
+
+    @property
+    def order_version(self) -> int:
+        return self.orders[0].version
+
+    def use_order_version(self, version: int) -> None:
+        """Read every source in the sample order of ``version`` (see :meth:`TrainBatches.use_order_version`)."""
+        self.orders = [SampleOrder(len(w), self.seed, stream=name_stream(n), version=version)
+                       for w, n in zip(self.sources, self.names)]
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sources, counters = self.order.assign(samples)

@@ -5,6 +5,12 @@ The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutat
 (:class:`MixtureOrder`, see ``lmrecipe/data/sources.py``). So what a step trains on does not depend on how G is split
 (processes x micro-batch x accumulation), and resuming at step ``s`` needs no skipping.
 
+The permutation (order version 2) is a keyed Feistel network over the smallest power of four at least the number
+of windows, with cycle walking (a position that lands outside is encrypted again until it lands inside): a
+bijection of ``[0, n_windows)`` computed per position, in constant time and memory whatever the corpus size.
+Version 1, a ``numpy`` permutation materialised per epoch (memory and time linear in the windows: 58 GB per rank at
+15T tokens), is kept for runs whose checkpoints were written with it; they continue in it.
+
 Skipped batches. A run that rolled back from a loss spike (``lmrecipe/train/spikes.py``) never trains on the samples
 of the offending steps again: it lists their *data steps* (blocks ``[d*G, (d+1)*G)`` of the order above) as skipped,
 and optimizer step ``s`` then reads the ``s``-th data step that is not skipped (:func:`data_step`). Without skips
@@ -18,23 +24,41 @@ from functools import lru_cache
 
 import numpy as np
 
+ORDER_VERSION = 2
+"""The sample order new runs use (recorded in every checkpoint as ``data.order_version``)."""
+FEISTEL_ROUNDS = 6
+_MASK64 = (1 << 64) - 1
+
 
 class SampleOrder:
     """Sample index -> window index: a permutation per epoch, seeded by (seed, epoch).
 
-    ``stream`` (a source of a mixture, see ``lmrecipe/mixture.py``) seeds by (seed, stream, epoch) instead, so each
-    source of a mixture has its own permutation; None keeps the single-folder order.
+    ``stream`` (a source of a mixture) seeds by (seed, stream, epoch) instead, so each source of a mixture has its own
+    permutation; None keeps the single-folder order. ``version``: see the module docstring.
     """
 
-    def __init__(self, n_windows: int, seed: int, stream: int | None = None):
+    def __init__(self, n_windows: int, seed: int, stream: int | None = None, version: int = ORDER_VERSION):
+        if version not in (1, 2):
+            raise ValueError(f"unknown sample order version {version}")
         self.n_windows = n_windows
         self.seed = seed
         self.stream = stream
+        self.version = version
+        self.half_bits = max(1, ((max(n_windows, 2) - 1).bit_length() + 1) // 2)
+        """Each Feistel half has this many bits: the network permutes [0, 4^half_bits), at most 4x the windows."""
+
+    def _entropy(self, epoch: int) -> list[int]:
+        return [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
 
     @lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> np.ndarray:
-        entropy = [self.seed, epoch] if self.stream is None else [self.seed, self.stream, epoch]
-        return np.random.default_rng(entropy).permutation(self.n_windows)
+        """Version 1: the whole epoch's permutation, materialised."""
+        return np.random.default_rng(self._entropy(epoch)).permutation(self.n_windows)
+
+    @lru_cache(maxsize=8)
+    def round_keys(self, epoch: int) -> np.ndarray:
+        """Version 2: one 64-bit key per Feistel round of ``epoch``."""
+        return np.random.default_rng(self._entropy(epoch)).integers(0, 2**63, size=FEISTEL_ROUNDS, dtype=np.uint64)
 
     def windows(self, first_sample: int, count: int) -> np.ndarray:
         return self.at(np.arange(first_sample, first_sample + count))
@@ -42,7 +66,41 @@ class SampleOrder:
     def at(self, samples: np.ndarray) -> np.ndarray:
         """Window indices of the given sample indices (any order, repeats allowed)."""
         epochs, positions = np.divmod(np.asarray(samples, dtype=np.int64), self.n_windows)
-        return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
+        if self.version == 1:
+            return np.array([self.permutation(int(e))[p] for e, p in zip(epochs, positions)], dtype=np.int64)
+        out = np.empty(len(positions), dtype=np.int64)
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            out[chosen] = self.permute(positions[chosen], int(epoch))
+        return out
+
+    def permute(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        """Version 2: the permutation of ``epoch`` at ``positions`` (each in ``[0, n_windows)``)."""
+        x = np.asarray(positions, dtype=np.uint64).copy()
+        keys = self.round_keys(epoch)
+        outside = np.ones(len(x), dtype=bool)
+        while outside.any():  # cycle walking: expected under 4 rounds trips, as the domain is under 4x
+            x[outside] = _feistel(x[outside], keys, self.half_bits)
+            outside = x >= np.uint64(self.n_windows)
+        return x.astype(np.int64)
+
+
+def _feistel(x: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
+    """One pass of the balanced Feistel network over ``[0, 4^half_bits)`` (a bijection there)."""
+    mask = np.uint64((1 << half_bits) - 1)
+    left, right = x >> np.uint64(half_bits), x & mask
+    for key in keys:
+        left, right = right, left ^ (_mix64(right ^ key) & mask)
+    return (left << np.uint64(half_bits)) | right
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: every input bit reaches every output bit (uint64 arithmetic wraps)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def data_step(step: int, skipped: tuple[int, ...] | list[int] = ()) -> int:

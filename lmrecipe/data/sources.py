@@ -80,10 +80,12 @@ class TrainingData:
 
     def signature(self) -> dict:
         """What a checkpoint records of its data: the tokenizer signature (a resume must keep it), the training split's
-        sha256 (a change is a warning) and, for a mixture, its sources (a resume must keep names and quotas)."""
+        sha256 (a change is a warning), the sample order's version (a resume continues in it) and, for a mixture, its
+        sources (a resume must keep names and quotas)."""
         meta = read_meta_file(self.tokenizer_dir)
         signature = {**tokenizer_signature(self.tokenizer_dir, meta),
-                     "train_sha256": meta.get("splits", {}).get("train", {}).get("sha256")}
+                     "train_sha256": meta.get("splits", {}).get("train", {}).get("sha256"),
+                     "order_version": self.train_batches.order_version}
         return signature if not self.is_mixture else {**signature, "mixture": self.mixture_signature()}
 
     def probe_ids(self, n_tokens: int):

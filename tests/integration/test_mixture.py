@@ -20,12 +20,23 @@ def mix_args(out: Path, sources: str, *overrides: str) -> list[str]:
     return ["train.py", "recipes/tiny.yaml", f"out_dir={out}", *TINY_OVERRIDES, sources, *overrides]
 
 
-def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path, two_sources):
+STEPS = ["train.max_steps=6", "train.eval_every_steps=3", "checkpoint.every_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def mixture_run(tmp_path_factory, two_sources) -> Path:
+    """6 steps of a 0.7 / 0.3 mixture on one process."""
+    code, prose = two_sources
+    full = tmp_path_factory.mktemp("mixture") / "full"
+    run_script(mix_args(full, sources_arg((code, 0.7, None), (prose, 0.3, None)), *STEPS))
+    return full
+
+
+def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path, two_sources, mixture_run):
     code, prose = two_sources
     mix = sources_arg((code, 0.7, None), (prose, 0.3, None))
-    steps = ["train.max_steps=6", "train.eval_every_steps=3", "checkpoint.every_steps=3"]
-    full = tmp_path / "full"
-    run_script(mix_args(full, mix, *steps))
+    steps = STEPS
+    full = mixture_run
     rows = read_metrics(full / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
@@ -65,6 +76,22 @@ def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path,
                                f"checkpoint.resume={full}/checkpoints/step_00000003"), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "data sources: mixture code 0.7, prose 0.3 -> mixture code 0.5, prose 0.5" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_mixture_on_two_processes_trains_like_one(tmp_path, two_sources, mixture_run):
+    """The same global samples per step, split over 2 ranks: the same losses, per-source tokens and validation."""
+    code, prose = two_sources
+    two = tmp_path / "two"
+    run_script(mix_args(two, sources_arg((code, 0.7, None), (prose, 0.3, None)), *STEPS), nproc=2)
+    one_rows = {(r["step"], "val_loss" in r): r for r in read_metrics(mixture_run / "metrics.jsonl")}
+    two_rows = {(r["step"], "val_loss" in r): r for r in read_metrics(two / "metrics.jsonl")}
+    assert sorted(two_rows) == sorted(one_rows)
+    for key, row in one_rows.items():
+        for name in ("loss", "val_loss", "val_loss/code", "val_loss/prose"):
+            if name in row:
+                assert abs(two_rows[key][name] - row[name]) <= LOSS_TOL, (key, name, two_rows[key][name], row[name])
+        assert all(two_rows[key][k] == row[k] for k in row if k.startswith("tokens_seen"))
 
 
 def bad_inputs(tmp_path: Path, two_sources: list[Path]) -> dict[str, tuple[str, str]]:

@@ -7,6 +7,7 @@ in the prepared-folder format, so each test controls exactly what the files and 
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from helpers import SEQ_LEN, write_data
 
 from lmrecipe.data.batches import BatchLayout, TrainBatches, ValBatches
 from lmrecipe.data.format import INDEX_DTYPE, TokenWindows, load_meta, open_data, sample_blocks
-from lmrecipe.data.order import SampleOrder
+from lmrecipe.data.order import ORDER_VERSION, SampleOrder
 from lmrecipe.errors import UserError
 
 
@@ -47,16 +48,56 @@ def test_windows_read_the_memmap_without_copying(data_dir):
     assert targets[1].tolist() == raw[7 * SEQ_LEN + 1 : 8 * SEQ_LEN + 1].tolist()
 
 
-def test_order_is_a_seeded_permutation_per_epoch():
-    order = SampleOrder(n_windows=50, seed=3)
+@pytest.mark.parametrize("version", [1, 2])
+def test_order_is_a_seeded_permutation_per_epoch(version):
+    order = SampleOrder(n_windows=50, seed=3, version=version)
     first_epoch = order.windows(0, 50)
     assert sorted(first_epoch.tolist()) == list(range(50))
-    assert (SampleOrder(50, 3).windows(0, 120) == order.windows(0, 120)).all()
-    assert not (SampleOrder(50, 4).windows(0, 50) == first_epoch).all()
+    assert (SampleOrder(50, 3, version=version).windows(0, 120) == order.windows(0, 120)).all()
+    assert not (SampleOrder(50, 4, version=version).windows(0, 50) == first_epoch).all()
     second_epoch = order.windows(50, 50)
     assert sorted(second_epoch.tolist()) == list(range(50)) and not (second_epoch == first_epoch).all()
     # Reading across the epoch boundary is the same as reading each epoch separately.
     assert order.windows(45, 10).tolist() == first_epoch[45:].tolist() + second_epoch[:5].tolist()
+
+
+@pytest.mark.parametrize("n_windows", [1, 2, 3, 4, 5, 255, 256, 257, 1023, 4097, 65_537])
+def test_the_feistel_order_is_a_bijection_for_any_window_count(n_windows):
+    order = SampleOrder(n_windows, seed=11)
+    for epoch in (0, 1, 7):
+        assert sorted(order.windows(epoch * n_windows, n_windows).tolist()) == list(range(n_windows))
+    mixed = SampleOrder(n_windows, seed=11, stream=123)  # a mixture source's own stream
+    assert sorted(mixed.windows(0, n_windows).tolist()) == list(range(n_windows))
+
+
+def test_the_feistel_order_looks_random_and_costs_nothing_per_window():
+    n = 100_000
+    order = SampleOrder(n, seed=1)
+    windows = order.windows(0, n)
+    assert abs(np.corrcoef(np.arange(n), windows)[0, 1]) < 0.02  # no trace of the input order
+    assert abs(np.abs(np.diff(windows)).mean() / (n / 3) - 1) < 0.02  # a random permutation's mean step is n/3
+    assert (windows != SampleOrder(n, seed=1, stream=5).windows(0, n)).mean() > 0.99
+    # 15T tokens at seq_len 2,048: 7.3e9 windows; a step's samples come back at once, nothing materialised.
+    huge = SampleOrder(7_300_000_000, seed=1)
+    start = time.perf_counter()
+    picked = huge.windows(3_000_000_000, 1024)
+    assert time.perf_counter() - start < 1.0 and len(set(picked.tolist())) == 1024
+    assert (picked >= 0).all() and (picked < huge.n_windows).all() and huge.version == 2
+
+
+def test_a_checkpoint_of_the_earlier_order_continues_in_it(tiny_data):
+    from lmrecipe.checkpoint.policy import continue_sample_order
+
+    windows = TokenWindows(tiny_data, "train", 16)
+    layout = BatchLayout(global_batch_size=8, micro_batch_size=4, world_size=1, rank=0)
+    batches = TrainBatches(windows, layout, seed=5)
+    assert batches.order_version == ORDER_VERSION == 2
+    continue_sample_order(batches, {"data": {"order_version": 2}})
+    assert batches.order_version == 2
+    continue_sample_order(batches, {"data": {"next_sample": 16}})  # written before the key existed
+    assert batches.order_version == 1
+    legacy = np.random.default_rng([5, 0]).permutation(len(windows))  # version 1: numpy's permutation
+    assert batches.window_ids(2, 0).tolist() == legacy[16:20].tolist()
 
 
 @pytest.mark.parametrize("world_size, micro", [(1, 24), (1, 4), (2, 4), (3, 8), (4, 2), (6, 1)])
