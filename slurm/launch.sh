@@ -155,7 +155,8 @@ if [[ $status -ne 0 && -f $LMRECIPE_EXIT_FILE ]]; then
     if [[ $recorded =~ ^[0-9]+ ]]; then
         status=${recorded%% *}
         words=${recorded#"$status"}
-        echo "[launch] node $machine_rank: training exited $status${words:+:$words}" >&2
+        words=${words# }
+        echo "[launch] node $machine_rank: training exited $status${words:+: $words}" >&2
     fi
 fi
 rm -f "$LMRECIPE_EXIT_FILE"

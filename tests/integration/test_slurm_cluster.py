@@ -96,8 +96,8 @@ def test_stops_during_start_up_and_mid_training_requeue_and_resume_exactly(slurm
     metrics = out_dir / "metrics.jsonl"
     proc, job_id = submit(slurm_cluster, "slurm/train.sbatch", train_args(out_dir, tiny_data), output, ["-N2"])
 
-    def launches() -> int:  # launch.sh starts, one per node and run
-        return output.read_text().count("[launch] node") if output.exists() else 0
+    def launches() -> int:  # launch.sh starts, one per node and run ("[launch] node 0 of 2 on ...")
+        return len(re.findall(r"\[launch\] node \d+ of \d+", output.read_text())) if output.exists() else 0
 
     def rows() -> int:
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
