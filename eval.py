@@ -1,12 +1,13 @@
 """Evaluate an export or a training checkpoint: validation loss, perplexity, and optionally a sample.
 
     python eval.py runs/tiny/export --data data/stdlib
+    python eval.py runs/mix/export --data data/code data/prose --source-weights 0.7 0.3   # per source and weighted
     python eval.py runs/tiny/checkpoints/step_00000300 --data data/stdlib --max-batches 20 --output result.json
     accelerate launch --multi_gpu --num_processes 2 eval.py runs/tiny/export --data data/stdlib --generate "def "
 
 Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ..., "document_masking": ...} (plus "prompt" and
-"continuation" with --generate, whose text follows on the next lines). The result is the same on any number of
-processes. Each token attends only to its own document, as in training with data.document_masking;
+"continuation" with --generate, whose text follows on the next lines; with several --data folders, "sources":
+each folder's loss, perplexity, tokens and weight). The result is the same on any number of processes. Each token attends only to its own document, as in training with data.document_masking;
 --no-document-masking evaluates each window as one stream.
 """
 
@@ -23,7 +24,12 @@ from lmrecipe.fileio import write_text_atomic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="export folder (config.json + safetensors) or training checkpoint folder")
-    parser.add_argument("--data", required=True, metavar="DATA_DIR", help="prepared data folder; its val split is evaluated")
+    parser.add_argument("--data", required=True, nargs="+", metavar="DATA_DIR",
+                        help="prepared data folder(s); the val split of each is evaluated. Several folders are a "
+                             "mixture: each is reported by its folder name, and the loss is their weighted mean")
+    parser.add_argument("--source-weights", type=float, nargs="+", metavar="W",
+                        help="a mixture's weights, one per --data folder, in the same order (default: equal); "
+                             "normalised, and a folder of weight 0 is reported but left out of the mean, as in training")
     parser.add_argument("--max-batches", type=int, default=None, metavar="N",
                         help="evaluate at most N batches of --batch-size windows (default: the whole val split)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass and process (default: %(default)s)")
@@ -50,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
         generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed, weights=args.weights,
         document_masking=args.document_masking, allow_other_tokenizer=args.allow_other_tokenizer,
+        source_weights=args.source_weights,
     )
     if is_main:
         print(json.dumps(result), flush=True)

@@ -9,14 +9,16 @@ Each trial is a fresh process; the three sides run in rotated order per round (p
 - p1, p2: lmrecipe.data.prepare.pipeline.prepare(tokenizer=<an existing tokenizer folder>, num_proc=1 or 2), what
   tools/prepare_data.py --tokenizer DIR --num-proc N runs; the figure is meta.json's timing.tokens_per_sec (the
   tokenization stage: worker start-up, encoding, EOS, the uint16 conversion and the .bin/.idx writes, and since
-  preparation streams, the corpus read too; not the tokenizer load). The tokenizer is given, so no BPE training is timed. With --prepare-tokenizer
-  trained, prepare trains its BPE instead (prepare_data's default; the training is not in the figure) and its
-  workers encode with the tokenizers library alone, without importing transformers.
+  preparation streams, the corpus read too; not the tokenizer load). The tokenizer is given, so no BPE training is
+  timed; it is a fast tokenizer that encodes alike through both libraries, so prepare's workers encode with the
+  tokenizers library alone, without importing transformers. With --prepare-tokenizer trained, prepare trains its
+  BPE instead (prepare_data's default; the training is not in the figure).
 - map: datasets.Dataset.from_dict({"text": docs}).map(tokenize, batched=True) in one process with the same
   tokenizer (AutoTokenizer on the same folder) and the same documents; tokens counted from its output.
 
-Last, in this process: prepare's encoder for a given tokenizer (transformers) against its encoder for a trained one
-(the tokenizers library) on the same tokenizer.json, interleaved, checking that the bytes are identical.
+Last, in this process: prepare's encoder through transformers' __call__ (what it keeps for a tokenizer without a
+tokenizer.json, or whose class encodes differently) against the tokenizers library on the same tokenizer.json,
+interleaved, checking that the bytes are identical.
 
 With TOKENIZERS_PARALLELISM unset (the default) the Rust tokenizer may use every core inside one process, in p1
 and in map alike; prepare's workers (p2) set it to false. --tokenizers-parallelism false makes every side single-threaded.
@@ -94,9 +96,9 @@ def chunk_texts(texts: list[str], max_chars: int, max_docs: int) -> list[list[st
     return chunks + ([current] if current else [])
 
 
-def candidate_encoder(args, report) -> dict:
-    """prepare's encoder for a given tokenizer (transformers' __call__) against the tokenizers-library path it uses for
-    a trained one, on the same tokenizer.json, in this process, interleaved; the bytes must be identical."""
+def encoder_paths(args, report) -> dict:
+    """prepare's two encoders, transformers' __call__ and the tokenizers library, on the same tokenizer.json, in this
+    process, interleaved; the bytes must be identical."""
     from lmrecipe.data.prepare import pipeline as P
     from lmrecipe.data.prepare.tokenize import ChunkEncoder, EncoderSpec
 
@@ -118,9 +120,8 @@ def candidate_encoder(args, report) -> dict:
     identical = outputs["transformers"] == outputs["tokenizers"]
     stats = C.ratio_stats([t / k for t, k in zip(seconds["transformers"], seconds["tokenizers"])])
     n_tokens = len(outputs["tokenizers"]) // (2 if meta["dtype"] == "uint16" else 4)
-    report.line(f"candidate change, {len(texts)} documents ({n_tokens:,} tokens) in this process: encoding a given "
-                f"fast tokenizer with the tokenizers library (as prepare does for its trained BPE) instead of "
-                f"transformers' __call__: "
+    report.line(f"encoders, {len(texts)} documents ({n_tokens:,} tokens) in this process: the tokenizers library "
+                f"(prepare's path for a fast tokenizer) against transformers' __call__ (its fallback): "
                 f"{C.fmt_ratio(stats)} faster, identical bytes: {identical}")
     return {"speedup": stats, "identical": identical, "seconds": seconds}
 
@@ -196,7 +197,7 @@ def main() -> int:
                 f"{2 * walls['p1'] / cpus['p2']:.2f}x as fast as on 1")
     report.figures = {"ratios": stats, "runs": runs, "prepare_cpu_seconds": cpus, "cores_used": cores}
     if args.encoder_documents:
-        report.figures["candidate_encoder"] = candidate_encoder(args, report)
+        report.figures["encoder_paths"] = encoder_paths(args, report)
     report.save()
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def evaluate_path(
     path: str | Path,
-    data_dir: str | Path,
+    data_dir: str | Path | Sequence[str | Path],
     max_batches: int | None = None,
     batch_size: int = 8,
     seq_len: int | None = None,
@@ -36,8 +37,10 @@ def evaluate_path(
     weights: str = "raw",
     document_masking: bool = True,
     allow_other_tokenizer: bool = False,
+    source_weights: Sequence[float] | None = None,
 ) -> tuple[dict, bool]:
-    """Evaluate ``path`` (export folder or training checkpoint) on the val split of ``data_dir``.
+    """Evaluate ``path`` (export folder or training checkpoint) on the val split of ``data_dir``, or of each folder of
+    a mixture (a list of folders).
 
     Args:
         max_batches: evaluate at most this many batches of ``batch_size`` windows (spread over val.bin,
@@ -51,16 +54,22 @@ def evaluate_path(
             training with ``data.document_masking`` does); False evaluates the windows as one stream each.
         allow_other_tokenizer: evaluate data whose ``tokenizer.json`` differs from the model's (a UserError
             otherwise: its ids fit the vocabulary but mean other text).
+        source_weights: a mixture's weights, one per folder (default: equal). As in training, the mixture's loss is
+            the weight-averaged mean of the folders' losses, folders of weight 0 reported and left out of it.
 
     Returns:
-        ``({"loss", "perplexity", "tokens", "document_masking"[, "prompt", "continuation"]}, is_main_process)``.
+        ``({"loss", "perplexity", "tokens", "document_masking"[, "sources"][, "prompt", "continuation"]},
+        is_main_process)``; ``sources`` (a mixture only) holds each folder's ``loss``, ``perplexity``, ``tokens`` and
+        normalised ``weight`` under its folder name.
     """
     for name, value in (("--max-batches", max_batches), ("--batch-size", batch_size), ("--seq-len", seq_len),
                         ("--max-new-tokens", max_new_tokens)):
         if value is not None and value <= 0:
             raise fail(f"{name}={value} must be positive.")
+    data_dirs = [Path(data_dir)] if isinstance(data_dir, (str, Path)) else [Path(d) for d in data_dir]
+    shares = mixture_weights(data_dirs, source_weights)
     accelerator = build_eval_accelerator()
-    meta = load_meta(data_dir)  # a wrong data folder fails before the model is loaded
+    metas = [load_meta(d) for d in data_dirs]  # a wrong data folder fails before the model is loaded
     model, tokenizer, trained_seq_len = load_for_inference(path, weights=weights)
     seq_len = seq_len or trained_seq_len
     if seq_len > model.config.max_position_embeddings:
@@ -69,7 +78,55 @@ def evaluate_path(
     if chunk_tokens := TrainConfig().chunk_tokens(model.config.vocab_size):  # large vocabularies: no full logits
         use_chunked_loss(model, chunk_tokens)
 
-    val = TokenWindows(data_dir, "val", seq_len, meta)
+    sets = []
+    for folder, meta in zip(data_dirs, metas):
+        val = TokenWindows(folder, "val", seq_len, meta)
+        check_tokenizer(folder, meta, model, tokenizer, allow_other_tokenizer)
+        n_windows = len(val) if max_batches is None else min(len(val), max_batches * batch_size)
+        sets.append(ValBatches(val, n_windows, batch_size, accelerator.num_processes, accelerator.process_index,
+                               documents=document_masking))
+    attention = masking_attention(model) if document_masking else None
+    losses = [validation_loss(model, batches, accelerator, attention) for batches in sets]
+    if attention is not None:
+        model.set_attn_implementation(attention.requested)  # generation below runs the stock attention
+    tokens = [int(len(batches.all_ids) * seq_len) for batches in sets]
+    loss = sum(w * x for w, x in zip(shares, losses) if w > 0)
+    result = {"loss": loss, "perplexity": perplexity(loss), "tokens": sum(tokens), "document_masking": document_masking}
+    if len(data_dirs) > 1:
+        result["sources"] = {folder.name: {"loss": x, "perplexity": perplexity(x), "tokens": n, "weight": w}
+                             for folder, x, n, w in zip(data_dirs, losses, tokens, shares)}
+    for folder, batches, x in zip(data_dirs, sets, losses):
+        logger.info("%s: %d windows of %d tokens on %d processes, document masking %s: loss %.6f", folder,
+                    len(batches.all_ids), seq_len, accelerator.num_processes, "on" if document_masking else "off", x)
+    if generate is not None and accelerator.is_main_process:
+        result.update(prompt=generate, continuation=sample(model, tokenizer, generate, max_new_tokens, seed))
+    return result, accelerator.is_main_process
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+def mixture_weights(data_dirs: list[Path], source_weights: Sequence[float] | None) -> list[float]:
+    """The folders' weights normalised to sum to 1 (equal when not given); UserError naming the fix if they cannot be."""
+    names = [d.name for d in data_dirs]
+    if len(set(names)) != len(names):
+        raise fail(f"--data names two folders of the same name ({', '.join(map(str, data_dirs))}): the result reports "
+                   "each folder by its name. Give each folder of a mixture its own name.")
+    if source_weights is None:
+        return [1.0 / len(data_dirs)] * len(data_dirs)
+    if len(source_weights) != len(data_dirs):
+        raise fail(f"--source-weights has {len(source_weights)} values for {len(data_dirs)} --data folders: give one "
+                   "weight per folder, in the same order.")
+    if any(not math.isfinite(w) or w < 0 for w in source_weights) or sum(source_weights) <= 0:
+        raise fail(f"--source-weights {' '.join(map(str, source_weights))}: weights must be finite numbers >= 0, at "
+                   "least one positive (0 evaluates a folder without counting it in the mixture's loss).")
+    total = sum(source_weights)
+    return [w / total for w in source_weights]
+
+
+def check_tokenizer(data_dir: Path, meta: dict, model, tokenizer, allow_other_tokenizer: bool) -> None:
+    """UserError unless ``data_dir``'s ids fit the model and were made by its tokenizer (or that is allowed)."""
     vocab = model.config.vocab_size
     top = int(meta["splits"]["val"]["max_token_id"])
     if int(meta["vocab_size"]) > vocab or top >= vocab:
@@ -85,20 +142,6 @@ def evaluate_path(
                        f"{model_tokenizer.parent}), or pass --allow-other-tokenizer if the two encode alike.")
         logger.warning("%s differs from the model's tokenizer; the perplexity is only meaningful if they encode alike.",
                        data_tokenizer)
-    n_windows = len(val) if max_batches is None else min(len(val), max_batches * batch_size)
-    batches = ValBatches(val, n_windows, batch_size, accelerator.num_processes, accelerator.process_index,
-                         documents=document_masking)
-    attention = masking_attention(model) if document_masking else None
-    loss = validation_loss(model, batches, accelerator, attention)
-    if attention is not None:
-        model.set_attn_implementation(attention.requested)  # generation below runs the stock attention
-    result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
-              "tokens": int(len(batches.all_ids) * seq_len), "document_masking": document_masking}
-    logger.info("%d windows of %d tokens on %d processes, document masking %s: loss %.6f", len(batches.all_ids),
-                seq_len, accelerator.num_processes, "on" if document_masking else "off", loss)
-    if generate is not None and accelerator.is_main_process:
-        result.update(prompt=generate, continuation=sample(model, tokenizer, generate, max_new_tokens, seed))
-    return result, accelerator.is_main_process
 
 
 def masking_attention(model) -> DocumentAttention:

@@ -14,7 +14,7 @@ import numpy as np
 
 from lmrecipe.config import TrainConfig
 from lmrecipe.data.documents import DocumentBatch, stack_documents
-from lmrecipe.data.format import TokenWindows, stack_windows
+from lmrecipe.data.format import TokenWindows, split_rows
 from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step, name_stream
 from lmrecipe.errors import fail
 
@@ -133,7 +133,13 @@ class StepBatches:
         return self._samples(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
 
     def _batch(self, sources: np.ndarray, windows: np.ndarray) -> MicroBatch:
-        inputs, targets = stack_windows([self.sources[k].window(w) for k, w in zip(sources, windows)])
+        if len(self.sources) == 1:
+            rows = self.sources[0].rows(windows)
+        else:  # one gather per source present, placed at its samples' positions
+            rows = np.empty((len(windows), self.sources[0].seq_len + 1), dtype=np.int64)
+            for k in np.unique(sources):
+                rows[sources == k] = self.sources[k].rows(windows[sources == k])
+        inputs, targets = split_rows(rows)
         if not self.documents:
             return MicroBatch(inputs, targets)
         documents = stack_documents([self.sources[k].documents([w]) for k, w in zip(sources, windows)])

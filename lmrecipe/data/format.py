@@ -181,6 +181,10 @@ class TokenWindows:
         self.index_path = Path(data_dir) / f"{split}.idx"
         check_sample(self.tokens, self.index_path, meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
+        # One fancy index into a plain-ndarray view of the map (still memory-mapped, no copy) gathers a batch:
+        # np.memmap's per-slice overhead made stacking one slice per window 4x slower (BENCHMARKS.md section 3).
+        self._view = self.tokens.view(np.ndarray)
+        self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         if self.n_windows < 1:
             raise fail(
                 f"data.seq_len={seq_len} is longer than the {split} split ({len(self.tokens)} tokens in {self.path}); "
@@ -191,25 +195,32 @@ class TokenWindows:
         return self.n_windows
 
     def window(self, i: int) -> np.ndarray:
-        """The ``seq_len + 1`` tokens of window ``i`` (a view of the memmap), checked against ``max_token_id``.
+        """The ``seq_len + 1`` tokens of window ``i``, int64, checked as :meth:`rows` checks them."""
+        return self.rows(np.asarray([i]))[0]
+
+    def rows(self, window_ids) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of each window, ``[len(window_ids), seq_len + 1]`` int64, checked against
+        ``max_token_id``.
 
         The start-up sample cannot see every token; this check does, as each window is read, on the host (in
         training, on the prefetch thread), so an id past the vocabulary stops the run with a message instead of an
         index error in the embedding (on a GPU, a device-side assert that kills the process).
         """
         L = self.seq_len
-        tokens = self.tokens[i * L : i * L + L + 1]
-        if len(tokens) and int(tokens.max()) > self.max_token_id:
-            at = i * L + int(np.argmax(tokens > self.max_token_id))
-            raise fail(f"{self.path} holds token id {int(tokens[at - i * L])} at token {at} (window {i}), above the "
+        ids = np.asarray(window_ids, dtype=np.int64).reshape(-1)
+        rows = self._view[ids[:, None] * L + self._offsets].astype(np.int64)
+        if rows.size and int(rows.max()) > self.max_token_id:
+            row, col = np.argwhere(rows > self.max_token_id)[0]
+            i, at = int(ids[row]), int(ids[row]) * L + int(col)
+            raise fail(f"{self.path} holds token id {int(rows[row, col])} at token {at} (window {i}), above the "
                        f"largest id meta.json records ({self.max_token_id}), which the model's vocabulary was checked "
                        f"against: the file was changed or damaged after preparation. Re-create the folder with the same "
                        f"inputs: python tools/prepare_data.py --output {self.path.parent} --overwrite ...")
-        return tokens
+        return rows
 
     def batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both ``[len(window_ids), seq_len]`` int64."""
-        return stack_windows([self.window(i) for i in window_ids])
+        return split_rows(self.rows(window_ids))
 
     @functools.cached_property
     def doc_starts(self) -> np.ndarray:
@@ -221,11 +232,10 @@ class TokenWindows:
         return document_batch(self.doc_starts, np.asarray(window_ids, dtype=np.int64) * self.seq_len, self.seq_len)
 
 
-def stack_windows(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets of windows of ``seq_len + 1`` tokens, both ``[len(windows), seq_len]`` int64."""
+def split_rows(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of int64 rows of ``seq_len + 1`` tokens, both ``[n, seq_len]``."""
     import torch
 
-    rows = np.stack(windows).astype(np.int64)
     return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
 
 

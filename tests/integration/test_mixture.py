@@ -94,6 +94,34 @@ def test_a_mixture_on_two_processes_trains_like_one(tmp_path, two_sources, mixtu
         assert all(two_rows[key][k] == row[k] for k in row if k.startswith("tokens_seen"))
 
 
+def test_eval_reports_each_source_and_the_weighted_loss_as_training_did(tmp_path, two_sources, mixture_run):
+    """eval.py on the run's last checkpoint, both folders and the run's weights, over the windows training evaluates
+    (data.val_windows=16 = 4 batches of 4): the per-source and weighted losses of the run's last evaluation."""
+    code, prose = two_sources
+    checkpoint = mixture_run / "checkpoints" / "step_00000006"
+    out = tmp_path / "eval.json"
+    run_script(["eval.py", str(checkpoint), "--data", str(code), str(prose), "--source-weights", "0.7", "0.3",
+                "--batch-size", "4", "--max-batches", "4", "--output", str(out)])
+    result = json.loads(out.read_text())
+    (last,) = [r for r in read_metrics(mixture_run / "metrics.jsonl") if r.get("step") == 6 and "val_loss" in r]
+    assert sorted(result["sources"]) == ["code", "prose"]
+    for name in ("code", "prose"):
+        assert abs(result["sources"][name]["loss"] - last[f"val_loss/{name}"]) <= LOSS_TOL, (name, result, last)
+        assert result["sources"][name]["tokens"] == 16 * 32
+    assert abs(result["loss"] - last["val_loss"]) <= LOSS_TOL
+    assert result["sources"]["code"]["weight"] == pytest.approx(0.7) and result["tokens"] == 2 * 16 * 32
+    # A weight of 0 reports the folder and leaves it out of the mean.
+    run_script(["eval.py", str(checkpoint), "--data", str(code), str(prose), "--source-weights", "1", "0",
+                "--batch-size", "4", "--max-batches", "4", "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert result["loss"] == pytest.approx(result["sources"]["code"]["loss"], rel=1e-12)
+    assert abs(result["sources"]["prose"]["loss"] - last["val_loss/prose"]) <= LOSS_TOL
+    # One weight per folder, or exit 2 with the fix.
+    proc = run_script(["eval.py", str(checkpoint), "--data", str(code), str(prose), "--source-weights", "1"],
+                      check=False)
+    assert proc.returncode == 2 and "one weight per folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def bad_inputs(tmp_path: Path, two_sources: list[Path]) -> dict[str, tuple[str, str]]:
     code, prose = two_sources
     (tmp_path / "empty").mkdir()

@@ -5,7 +5,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from lmrecipe.data.prepare.read import (  # noqa: E402
     split_of,
     stdlib_root,
 )
-from lmrecipe.data.prepare.tokenize import EOS_TOKEN, ChunkEncoder, train_bpe_tokenizer  # noqa: E402
+from lmrecipe.data.prepare.tokenize import EOS_TOKEN, ChunkEncoder, EncoderSpec, train_bpe_tokenizer  # noqa: E402
 from lmrecipe.errors import UserError  # noqa: E402
 
 
@@ -134,12 +134,47 @@ def test_output_is_identical_for_any_num_proc_and_tokenizer_path(prepared_docume
     strip = lambda meta: {k: v for k, v in meta.items() if k != "timing"}  # noqa: E731
     assert strip(meta_1) == strip(meta_2) == strip(json.loads((out_2 / "meta.json").read_text()))
 
-    # The saved tokenizer given back as a Hugging Face tokenizer (the transformers encoding path) must
-    # produce the same token stream as the trained one (the tokenizers-backend path).
+    # The saved tokenizer given back as a Hugging Face tokenizer must produce the same token stream as the trained
+    # one (both encode with the tokenizers library; the next test covers the transformers path).
     out_3 = tmp_path / "given_tokenizer"
     meta_3 = prep.prepare(output=out_3, inputs=[documents_dir], tokenizer=str(out_1), val_fraction=0.2, num_proc=1)
     assert meta_3["tokenizer"] == str(out_1) and meta_3["splits"] == meta_1["splits"]
     assert (out_3 / "train.bin").read_bytes() == (out_1 / "train.bin").read_bytes()
+
+
+def test_a_given_fast_tokenizer_encodes_with_the_tokenizers_library_unless_its_class_changes_the_encoding(
+        prepared_documents, documents_dir, tmp_path, monkeypatch, caplog):
+    import transformers
+
+    out_1, meta_1 = prepared_documents
+    texts = load_corpus([documents_dir]).texts
+    spec = EncoderSpec(str(out_1), True, meta_1["eos_id"], meta_1["vocab_size"], meta_1["dtype"])
+    # The two encoders agree on every document, special-token text included.
+    assert ChunkEncoder(spec)([*texts, f"x {EOS_TOKEN} y"])[0] == \
+        ChunkEncoder(replace(spec, backend=False))([*texts, f"x {EOS_TOKEN} y"])[0]
+    with caplog.at_level(logging.INFO, logger="lmrecipe.data.prepare.tokenize"):
+        prep.prepare(output=tmp_path / "fast", inputs=[documents_dir], tokenizer=str(out_1), val_fraction=0.2,
+                     num_proc=1)
+    assert "encoding with the tokenizers library" in caplog.text
+    assert (tmp_path / "fast" / "train.bin").read_bytes() == (out_1 / "train.bin").read_bytes()
+
+    # A tokenizer class whose __call__ changes the text in Python (here: lower-cases it) is seen on the sample and
+    # keeps the transformers path, so the data holds what that class encodes.
+    original = transformers.PreTrainedTokenizerFast.__call__
+
+    def lower_casing(self, text, *args, **kwargs):
+        return original(self, [t.lower() for t in text], *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "__call__", lower_casing)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmrecipe.data.prepare.tokenize"):
+        prep.prepare(output=tmp_path / "slow", inputs=[documents_dir], tokenizer=str(out_1), val_fraction=0.2,
+                     num_proc=1)
+    assert "encoding with transformers: the tokenizers library encodes a sample" in caplog.text
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_1)
+    ids = np.fromfile(tmp_path / "slow" / "train.bin", dtype=meta_1["dtype"]).tolist()
+    decoded = tokenizer.decode(ids)
+    assert decoded == decoded.lower() and decoded != tokenizer.decode(np.fromfile(out_1 / "train.bin", dtype=meta_1["dtype"]).tolist())
 
 
 def test_split_is_deterministic_order_independent_and_seeded():

@@ -14,6 +14,7 @@ it again and it restarts from the beginning.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
@@ -38,6 +39,7 @@ from lmrecipe.data.prepare.tokenize import (
     ChunkEncoder,
     EncoderSpec,
     check_vocab_size,
+    choose_encoder,
     encode_in_worker,
     init_worker,
     load_hf_tokenizer,
@@ -53,6 +55,8 @@ logger = logging.getLogger(__name__)
 # next to tokenizing, small enough that the progress bar moves and both cores stay busy on a small corpus.
 _CHUNK_CHARS = 256 * 1024
 _CHUNK_DOCS = 1024
+_SAMPLE_DOCS = 64
+"""Documents a given tokenizer's two encoders must agree on (:func:`choose_encoder`)."""
 # Chunks submitted but not yet written, per tokenizer process: enough to keep every worker busy while the
 # parent reads the next documents, few enough that memory stays a handful of chunks.
 _IN_FLIGHT_PER_PROC = 2
@@ -165,9 +169,13 @@ def _build(
     dtype = "uint16" if vocab_size <= 2**16 else "uint32"
     started = time.perf_counter()
     stats = ReadStats()
-    spec = EncoderSpec(str(tmp_dir), given_tokenizer is None, eos_id, vocab_size, dtype)
-    splits, inputs = _tokenize_to_files(tmp_dir, source.documents(stats), spec, num_proc, val_fraction, seed,
-                                        len(source.names))
+    spec = EncoderSpec(str(tmp_dir), True, eos_id, vocab_size, dtype)
+    documents = source.documents(stats)
+    if given_tokenizer is not None:
+        first = list(itertools.islice(documents, _SAMPLE_DOCS))
+        spec = choose_encoder(spec, [doc.text for doc in first])
+        documents = itertools.chain(first, documents)
+    splits, inputs = _tokenize_to_files(tmp_dir, documents, spec, num_proc, val_fraction, seed, len(source.names))
     tokenize_seconds = time.perf_counter() - started
     described = source.describe(stats)
     check_splits(splits, stats, described, val_fraction)

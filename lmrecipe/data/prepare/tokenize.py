@@ -3,21 +3,25 @@
 A trained BPE learns from a bounded sample (the first ``tokenizer_sample_mb`` MB of train documents, see
 :func:`lmrecipe.data.prepare.read.train_sample`). :class:`ChunkEncoder` turns a list of documents into the bytes
 of one id array, each document followed by EOS; the worker processes of the pipeline each build one
-(:func:`init_worker`) and encode with :func:`encode_in_worker`. For a trained BPE a worker encodes with the
-``tokenizers`` library alone: transformers and torch stay out of it.
+(:func:`init_worker`) and encode with :func:`encode_in_worker`. A worker encodes with the ``tokenizers`` library
+alone (transformers and torch stay out of it) for a trained BPE, and for a given fast tokenizer (one with a
+``tokenizer.json``) once :func:`choose_encoder` has seen it encode a sample exactly as its transformers wrapper does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from lmrecipe.errors import fail
+
+logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 TRAINED_TOKENIZER = "bpe-trained"
@@ -107,7 +111,8 @@ class EncoderSpec:
     """What a tokenizer worker needs to build its encoder; small and picklable."""
 
     tokenizer_dir: str
-    trained: bool
+    backend: bool
+    """Encode with the ``tokenizers`` library from ``tokenizer.json``; else with transformers' ``__call__``."""
     eos_id: int
     vocab_size: int
     dtype: str
@@ -122,9 +127,9 @@ class ChunkEncoder:
 
     def __init__(self, spec: EncoderSpec):
         self.spec = spec
-        if spec.trained:
-            # The trained tokenizer has no normalizer or post-processor, so its `tokenizers` backend encodes
-            # exactly like the transformers wrapper, without importing transformers into every worker.
+        if spec.backend:
+            # What transformers' fast tokenizers call underneath (`encode_batch` with the same flags; the `_fast`
+            # variant only skips the offsets), without importing transformers into every worker.
             from tokenizers import Tokenizer
 
             self._backend = Tokenizer.from_file(str(Path(spec.tokenizer_dir) / "tokenizer.json"))
@@ -135,7 +140,7 @@ class ChunkEncoder:
             self._hf = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
-        if self.spec.trained:
+        if self.spec.backend:
             return [encoding.ids for encoding in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
         # verbose=False: documents are longer than model_max_length by design, the warning would be noise.
         return self._hf(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
@@ -156,6 +161,32 @@ class ChunkEncoder:
                 f"tokenizer produced ids in [{array.min()}, {top}], outside [0, {self.spec.vocab_size})"
             )
         return array.astype(np.dtype(self.spec.dtype).newbyteorder("<")).tobytes(), lengths, top
+
+
+def choose_encoder(spec: EncoderSpec, texts: list[str]) -> EncoderSpec:
+    """For a given tokenizer: the ``tokenizers``-library path (1.7x faster on one core, BENCHMARKS.md section 4) when
+    the folder has a ``tokenizer.json`` and it encodes ``texts``, plus every special token written as text, exactly
+    as transformers' wrapper does; else transformers. A tokenizer class may override ``__call__`` in Python, which
+    the backend would skip: the comparison catches it."""
+    slow = replace(spec, backend=False)
+    if not (Path(spec.tokenizer_dir) / "tokenizer.json").is_file():
+        logger.info("encoding with transformers: the tokenizer has no tokenizer.json")
+        return slow
+    reference = ChunkEncoder(slow)
+    specials = " ".join(reference._hf.all_special_tokens)
+    probe = [*texts, f"a {specials} b", specials]
+    try:
+        same = ChunkEncoder(replace(spec, backend=True)).encode(probe) == reference.encode(probe)
+    except Exception as err:  # noqa: BLE001 - a tokenizer.json this tokenizers version cannot read (it raises plain Exception)
+        logger.info("encoding with transformers: tokenizer.json does not load in the tokenizers library (%s)", err)
+        return slow
+    if not same:
+        logger.info("encoding with transformers: the tokenizers library encodes a sample of %d documents differently "
+                    "(the tokenizer class changes the encoding in Python)", len(texts))
+        return slow
+    logger.info("encoding with the tokenizers library (tokenizer.json): same ids as transformers on a sample of %d "
+                "documents", len(texts))
+    return replace(spec, backend=True)
 
 
 # Set once in each tokenizer worker process by `init_worker`: a Pool initializer is how every worker gets
