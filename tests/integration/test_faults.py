@@ -201,12 +201,18 @@ def test_bad_input_to_train_is_one_paragraph_and_leaves_nothing_empty(tmp_path, 
         assert not out.exists()  # the failed start removed the folders it made
 
 
+def sigint_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT handled by default, as in a terminal's foreground process (a test run started
+    in the background passes SIGINT ignored to its children, and the recipe leaves an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, tiny_data):
     out = tmp_path / "run"
     args = ["train.py", "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
             "train.max_steps=100000", "checkpoint.every_steps=0", "train.eval_every_steps=0"]
     proc = subprocess.Popen(launch_cmd(1) + args, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len(train_steps(out)) < 3:
@@ -233,7 +239,8 @@ sys.exit(0)
 
 def test_a_second_ctrl_c_stops_at_once():
     proc = subprocess.Popen([sys.executable, "-c", SECOND_CTRL_C], cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)

@@ -120,7 +120,16 @@ def test_estimate_memory_blames_nodes_for_zero_nodes(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------- interrupts
 
 
-def test_ctrl_c_asks_for_a_stop_with_exit_130_and_close_restores_the_handler():
+@pytest.fixture
+def sigint_as_in_a_terminal():
+    """SIGINT handled as in a terminal's foreground process: pytest started in the background inherits it ignored,
+    and PreemptionSignal leaves an ignored SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_asks_for_a_stop_with_exit_130_and_close_restores_the_handler(sigint_as_in_a_terminal):
     before = signal.getsignal(signal.SIGINT)
     stop = PreemptionSignal(launched=False)
     try:
