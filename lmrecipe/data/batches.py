@@ -142,7 +142,10 @@ class StepBatches:
         inputs, targets = split_rows(rows)
         if not self.documents:
             return MicroBatch(inputs, targets)
-        documents = stack_documents([self.sources[k].documents([w]) for k, w in zip(sources, windows)])
+        if len(self.sources) == 1:
+            documents = self.sources[0].documents(windows)
+        else:
+            documents = stack_documents([self.sources[k].documents([w]) for k, w in zip(sources, windows)])
         return MicroBatch(inputs, targets, documents.as_tensors())
 
 

@@ -181,15 +181,17 @@ class TokenWindows:
         self.index_path = Path(data_dir) / f"{split}.idx"
         check_sample(self.tokens, self.index_path, meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
-        # One fancy index into a plain-ndarray view of the map (still memory-mapped, no copy) gathers a batch:
-        # np.memmap's per-slice overhead made stacking one slice per window 4x slower (BENCHMARKS.md section 3).
-        self._view = self.tokens.view(np.ndarray)
-        self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         if self.n_windows < 1:
             raise fail(
                 f"data.seq_len={seq_len} is longer than the {split} split ({len(self.tokens)} tokens in {self.path}); "
                 f"a window needs seq_len + 1 tokens. Lower data.seq_len or prepare more data."
             )
+        # Every window as a row of one strided view of the map (rows overlap by a token; still memory-mapped, no
+        # copy): a batch is one index along the rows, each row copied whole. Slicing the np.memmap once per window
+        # and stacking was several times slower (BENCHMARKS.md section 3).
+        view = self.tokens.view(np.ndarray)
+        self._rows = np.lib.stride_tricks.as_strided(view, shape=(self.n_windows, seq_len + 1),
+                                                     strides=(seq_len * view.itemsize, view.itemsize), writeable=False)
 
     def __len__(self) -> int:
         return self.n_windows
@@ -208,7 +210,7 @@ class TokenWindows:
         """
         L = self.seq_len
         ids = np.asarray(window_ids, dtype=np.int64).reshape(-1)
-        rows = self._view[ids[:, None] * L + self._offsets].astype(np.int64)
+        rows = self._rows[ids].astype(np.int64)
         if rows.size and int(rows.max()) > self.max_token_id:
             row, col = np.argwhere(rows > self.max_token_id)[0]
             i, at = int(ids[row]), int(ids[row]) * L + int(col)
