@@ -5,7 +5,7 @@ import csv
 import pytest
 from helpers import TINY_OVERRIDES, run_script
 
-CONFIGS = ["none", "zero2", "zero3"]
+CONFIGS = ["none", "zero3"]  # zero2: tests/integration/test_slurm_cluster.py::test_compare_zero_sbatch
 
 
 @pytest.mark.slow
@@ -13,7 +13,7 @@ def test_compare_zero_writes_results(tmp_path, tiny_data):
     out = tmp_path / "compare"
     proc = run_script(["tools/compare_zero.py", "recipes/tiny.yaml", f"data.path={tiny_data}", *TINY_OVERRIDES,
                        "--configs", ",".join(CONFIGS), "--steps", "3", "--nproc", "2", "--out", str(out)], timeout=900)
-    assert "[3/3] zero3: done" in proc.stdout  # progress is printed per config
+    assert "[2/2] zero3: done" in proc.stdout  # progress is printed per config
 
     rows = {r["config"]: r for r in csv.DictReader((out / "results.csv").open())}
     assert list(rows) == CONFIGS
@@ -26,7 +26,7 @@ def test_compare_zero_writes_results(tmp_path, tiny_data):
         # Model-state bytes measured from the tensors agree with lmrecipe.memory's estimate.
         assert float(row["measured_over_estimated"]) == pytest.approx(1.0, abs=0.10), row
         assert float(row["memory_per_rank_gb"]) == pytest.approx(float(row["model_states_measured_mb"]) / 1e3)
-    assert float(rows["zero2"]["model_states_measured_mb"]) < float(rows["none"]["model_states_measured_mb"])
+    assert float(rows["zero3"]["model_states_measured_mb"]) < float(rows["none"]["model_states_measured_mb"])
 
     table = (out / "results.md").read_text()
     for name in CONFIGS:

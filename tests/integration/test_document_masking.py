@@ -50,8 +50,10 @@ def test_a_masked_run_trains_on_documents_and_its_validation_matches_eval(masked
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("ds", ["zero1", "zero3"])
 def test_zero_stages_on_two_processes_agree_with_one_process_under_masking(masked_runs, ds):
+    # The mask lives in the forward: ZeRO-1 (partitioned optimizer) and ZeRO-3 (partitioned, gathered parameters)
+    # bracket it; ZeRO-2 differs from ZeRO-1 only in the gradients' partitioning.
     _, reference = masked_runs("masked-plain-1", ())
     _, two = masked_runs(f"masked-{ds}-2", (f"distributed.deepspeed_config=ds_configs/{ds}.json",), nproc=2)
     assert max_loss_diff(two, reference) <= LOSS_TOL

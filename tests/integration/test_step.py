@@ -24,9 +24,10 @@ def train_losses(out) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds_config", ["null", "zero2", "zero3"])
+@pytest.mark.parametrize("ds_config", ["null", "zero3"])
 def test_compiled_training_matches_eager(tmp_path, tiny_data, eager_losses, ds_config):
-    """torch.compile (inductor on CPU): without DeepSpeed, and DeepSpeed's engine.compile() under ZeRO-2/3."""
+    """torch.compile (inductor on CPU): without DeepSpeed, and DeepSpeed's engine.compile() under ZeRO-3, whose
+    parameter hooks are what compilation must get through (ZeRO-2 leaves the forward as it is)."""
     out = tmp_path / "compiled"
     proc = run_train(out, tiny_data, ["train.max_steps=5", "train.compile=true",
                                       f"distributed.deepspeed_config={ds_config}"], timeout=900)
