@@ -21,6 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from lmrecipe.train.preemption import process_alive
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "munged")
 NODES = ("n1", "n2")
@@ -40,19 +42,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); it has exited all the same.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def _stop_pid_file(pid_file: Path, timeout_s: float = 30.0) -> None:
     """SIGTERM the process named in ``pid_file``, wait for it to exit (SIGKILL after ``timeout_s``)."""
@@ -60,15 +49,15 @@ def _stop_pid_file(pid_file: Path, timeout_s: float = 30.0) -> None:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
         return
-    if not _alive(pid):
+    if not process_alive(pid):
         return
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(pid):
+    if process_alive(pid):
         os.kill(pid, signal.SIGKILL)
-        while _alive(pid):
+        while process_alive(pid):
             time.sleep(0.1)
 
 

@@ -113,7 +113,7 @@ def lost_peer_error(err: BaseException, peers: list[tuple[str, int]], checkpoint
     if not (isinstance(err, getattr(torch.distributed, "DistError", ())) or any(s in text for s in _PEER_LOSS)):
         return None
     host = socket.gethostname()
-    dead = [rank for rank, (h, pid) in enumerate(peers) if h == host and not _alive(pid)]
+    dead = [rank for rank, (h, pid) in enumerate(peers) if h == host and not process_alive(pid)]
     if dead:
         who = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in dead)
         what = f"{who} on {host} died"
@@ -128,7 +128,8 @@ def lost_peer_error(err: BaseException, peers: list[tuple[str, int]], checkpoint
                 exit_code=EXIT_FAILURE)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host is running: a zombie (exited, not yet reaped) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -138,5 +139,5 @@ def _alive(pid: int) -> bool:
     # A zombie (killed, not yet reaped by the launcher) still answers kill(0).
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
+    except OSError:  # its /proc entry went away after kill(0) answered: it has just exited
+        return False
