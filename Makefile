@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 # multi-GB CUDA build by pointing TORCH_PIP_ARGS="--index-url ..." at PyTorch's CPU wheel index.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
+# The suite runs on TEST_WORKERS pytest processes, one test file per worker at a time (its module fixtures are built
+# once); multi-process runs and the SLURM cluster's waits leave a core idle that the other worker uses.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 DATA := data/stdlib
 RUN := runs/tiny
 
@@ -30,11 +34,11 @@ demo: $(VENV)/.installed $(DATA)/meta.json
 	$(PY) eval.py $(RUN)/export --data $(DATA) --output $(RUN)/eval.json --generate "def main("
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # The quick set: everything but the multi-process runs.
 test-quick: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The tests that run in one process (seconds).
 test-unit: $(VENV)/.installed

@@ -37,6 +37,16 @@ def _truthy_env(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the files on several pytest workers (`--dist loadfile`): one machine holds one SLURM cluster,
+    so every test that uses it must sit in one file, which one worker runs."""
+    files = sorted({str(item.path) for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())})
+    if len(files) > 1:
+        raise pytest.UsageError(f"tests in {len(files)} files use the slurm_cluster fixture ({', '.join(files)}); "
+                                "one machine holds one cluster and the files run on parallel workers: move them to "
+                                "tests/integration/test_slurm_cluster.py.")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real two-node SLURM cluster on this machine (tests/slurm_cluster.py), torn down after the session.
