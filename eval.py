@@ -4,15 +4,24 @@
     python eval.py runs/mix/export --data data/code data/prose --source-weights 0.7 0.3   # per source and weighted
     python eval.py runs/tiny/checkpoints/step_00000300 --data data/stdlib --max-batches 20 --output result.json
     accelerate launch --multi_gpu --num_processes 2 eval.py runs/tiny/export --data data/stdlib --generate "def "
+    python eval.py runs/tiny/export --tasks next_line my_task.jsonl --data data/stdlib     # multiple choice, ours
+    python eval.py runs/tiny/export --lm-eval next_line hellaswag --data data/stdlib       # through lm-eval's HFLM
 
 Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ..., "document_masking": ...} (plus "prompt" and
 "continuation" with --generate, whose text follows on the next lines; with several --data folders, "sources":
 each folder's loss, perplexity, tokens and weight). The result is the same on any number of processes. Each token attends only to its own document, as in training with data.document_masking;
 --no-document-masking evaluates each window as one stream.
+
+--tasks scores multiple-choice tasks by log-likelihood (lmrecipe/tasks.py: JSON-lines task files, or next_line, built
+from the validation split of the first --data folder) and adds "tasks": {task: {"acc", "acc_norm", "items", "chance"}},
+the same on any number of processes; --data alone adds the loss, as above. --lm-eval runs lm-evaluation-harness
+itself on the model (one process): tasks of its registry (downloaded), of --include-path folders, or ours (a .jsonl
+task file, next_line), and adds "lm_eval": {task: {metric: value}}.
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,9 +33,25 @@ from lmrecipe.fileio import write_text_atomic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="export folder (config.json + safetensors) or training checkpoint folder")
-    parser.add_argument("--data", required=True, nargs="+", metavar="DATA_DIR",
+    parser.add_argument("--data", nargs="+", metavar="DATA_DIR",
                         help="prepared data folder(s); the val split of each is evaluated. Several folders are a "
-                             "mixture: each is reported by its folder name, and the loss is their weighted mean")
+                             "mixture: each is reported by its folder name, and the loss is their weighted mean. "
+                             "Needed unless --tasks or --lm-eval is given")
+    parser.add_argument("--tasks", nargs="+", metavar="TASK", default=[],
+                        help="multiple-choice tasks to score: JSON-lines task files ({\"context\", \"choices\", "
+                             "\"gold\"} per line) or next_line (built from the first --data folder's val split)")
+    parser.add_argument("--lm-eval", nargs="+", metavar="TASK", default=[], dest="lm_eval",
+                        help="tasks to run through lm-evaluation-harness: its registry's names, tasks of "
+                             "--include-path folders, .jsonl task files or next_line")
+    parser.add_argument("--include-path", nargs="+", metavar="DIR", default=[],
+                        help="folders of lm-eval task YAML files for --lm-eval")
+    parser.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="--lm-eval: at most N items per task (default: all)")
+    parser.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                        help="--lm-eval: few-shot examples per item (default: each task's own)")
+    parser.add_argument("--next-line-items", type=int, default=100, metavar="N",
+                        help="items of the next_line task (default: %(default)s)")
+    parser.add_argument("--task-seed", type=int, default=0, help="seed of the next_line task (default: %(default)s)")
     parser.add_argument("--source-weights", type=float, nargs="+", metavar="W",
                         help="a mixture's weights, one per --data folder, in the same order (default: equal); "
                              "normalised, and a folder of weight 0 is reported but left out of the mean, as in training")
@@ -47,17 +72,36 @@ def main(argv: list[str] | None = None) -> int:
                         help="evaluate data whose tokenizer.json differs from the model's (refused by default: the "
                              "ids would mean other text, and the loss would be meaningless)")
     args = parser.parse_args(argv)
+    if not (args.data or args.tasks or args.lm_eval):
+        parser.error("give --data (validation loss), --tasks or --lm-eval")
+    if args.generate is not None and not args.data:
+        parser.error("--generate runs with the validation loss: give --data too")
+    if args.lm_eval and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("--lm-eval runs in one process: start eval.py with python, not a multi-process launcher")
     setup_logging()
     if args.output:  # before the evaluation, whose result would otherwise be lost
         check_output_path(args.output, "--output", folder=False)
-    from lmrecipe.evaluate import evaluate_path  # heavy imports only after the arguments parsed
+    from lmrecipe.evaluate import evaluate_path, evaluate_tasks  # heavy imports only after the arguments parsed
 
-    result, is_main = evaluate_path(
-        args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
-        generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed, weights=args.weights,
-        document_masking=args.document_masking, allow_other_tokenizer=args.allow_other_tokenizer,
-        source_weights=args.source_weights,
-    )
+    result, is_main = {}, True
+    first_data = args.data[0] if args.data else None
+    task_options = dict(batch_size=args.batch_size, weights=args.weights, next_line_items=args.next_line_items,
+                        seed=args.task_seed)
+    if args.tasks:
+        result["tasks"], is_main = evaluate_tasks(args.path, args.tasks, first_data, **task_options)
+    if args.data:
+        loss, is_main = evaluate_path(
+            args.path, args.data, max_batches=args.max_batches, batch_size=args.batch_size, seq_len=args.seq_len,
+            generate=args.generate, max_new_tokens=args.max_new_tokens, seed=args.seed, weights=args.weights,
+            document_masking=args.document_masking, allow_other_tokenizer=args.allow_other_tokenizer,
+            source_weights=args.source_weights,
+        )
+        result = {**loss, **result}
+    if args.lm_eval and is_main:
+        from lmrecipe.harness import run_lm_eval
+
+        result["lm_eval"] = run_lm_eval(args.path, args.lm_eval, first_data, args.include_path, limit=args.limit,
+                                        num_fewshot=args.num_fewshot, **task_options)
     if is_main:
         print(json.dumps(result), flush=True)
         if args.output:

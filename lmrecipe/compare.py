@@ -54,14 +54,19 @@ def ds_config_path(name: str) -> str | None:
 
 def config_overrides(name: str) -> list[str]:
     """The recipe overrides of a config's ``+option`` suffixes: ``zero3+sp2`` trains ZeRO-3 with
-    ``distributed.sequence_parallel_size=2``."""
+    ``distributed.sequence_parallel_size=2``; ``zero2+fp8`` with ``train.precision=fp8``; ``zero2+muon`` with
+    ``optim.name=muon`` (and ``optim.grad_clip=0``, which Muon under DeepSpeed needs)."""
     overrides = []
     for option in name.split("+")[1:]:
         if option.startswith("sp") and option[2:].isdigit():
             overrides.append(f"distributed.sequence_parallel_size={int(option[2:])}")
+        elif option == "fp8":
+            overrides.append("train.precision=fp8")
+        elif option == "muon":
+            overrides += ["optim.name=muon", "optim.grad_clip=0"]
         else:
             raise fail(f"Config {name!r}: unknown option +{option}. Options: +spN (Ulysses sequence parallelism over "
-                       "N ranks, e.g. zero3+sp2).")
+                       "N ranks, e.g. zero3+sp2), +fp8 (train.precision=fp8), +muon (optim.name=muon).")
     return overrides
 
 
@@ -232,6 +237,7 @@ def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, 
         seq_len=cfg.data.seq_len, gradient_checkpointing=cfg.train.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
         loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
+        optimizer=cfg.optim.name,
     )
 
 

@@ -23,7 +23,7 @@ import yaml
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import write_text_atomic
 
-Precision = Literal["auto", "bf16", "fp16", "fp32"]
+Precision = Literal["auto", "bf16", "fp16", "fp32", "fp8"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -165,6 +165,14 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw; or muon: DeepSpeed's Muon (momentum orthogonalised by Newton-Schulz) for the hidden 2-D matrices, AdamW
+    (``lr``, betas, eps) for embeddings, norms, biases and the output layer. A resume keeps the checkpoint's (its
+    state differs; checked when the checkpoint is loaded, so that checkpoints from before this key load as AdamW)."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (``name=muon``); the schedule moves it in proportion to ``lr``."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
     lr: float = 3e-4
     """Peak learning rate (after warmup)."""
     min_lr: float = 3e-5
@@ -183,11 +191,13 @@ class OptimConfig:
     """Also apply weight decay to the embedding matrices."""
 
     def validate(self) -> None:
-        for key in ("lr", "eps", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2"):
+        for key in ("lr", "eps", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "muon_lr", "muon_momentum"):
             if not math.isfinite(getattr(self, key)):  # nan passes every comparison below; inf trains NaN weights
                 raise fail(f"optim.{key}={getattr(self, key)} must be a finite number.")
-        _positive(self, "lr", "eps")
+        _positive(self, "lr", "eps", "muon_lr")
         _non_negative(self, "min_lr", "weight_decay", "grad_clip")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise fail(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1) (0.95 is Muon's usual value).")
         if self.min_lr > self.lr:
             raise fail(f"optim.min_lr={self.min_lr} must not exceed optim.lr={self.lr}.")
         for key in ("beta1", "beta2"):
@@ -221,7 +231,9 @@ class TrainConfig:
     seed: int = _fixed(1337)
     """Seed of the initialisation and of the data order."""
     precision: Precision = "auto"
-    """auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPUs; or an explicit value."""
+    """auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPUs; or an explicit value. fp8 = bf16 mixed
+    precision with torchao's float8 matmuls in the linear layers (all but the first and last, and those with a
+    dimension not divisible by 16): H100/H200/Ada GPUs; on a CPU the float8 matmuls are emulated (slow, for tests)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     checkpointing_reentrant: bool = True
@@ -267,6 +279,35 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}."
             )
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str] = field(default_factory=list)
+    """Multiple-choice tasks scored by log-likelihood on the live model at evaluations (``lmrecipe/tasks.py``):
+    JSON-lines task files, or ``next_line`` (the true next line of a held-out document against lines of other
+    documents, built from the validation split of ``data.path``, or of the first of ``data.sources``). Logged as
+    ``acc/<task>``, ``acc_norm/<task>`` and ``chance/<task>``. [] = none."""
+    every_steps: Optional[int] = None
+    """Score the tasks every this many optimizer steps (and at the end): a multiple of ``train.eval_every_steps``,
+    since they run with the validation; null = at every validation."""
+    next_line_items: int = 100
+    """Items of the ``next_line`` task (4 choices each: chance is 25 %)."""
+    seed: int = 0
+    """Seed of the ``next_line`` task's items and distractors."""
+
+    def validate(self) -> None:
+        _positive(self, "next_line_items")
+        if self.every_steps is not None:
+            _positive(self, "every_steps")
+        names = [Path(spec).stem for spec in self.tasks]
+        if len(set(names)) != len(names):
+            raise fail(f"eval.tasks={self.tasks} names two tasks of one name (a task is named after its file's stem): "
+                       "rename one of the files.")
+
+    def due(self, step: int, eval_every_steps: int, max_steps: int) -> bool:
+        """Whether the tasks are scored at the evaluation after ``step``."""
+        return bool(self.tasks) and due_at(step, self.every_steps or eval_every_steps, max_steps)
 
 
 @dataclass
@@ -416,6 +457,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -436,6 +478,7 @@ class Config:
         if self.checkpoint.export_weights == "ema" and train.ema_decay == 0:
             raise fail("checkpoint.export_weights=ema needs a weight EMA: set train.ema_decay (e.g. 0.999), or "
                        "checkpoint.export_weights=raw.")
+        self._validate_eval()
         if train.early_stopping_patience and (train.eval_every_steps == 0 or every_save == 0
                                               or train.eval_every_steps % every_save):
             raise fail(
@@ -444,6 +487,17 @@ class Config:
                 f"positive multiple of checkpoint.every_steps={every_save}. Set checkpoint.every_steps="
                 f"{train.eval_every_steps or 100} (and train.eval_every_steps to the same if it is 0)."
             )
+
+    def _validate_eval(self) -> None:
+        section, every_eval = self.eval, self.train.eval_every_steps
+        if section.tasks and self.distributed.sequence_parallel_size > 1:
+            raise fail(f"eval.tasks={section.tasks} is not supported with distributed.sequence_parallel_size="
+                       f"{self.distributed.sequence_parallel_size}: score the tasks on the export with eval.py --tasks, "
+                       "or set eval.tasks=[].")
+        if section.tasks and section.every_steps is not None and every_eval and section.every_steps % every_eval:
+            raise fail(f"eval.every_steps={section.every_steps} must be a multiple of train.eval_every_steps="
+                       f"{every_eval}: the tasks are scored with the validation. Set eval.every_steps="
+                       f"{max(every_eval, section.every_steps // every_eval * every_eval)}, or null for every validation.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -162,9 +162,11 @@ def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, pr
         # Read where DeepSpeed has no process-group object yet (ZeRO-3's zero.Init while the model is built): its
         # batch check divides the process count by it.
         ds["sequence_parallel_size"] = cfg.distributed.sequence_parallel_size
-    ds.setdefault("bf16", {})["enabled"] = precision == "bf16"
+    _fit_optimizer(ds, cfg, path)
+    # fp8: bf16 master path (DeepSpeed's bf16 optimizer), float8 only inside the converted linear layers.
+    ds.setdefault("bf16", {})["enabled"] = precision in ("bf16", "fp8")
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
-    if precision != "bf16":
+    if precision not in ("bf16", "fp8"):
         # fp32 grads need no separate accumulation dtype; fp16 uses DeepSpeed's loss-scaled path.
         ds.get("data_types", {}).pop("grad_accum_dtype", None)
     ds.setdefault("steps_per_print", 2**31 - 1)  # the recipe logs; DeepSpeed's own prints are noise
@@ -172,6 +174,54 @@ def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, pr
     # makes Accelerate swap it for a DeepSpeedCPUAdam(adamw_mode=False): L2 instead of decoupled weight decay.
     ds["zero_force_ds_cpu_optimizer"] = False
     return ds
+
+
+def _fit_optimizer(ds: dict, cfg: Config, path: str | Path) -> None:
+    """What ``optim.name=muon`` needs of the ZeRO settings: ZeRO-3 reduces Muon's gradients whole, so its
+    reduce-scatter is turned off (DeepSpeed refuses the two together); optimizer offload and gradient clipping
+    are refused."""
+    if cfg.optim.name != "muon":
+        return
+    if cfg.optim.grad_clip > 0:
+        # Measured: the engine's norm (about 30 on a 1M-parameter model, against 1.1 for the raw gradients) is taken
+        # after the matrices' gradients were replaced by their orthogonalised updates.
+        raise fail(f"""
+            optim.name=muon with optim.grad_clip={cfg.optim.grad_clip} under DeepSpeed: DeepSpeed's ZeRO writes
+            Muon's orthogonalised update into the gradient before it clips, so the clip would scale Muon's step
+            down by the norm of those updates, not bound the gradients. Set optim.grad_clip=0 (Muon normalises its
+            own update), or train without DeepSpeed, where the raw gradients are clipped.""")
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("offload_optimizer", {}).get("device", "none") not in (None, "none"):
+        raise fail(f"""
+            optim.name=muon cannot run with the optimizer offloaded to the CPU ({path} sets
+            zero_optimization.offload_optimizer): this recipe's Muon updates run where the gradients are. Choose a
+            config without offload (zero1, zero2 or zero3), or optim.name=adamw.""")
+    if int(zero.get("stage", 0)) == 3 and zero.get("reduce_scatter", True):
+        zero["reduce_scatter"] = False
+
+
+def check_fp8() -> None:
+    """What ``train.precision=fp8`` needs: torchao, and a GPU with float8 tensor cores (compute capability 8.9 or
+    later: Ada, Hopper, Blackwell). Without a GPU, torchao emulates the float8 matmuls (for tests)."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise fail(f"train.precision=fp8 needs torchao ({err}): pip install torchao==0.18.0, or choose "
+                   "train.precision=bf16.") from None
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        name = torch.cuda.get_device_name()
+        raise fail(f"train.precision=fp8 needs float8 tensor cores (compute capability 8.9+: H100, H200, L40S, RTX "
+                   f"4090); the {name} has {torch.cuda.get_device_capability()}. Use train.precision=bf16.")
+
+
+def fp8_recipe():
+    """Accelerate's torchao recipe. The float8 all-gather is off: ZeRO-2/3 fail to swap the weight for its float8
+    subclass with it on ("Couldn't swap Float8Linear.weight"), and DeepSpeed gathers bf16 weights anyway. Which
+    layers convert is set per model before ``prepare`` (``model.fp8_layer_filter``)."""
+    from accelerate.utils import AORecipeKwargs
+    from torchao.float8 import Float8LinearConfig
+
+    return AORecipeKwargs(config=Float8LinearConfig(enable_fsdp_float8_all_gather=False))
 
 
 def _ensure_single_process_env() -> None:
@@ -207,6 +257,8 @@ def build_runtime(cfg: Config) -> Runtime:
     precision = resolve_precision(cfg.train.precision)
     if precision == "fp16" and not torch.cuda.is_available():
         raise fail("train.precision=fp16 needs a GPU; use fp32 or bf16 on a CPU.")
+    if precision == "fp8":
+        check_fp8()
     world_size = world_size_from_env()
     ds_path = cfg.distributed.deepspeed_config_path()
     sp = cfg.distributed.sequence_parallel_size
@@ -344,6 +396,8 @@ def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin
     distributed = world_size > 1 or plugin is not None
     backend = "gloo" if distributed and not torch.cuda.is_available() else None
     handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=timeout_s))] if distributed else []
+    if precision == "fp8":
+        handlers.append(fp8_recipe())
     accelerator = Accelerator(
         # Without cpu=True, Accelerate 1.15 on a GPU-less machine leaves several processes unsynchronised
         # (DistributedType.NO: no DDP wrapper, every rank trains alone).

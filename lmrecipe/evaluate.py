@@ -1,4 +1,5 @@
-"""Validation loss and perplexity of an export or a training checkpoint, and sampling a continuation.
+"""Validation loss and perplexity of an export or a training checkpoint, its multiple-choice tasks' accuracy, and
+sampling a continuation.
 
 The windows are the same ``ValBatches`` the training run evaluates, split over however many processes run
 and summed with one all-reduce, so 1 and N processes report the same loss (up to float summation order).
@@ -21,6 +22,7 @@ from lmrecipe.distributed import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
 from lmrecipe.loss import use_chunked_loss, validation_loss
+from lmrecipe.tasks import NEXT_LINE, describe, prepare_tasks, resolve_tasks, score_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,35 @@ def evaluate_path(
     if generate is not None and accelerator.is_main_process:
         result.update(prompt=generate, continuation=sample(model, tokenizer, generate, max_new_tokens, seed))
     return result, accelerator.is_main_process
+
+
+def evaluate_tasks(
+    path: str | Path,
+    specs: Sequence[str],
+    data_dir: str | Path | None = None,
+    batch_size: int = 8,
+    weights: str = "raw",
+    next_line_items: int = 100,
+    seed: int = 0,
+) -> tuple[dict, bool]:
+    """Score the multiple-choice tasks ``specs`` (task files, or ``next_line`` built from ``data_dir``'s validation
+    split) on ``path`` (export folder or training checkpoint), items split over the processes (``lmrecipe/tasks.py``).
+
+    Returns ``({task: {"acc", "acc_norm", "items", "chance"}}, is_main_process)``, the same on any number of processes.
+    """
+    if batch_size <= 0:
+        raise fail(f"--batch-size={batch_size} must be positive.")
+    files = resolve_tasks([s for s in specs if s != NEXT_LINE], None, next_line_items, seed)  # before the model
+    accelerator = build_eval_accelerator()
+    model, tokenizer, _ = load_for_inference(path, weights=weights)
+    tasks = resolve_tasks(specs, data_dir, next_line_items, seed, model.config.max_position_embeddings) \
+        if NEXT_LINE in specs else files
+    model.to(accelerator.device)
+    if chunk_tokens := TrainConfig().chunk_tokens(model.config.vocab_size):  # as in evaluate_path
+        use_chunked_loss(model, chunk_tokens)
+    prepared = prepare_tasks(tasks, tokenizer, model.config.max_position_embeddings)
+    logger.info("Scoring %s on %d processes", describe(tasks), accelerator.num_processes)
+    return score_tasks(model, prepared, accelerator, batch_size), accelerator.is_main_process
 
 
 def perplexity(loss: float) -> float:

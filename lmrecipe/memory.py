@@ -25,6 +25,9 @@ fp32 training, as measured by compare_zero. Per rank, at 16-bit (fp32 in bracket
   gradients (``gathered``: 2 x w x the largest layer's parameters, as DeepSpeed's estimator counts it).
 * Offload moves the optimizer states and the fp32 gradient partitions to CPU memory (``offload_optimizer``;
   fp32 ZeRO-3 keeps two of them there), and the stage-3 weight partition too (``offload_param``).
+* Muon (``optim.name=muon``) keeps one fp32 moment for the hidden matrices (``ModelShape.muon_params``) instead
+  of Adam's two: 4 bytes fewer per such parameter. fp8 training (``train.precision=fp8``) counts as bf16: its
+  float8 copies of a layer's input and weight exist only inside the layer's matmuls.
 
 Measured (:func:`model_state_bytes`): the distinct bytes of memory covered by
 
@@ -79,6 +82,7 @@ from torch import nn
 
 from lmrecipe.distributed import ZeroSetup
 from lmrecipe.fileio import write_json_atomic
+from lmrecipe.optim import muon_split
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +272,8 @@ class ModelShape:
     mlp_size: int
     num_heads: int
     vocab_size: int
+    muon_params: int = 0
+    """Elements of the hidden 2-D matrices, which ``optim.name=muon`` trains with Muon (one moment, not two)."""
 
     def persistent_params(self, threshold: int) -> int:
         return sum(n for n in self.param_sizes if n <= threshold)
@@ -293,6 +299,7 @@ def model_shape(hf_config) -> ModelShape:
         mlp_size=getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
         num_heads=heads,
         vocab_size=hf_config.vocab_size,
+        muon_params=sum(p.numel() for p in muon_split(model, False)[0]),
     )
 
 
@@ -348,17 +355,24 @@ _BYTES_PER_PARAM = {
 _OFFLOADED_GRADIENTS = {("16-bit", 1): 4, ("16-bit", 2): 4, ("16-bit", 3): 4, ("fp32", 1): 4, ("fp32", 2): 4, ("fp32", 3): 8}
 
 
+HALF_PRECISIONS = ("bf16", "fp16", "fp8")
+"""Precisions whose weights, gradients and activations are 16-bit (fp8: bf16 everywhere but inside the float8
+matmuls, whose float8 copies are transient)."""
+
+
 def weight_bytes(precision: str, stage: int) -> int:
     """Bytes of a working weight: 16-bit under DeepSpeed mixed precision, else fp32 (autocast keeps fp32 weights)."""
-    return 2 if stage > 0 and precision in ("bf16", "fp16") else 4
+    return 2 if stage > 0 and precision in HALF_PRECISIONS else 4
 
 
 def estimate_model_states(
-    shape: ModelShape, setup: ZeroSetup, world_size: int, gpus_per_node: int, precision: str, accum_steps: int
+    shape: ModelShape, setup: ZeroSetup, world_size: int, gpus_per_node: int, precision: str, accum_steps: int,
+    optimizer: str = "adamw",
 ) -> dict[str, float]:
-    """Weights, gradients and optimizer bytes per rank, and where they live (see the module docstring)."""
+    """Weights, gradients and optimizer bytes per rank, and where they live (see the module docstring).
+    ``optimizer`` muon: Muon's matrices hold one fp32 moment instead of AdamW's two (4 bytes fewer each)."""
     n, p = world_size, shape.n_params
-    kind = "16-bit" if precision in ("bf16", "fp16") else "fp32"
+    kind = "16-bit" if precision in HALF_PRECISIONS else "fp32"
     (w_whole, w_part), (g_whole, g_part), (o_whole, o_part) = _BYTES_PER_PARAM[kind, setup.stage]
     if setup.stage == 1 and accum_steps > 1:
         # Stage 1 reduces only at the accumulation boundary: until then every rank holds the whole gradient
@@ -370,6 +384,8 @@ def estimate_model_states(
     weights = w_whole * p + w_part * p / n + w_part * persistent
     grads = g_whole * p + g_part * p / n
     optim = o_whole * p + o_part * p / n
+    if optimizer == "muon":
+        optim -= 4.0 * shape.muon_params / (n if o_part else 1)
     cpu_weights = w_part * p / n if setup.stage == 3 and setup.offload_param else 0.0
     if setup.offload_optimizer and setup.stage > 0:
         return _placed(weights, grads, optim, cpu_weights, grads, optim, gpus_per_node)
@@ -387,7 +403,7 @@ def _placed(weights, grads, optim, cpu_weights, cpu_grads, cpu_optim, gpus_per_n
 
 def output_layer_bytes(shape: ModelShape, tokens: int, precision: str, loss_chunk_tokens: int = 0) -> float:
     """Bytes of the output layer and the loss for ``tokens`` tokens: the logits path or the chunked loss."""
-    e = 2 if precision in ("bf16", "fp16") else 4
+    e = 2 if precision in HALF_PRECISIONS else 4
     h, vocab = shape.hidden_size, shape.vocab_size
     if loss_chunk_tokens <= 0:
         return float(tokens * (2 * h * e + vocab * (e + 8)) + e * vocab * h)
@@ -408,7 +424,7 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
                          sequence_parallel_size: int = 1) -> tuple[float, float]:
     """Saved-activation bytes of one micro-batch on one rank without and with activation checkpointing (module
     docstring); ``seq_len`` is the whole window's, of which a rank holds ``1 / sequence_parallel_size``."""
-    e = 2 if precision in ("bf16", "fp16") else 4
+    e = 2 if precision in HALF_PRECISIONS else 4
     h, kv, f = shape.hidden_size, shape.kv_size, shape.mlp_size
     tokens = micro_batch_size * seq_len // sequence_parallel_size
     per_layer = tokens * (e * (6 * h + 2 * kv + 4 * f) + layer_extras(shape, e))
@@ -426,12 +442,12 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
 def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: int, precision: str,
              accum_steps: int, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
              attn_implementation: str = "sdpa", ema: bool = False, loss_chunk_tokens: int = 0,
-             sequence_parallel_size: int = 1) -> MemoryEstimate:
+             sequence_parallel_size: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
     """The per-rank memory budget of one ZeRO setup (``ema``: with a weight EMA; ``loss_chunk_tokens``: the chunked
-    loss, 0 = full logits; ``sequence_parallel_size``: ranks sharing each window)."""
+    loss, 0 = full logits; ``sequence_parallel_size``: ranks sharing each window; ``optimizer``: ``optim.name``)."""
     if world_size % num_nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes}")
-    states = estimate_model_states(shape, setup, world_size, world_size // num_nodes, precision, accum_steps)
+    states = estimate_model_states(shape, setup, world_size, world_size // num_nodes, precision, accum_steps, optimizer)
     gathered = 2.0 * weight_bytes(precision, setup.stage) * shape.largest_layer_params if setup.stage == 3 else 0.0
     full, checkpointed = estimate_activations(shape, micro_batch_size, seq_len, precision, attn_implementation,
                                               loss_chunk_tokens, sequence_parallel_size)

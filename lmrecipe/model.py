@@ -6,6 +6,7 @@ import contextlib
 import logging
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -113,6 +114,33 @@ def build_model(cfg: Config, hf_config, attention: DocumentAttention | None = No
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg.train.checkpointing_reentrant})
     return model
+
+
+FP8_DIVISOR = 16
+"""torchao's float8 matmuls need both dimensions of a weight divisible by this."""
+
+
+def fp8_layer_filter(model: nn.Module) -> tuple[Callable[[nn.Module, str], bool], dict[str, str]]:
+    """Which linear layers ``train.precision=fp8`` swaps for torchao's ``Float8Linear``: the filter Accelerate calls
+    with each module and its name, and the linear layers that stay in bf16, each with the reason. The first and the
+    last linear layer stay (Accelerate's rule: quantising them hurts stability) and so does every layer with a
+    dimension not divisible by 16. The dimensions are read from ``in_features``/``out_features``, which survive a
+    ZeRO-3 partition."""
+    modules = {bare_parameter_name(name): m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = list(modules)
+    kept: dict[str, str] = {}
+    for i, name in enumerate(linears):
+        module = modules[name]
+        if i == 0 or i == len(linears) - 1:
+            kept[name] = "first linear layer" if i == 0 else "last linear layer"
+        elif module.in_features % FP8_DIVISOR or module.out_features % FP8_DIVISOR:
+            kept[name] = f"{module.out_features}x{module.in_features} not divisible by {FP8_DIVISOR}"
+
+    def converts(module: nn.Module, name: str) -> bool:
+        name = bare_parameter_name(name)  # a compiled model's names carry _orig_mod.
+        return isinstance(module, nn.Linear) and name in modules and name not in kept
+
+    return converts, kept
 
 
 def _gathered(param: nn.Parameter):

@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, and the warmup + decay learning-rate schedule."""
+"""The optimizer (AdamW with weight decay on matrices only, or Muon for hidden matrices with AdamW for the rest)
+and the warmup + decay learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from lmrecipe.config import OptimConfig, ScheduleConfig
 def _ndim(param: nn.Parameter) -> int:
     # ZeRO-3 flattens partitioned parameters; their original shape survives in ds_shape.
     return len(getattr(param, "ds_shape", param.shape))
+
+
+def _shape(param: nn.Parameter) -> torch.Size:
+    return torch.Size(getattr(param, "ds_shape", param.shape))
 
 
 def split_params(model: nn.Module, decay_embeddings: bool) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -40,11 +45,13 @@ def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
     ]
 
 
-def optimizer_param_names(model: nn.Module, decay_embeddings: bool) -> list[tuple[str, ...]]:
+def optimizer_param_names(model: nn.Module, decay_embeddings: bool, name: str = "adamw") -> list[tuple[str, ...]]:
     """The optimizer's parameters in its order (group by group), each with every name it goes by (tied weights
-    have several): what gives the entries of a saved ``optimizer.bin``, which are numbered, their names."""
+    have several): what gives the entries of a saved ``optimizer.bin``, which are numbered, their names.
+    ``name``: the optimizer (``optim.name``)."""
     names = names_by_param(model)
-    return [tuple(names[id(p)]) for params in split_params(model, decay_embeddings) for p in params]
+    split = muon_split if name == "muon" else split_params
+    return [tuple(names[id(p)]) for params in split(model, decay_embeddings) for p in params]
 
 
 def names_by_param(model: nn.Module) -> dict[int, list[str]]:
@@ -56,12 +63,15 @@ def names_by_param(model: nn.Module) -> dict[int, list[str]]:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on the CPU).
+    """AdamW (``optim.name=adamw``); DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on
+    the CPU); or DeepSpeed's Muon (``optim.name=muon``, :func:`build_muon`).
 
     ``fused``: torch's fused AdamW, one kernel for all parameters, which can skip its update on the device
     (``found_inf``) so that a non-finite gradient costs no host sync. Used without DeepSpeed, whose engine
     makes that decision itself.
     """
+    if optim.name == "muon":
+        return build_muon(model, optim)
     groups = param_groups(model, optim)
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     if cpu_offload:
@@ -69,6 +79,44 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fus
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+
+
+def muon_split(model: nn.Module, decay_embeddings: bool) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
+    """Muon's hidden matrices (2-D, neither an embedding nor the output layer), then AdamW's decayed parameters
+    (the output layer, and the embeddings with ``decay_embeddings``), then AdamW's undecayed ones (biases, norm
+    gains, embeddings). Muon's matrices are in Muon's own order (largest first), so that the optimizer's
+    parameter order is this one."""
+    out = model.get_output_embeddings()
+    output_ids = {id(p) for p in out.parameters()} if out is not None else set()
+    decay, no_decay = split_params(model, decay_embeddings)
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    hidden = [p for p in decay if id(p) not in output_ids and id(p) not in embedding_ids]
+    hidden_ids = {id(p) for p in hidden}
+    adam_decay = [p for p in decay if id(p) not in hidden_ids]
+    return sorted(hidden, key=_shape, reverse=True), adam_decay, no_decay
+
+
+def build_muon(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """DeepSpeed's ``MuonWithAuxAdam``: Muon (momentum ``optim.muon_momentum``, peak learning rate
+    ``optim.muon_lr``, decoupled weight decay ``optim.weight_decay``) for the hidden matrices, AdamW (``optim.lr``,
+    betas, eps) for embeddings, norms, biases and the output layer (:func:`muon_split`).
+
+    Every parameter is tagged ``use_muon``: DeepSpeed's ZeRO optimizers read the tag to orthogonalise a matrix's
+    whole gradient before it is partitioned. Without DeepSpeed the optimizer runs Muon itself on each full
+    gradient. Each group carries ``lr_scale`` (its peak over ``optim.lr``) for :func:`set_lr`.
+    """
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    hidden, adam_decay, adam_no_decay = muon_split(model, optim.decay_embeddings)
+    hidden_ids = {id(p) for p in hidden}
+    for param in model.parameters():
+        param.use_muon = id(param) in hidden_ids
+    adam = dict(use_muon=False, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, lr_scale=1.0)
+    groups = [dict(params=hidden, use_muon=True, lr=optim.muon_lr, momentum=optim.muon_momentum,
+                   weight_decay=optim.weight_decay, lr_scale=optim.muon_lr / optim.lr),
+              dict(params=adam_decay, weight_decay=optim.weight_decay, **adam),
+              dict(params=adam_no_decay, weight_decay=0.0, **adam)]
+    return MuonWithAuxAdam([g for g in groups if g["params"]], adam_w_mode=True)
 
 
 def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfig) -> float:
@@ -94,5 +142,6 @@ def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfi
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group at ``lr``, scaled by the group's ``lr_scale`` where it has one (Muon's matrices)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -33,6 +33,19 @@ def tiny_data(tmp_path_factory, corpus_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory, corpus_dir, tiny_data) -> Path:
+    """tiny_data's corpus prepared as a set of 3 shards (``--shard i/3``, tiny_data's tokenizer, written out of order
+    as array tasks finish): the same tokens as tiny_data; treat as read-only."""
+    from lmrecipe.data.prepare.pipeline import prepare
+
+    out = tmp_path_factory.mktemp("shards") / "tiny_shards"
+    for index in (2, 0, 1):
+        prepare(output=out, inputs=[corpus_dir], tokenizer=str(tiny_data), val_fraction=0.1, num_proc=1,
+                shard=(index, 3))
+    return out
+
+
 def _truthy_env(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 

@@ -121,6 +121,7 @@ def write_data(folder: Path, n_train: int = 4001, n_val: int = 801, vocab: int =
 
 STEPS, HALF = 6, 3
 LOSS_TOL = 1e-5  # fp32 on CPU: the issue's bound for a resumed run against an uninterrupted one
+TASK_ITEMS = 13  # items of the next_line task the ZeRO-3 pair's first run scores (odd: the 2 ranks' shares differ)
 # Each run happens once per session, whichever test module asks first.
 
 
@@ -148,7 +149,8 @@ def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
     """2 processes: run ``a`` trains STEPS steps saving every HALF; run ``b`` resumes from a's step HALF.
 
     ZeRO-2: both use ds_configs/zero2.json and ``a`` exports at the end. ZeRO-3 (tied embeddings): ``a`` does
-    not gather 16-bit weights at save time, ``b`` does (ds_configs/zero3.json) and exports at the end.
+    not gather 16-bit weights at save time and scores the next_line task at its last step, ``b`` does gather
+    (ds_configs/zero3.json) and exports at the end.
     """
     from lmrecipe.checkpoint.storage import step_dir_name
 
@@ -164,7 +166,9 @@ def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
         ds = json.loads((ROOT / "ds_configs/zero3.json").read_text())
         ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
         no_gather.write_text(json.dumps(ds))
-        a_extra = [f"distributed.deepspeed_config={no_gather}", "model.tie_embeddings=true"]
+        # The multiple-choice task is scored at the last step on the live ZeRO-3 model (tests/integration/test_tasks.py).
+        a_extra = [f"distributed.deepspeed_config={no_gather}", "model.tie_embeddings=true", "eval.tasks=[next_line]",
+                   f"eval.next_line_items={TASK_ITEMS}"]
         b_extra = ["distributed.deepspeed_config=ds_configs/zero3.json", "model.tie_embeddings=true", *export]
     a, _ = cached_run(tmp_path_factory, f"zero{stage}_a", data, common + a_extra, nproc=2)
     source = a / "checkpoints" / step_dir_name(HALF)

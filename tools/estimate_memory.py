@@ -19,7 +19,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main  # noqa: E402
-from lmrecipe.compare import DEFAULT_CONFIGS, config_label, ds_config_path, estimate_config, recipe_vocab_size  # noqa: E402
+from lmrecipe.compare import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    config_label,
+    config_overrides,
+    ds_config_path,
+    estimate_config,
+    recipe_vocab_size,
+)
 from lmrecipe.config import load_config  # noqa: E402
 from lmrecipe.data.batches import BatchLayout  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402
@@ -33,7 +40,7 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=8, help="processes (GPUs) in all (default: %(default)s)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes the processes are spread over (default: %(default)s)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated configs (default: %(default)s)")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
                         help="training precision (default: the recipe's; its 'auto' is taken as bf16, i.e. a recent GPU)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocabulary size (default: model.vocab_size, else the one of the recipe's data folder)")
@@ -55,7 +62,9 @@ def main() -> int:
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
     shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg, args.vocab_size)))
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    rows = [(config_label(name), estimate_config(cfg, shape, ds_config_path(name), args.world_size, args.nodes, precision))
+    # A +option suffix (zero2+muon, zero3+sp2) estimates the recipe with that option's overrides.
+    rows = [(config_label(name), estimate_config(load_config(args.recipe, [*args.overrides, *config_overrides(name)]),
+                                                 shape, ds_config_path(name), args.world_size, args.nodes, precision))
             for name in names]
 
     setup = {

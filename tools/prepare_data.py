@@ -4,8 +4,13 @@
     python tools/prepare_data.py --input corpus/ --output data/mine --vocab-size 16384
     python tools/prepare_data.py --input docs.jsonl --text-field body --tokenizer gpt2 --output data/docs
 
+    # Sharded, e.g. one task of a SLURM array each (slurm/prepare.sbatch): shard i of 8 of the corpus's files
+    python tools/prepare_data.py --input corpus/ --tokenizer data/tok --output data/big --shard 3/8
+    python tools/prepare_data.py --output data/big --finish-shards     # by hand; the last shard does it itself
+
 The corpus is streamed: memory does not grow with its size. See lmrecipe/data/prepare/ for the folder format
-(write.py), the split rule (read.py) and what happens after an interruption (run the command again; it starts over).
+(write.py), the split rule (read.py), shard sets (shards.py) and what happens after an interruption (run the command
+again; it starts over).
 """
 
 import argparse
@@ -18,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_output_path, cli_main, setup_logging  # noqa: E402
 from lmrecipe.data.prepare.pipeline import prepare  # noqa: E402
+from lmrecipe.data.prepare.shards import finish_shards  # noqa: E402
 
 # The defaults live once, in prepare()'s signature.
 DEFAULTS = {name: param.default for name, param in inspect.signature(prepare).parameters.items()}
@@ -51,7 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizer processes (default: all CPU cores)")
     parser.add_argument("--output", required=True, metavar="OUT_DIR", help="folder to create")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    shards = parser.add_argument_group("sharded preparation (many processes or SLURM array tasks, one shard each)")
+    shards.add_argument("--shard", type=shard_arg, default=DEFAULTS["shard"], metavar="I/N",
+                        help="prepare only shard I of N (0 <= I < N) of the corpus's files into "
+                             "OUT_DIR/shard-0000I-of-0000N (needs --tokenizer); the shard that completes the set "
+                             "writes OUT_DIR/meta.json, and training reads OUT_DIR as one folder")
+    shards.add_argument("--finish-shards", action="store_true",
+                        help="check the shards in OUT_DIR (all N there, one corpus, one tokenizer) and write "
+                             "OUT_DIR/meta.json; names any missing shard")
     return parser
+
+
+def shard_arg(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not (sep and index.strip().isdigit() and count.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 3/8: shard 3 of 8, counted from 0)")
+    return int(index), int(count)
 
 
 @cli_main
@@ -59,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     check_output_path(args.output, "--output")
+    if args.finish_shards:
+        finish_shards(args.output)
+        return 0
     prepare(
         output=args.output,
         inputs=args.input,
@@ -72,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         max_documents=args.max_documents,
         overwrite=args.overwrite,
         seed=args.seed,
+        shard=args.shard,
     )
     return 0
 

@@ -10,6 +10,7 @@ import json
 import logging
 import pickle
 import shutil
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -20,10 +21,14 @@ from safetensors import SafetensorError
 from lmrecipe.checkpoint.compat import check_resume_compatible
 from lmrecipe.checkpoint.portable import (
     cached_portable,
-    convert,
+    finish,
     load_portable,
+    open_source,
+    plan_shards,
     portable_dir,
+    stale_form,
     state_sha256,
+    write_share,
 )
 from lmrecipe.checkpoint.storage import (
     DS_TAG,
@@ -45,7 +50,7 @@ from lmrecipe.config import Config, due_at
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.distributed import Layout, ZeroSetup
 from lmrecipe.errors import UserError, fail
-from lmrecipe.fileio import write_text_atomic
+from lmrecipe.fileio import install_dir, remove_path, temp_dir_for, write_text_atomic
 from lmrecipe.optim import optimizer_param_names
 
 logger = logging.getLogger(__name__)
@@ -182,42 +187,79 @@ class Checkpointer:
         return Layout.of_run(self.accelerator.num_processes, self.zero, self.sequence_parallel_size)
 
     def _portable_form(self, path: Path, saved: dict, model) -> Path:
-        """The checkpoint's topology-free form: converted once by the main process, cached beside it
-        (``step_XXXXXXXX.portable``; the checkpoint itself is not modified).
+        """The checkpoint's topology-free form, cached beside it (``step_XXXXXXXX.portable``; the checkpoint itself
+        is not modified): reused when cached, else converted once, every rank writing its share of the parameters.
 
         A checkpoint in a folder that cannot be written to (read-only storage) gets its cache in this run's
         ``checkpoints/`` instead.
         """
         from accelerate.utils import broadcast_object_list
 
-        acc = self.accelerator
         digest = state_sha256(path, STATE_FILE)
-        outcome = [None, None]  # (folder, error) decided by the main process
-        if acc.is_main_process:
-            saved_layout = Layout.from_topology(saved["topology"])
-            names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
-            for dest in dict.fromkeys((portable_dir(path), portable_dir(path, self.root))):
-                if cached_portable(dest, digest):
-                    logger.info("Using the topology-free form of %s cached in %s", path, dest)
-                    outcome = [str(dest), None]
-                    break
-                try:
-                    convert(path, dest, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None,
-                            param_names=names, source_layout=saved_layout, source_sha256=digest)
-                    outcome = [str(dest), None]
-                    break
-                except UserError as err:
-                    outcome = [None, str(err)]
-                    break
-                except OSError as err:  # read-only checkpoint storage: try the run's own folder
-                    if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                        raise
-                    outcome = [None, f"Cannot write the topology-free form of {path} to {dest}: {err}."]
+        outcome = [None, None, None]  # (folder, the temporary folder to fill or None when cached, error)
+        if self.accelerator.is_main_process:
+            outcome = self._portable_target(path, digest)
         broadcast_object_list(outcome)
-        folder, error = outcome
+        folder, building, error = outcome
         if error is not None:
             raise fail(error)
+        if building is not None:
+            self._convert(path, saved, model, Path(building), Path(folder), digest)
         return Path(folder)
+
+    def _portable_target(self, path: Path, digest: str) -> list:
+        """Main process: [cache folder, temporary folder to build it in (None: cached), error]."""
+        error = None
+        for dest in dict.fromkeys((portable_dir(path), portable_dir(path, self.root))):
+            if cached_portable(dest, digest):
+                logger.info("Using the topology-free form of %s cached in %s", path, dest)
+                return [str(dest), None, None]
+            if stale_form(dest):
+                logger.info("%s holds the topology-free form of earlier code (format 1); converting %s again", dest, path)
+            try:
+                return [str(dest), str(temp_dir_for(dest)), None]
+            except OSError as err:  # read-only checkpoint storage: try the run's own folder
+                if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                error = f"Cannot write the topology-free form of {path} to {dest}: {err}."
+        return [None, None, error]
+
+    def _convert(self, path: Path, saved: dict, model, tmp: Path, dest: Path, digest: str) -> None:
+        """Every rank writes its files of the topology-free form into ``tmp``; then the main process writes the
+        indexes and renames ``tmp`` to ``dest``. A failure on any rank stops every rank with its message."""
+        from accelerate.utils import gather_object
+
+        acc = self.accelerator
+        start = time.perf_counter()
+        saved_layout = Layout.from_topology(saved["topology"])
+        names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
+        source = plan = error = None
+        try:
+            source = open_source(path, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None, param_names=names)
+            plan = plan_shards(source.shapes, acc.num_processes)
+            write_share(source, plan, tmp, acc.process_index, progress=acc.is_main_process)
+        except UserError as err:
+            error = str(err)
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
+            error = (f"Converting checkpoint {path} to its topology-free form failed: {type(err).__name__}: "
+                     f"{str(err)[:300]}. A file of it is damaged, or was written by different code, or {tmp.parent} "
+                     f"is full. {use_earlier(path)}")
+        errors = [e for e in gather_object([error]) if e is not None]
+        try:
+            if not errors and acc.is_main_process:
+                finish(tmp, plan, source.steps, source_layout=saved_layout, source_sha256=digest)
+                install_dir(tmp, dest, overwrite=True)
+                logger.info("Converted %s to its topology-free form %s on %d processes (%d parameters, %.1f MB, %.1f s)",
+                            path, dest, acc.num_processes, len(plan.shapes),
+                            sum(f.stat().st_size for f in dest.iterdir()) / 1e6, time.perf_counter() - start)
+        finally:
+            if source is not None:
+                source.close()
+            if errors and acc.is_main_process:
+                remove_path(tmp)
+        if errors:
+            raise fail(errors[0])
+        acc.wait_for_everyone()
 
     def _data_signature(self) -> dict:
         return self.data.signature()
@@ -249,6 +291,18 @@ class Checkpointer:
     def _load(self, path: Path, saved: dict, model, optimizer, state) -> None:
         """Weights, optimizer, training state, every rank's RNG and the extra state, from checkpoint ``path``."""
         saved_layout = Layout.from_topology(saved["topology"])
+        optimizer_name = saved["config"]["optim"].get("name", "adamw")  # checkpoints from before optim.name: AdamW
+        if optimizer_name != self.run_config["optim"]["name"]:
+            raise fail(f"{path} holds {optimizer_name} optimizer state; this run trains with optim.name="
+                       f"{self.run_config['optim']['name']}. Resume with optim.name={optimizer_name}, or start a new run "
+                       f"from its weights: python tools/export_hf.py {path} EXPORT --dtype fp32, then "
+                       "model.init_from=EXPORT checkpoint.resume=none.")
+        if optimizer_name != "adamw" and self.layout().needs_conversion_from(saved_layout):
+            # The topology-free form holds AdamW's moments only.
+            raise fail(f"{path} holds {optimizer_name} optimizer state saved on another layout "
+                       f"({'; '.join(self.layout().changes_from(saved_layout))}), which cannot be converted. Resume "
+                       "on the checkpoint's layout, or start a new run from its weights: python tools/export_hf.py "
+                       f"{path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
         try:
             if self.layout().needs_conversion_from(saved_layout):
                 folder = self._portable_form(path, saved, model)

@@ -4,22 +4,33 @@ A checkpoint keeps its optimizer state in the layout of the run that wrote it: D
 for one data-parallel size and stage (DeepSpeed #3810), and ``optimizer.bin`` (no DeepSpeed) indexes parameters
 by their position in the optimizer's groups. When a resume changes that layout, the checkpoint is converted once
 into a *portable* form, cached next to the checkpoint (which is never modified), and loaded into the new layout
-by parameter name::
+by parameter name. Per state (the fp32 weights and AdamW's two moments), a sharded safetensors set with a Hugging
+Face style index::
 
     step_XXXXXXXX.portable/
-        fp32.safetensors         fp32 master weights, full tensors by parameter name
-        exp_avg.safetensors      AdamW first moments, same names and shapes
-        exp_avg_sq.safetensors   AdamW second moments
-        portable.json            AdamW step count per parameter, the source layout, the source state's sha256
+        fp32.safetensors.index.json       {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+        fp32-00001-of-00004.safetensors   full fp32 tensors by parameter name, at most SHARD_BYTES a file
+        exp_avg.safetensors.index.json, exp_avg-0000K-of-0000N.safetensors         AdamW first moments, same split
+        exp_avg_sq.safetensors.index.json, exp_avg_sq-0000K-of-0000N.safetensors   AdamW second moments
+        portable.json    format version, AdamW step count and shape per parameter, the source layout and state sha256
 
-Reading: DeepSpeed shards are consolidated by DeepSpeed's own reconstruction (``zero_to_fp32``, the code behind
-``get_fp32_state_dict_from_zero_checkpoint``), applied to the fp32 partitions and to each moment's partitions,
-which share their layout; ``optimizer.bin`` is read with the tensors-only unpickler and named from the
-optimizer's groups. Writing into the new layout: without DeepSpeed, weights are copied into the parameters and
-the moments go through the optimizer's own ``load_state_dict``; under ZeRO-1/2/3 (and offload), each rank takes
-its own fragment of every full tensor through DeepSpeed's tensor-fragment API (``safe_set_full_fp32_param``,
-``safe_set_full_optimizer_state``), then the training-precision weights are refreshed from the fp32 masters.
-Each rank reads one parameter at a time from memory-mapped safetensors files, so no rank holds the whole state.
+Writing is spread over the ranks of the resuming run and streamed: the parameters are split into contiguous runs
+of about equal bytes, one per rank, and each rank writes the files of its run (:func:`plan_shards`), one tensor at
+a time: a parameter's state is consolidated from the source, appended to its file, and dropped. The files' headers
+are known in advance (names and shapes), so no file is ever held in memory. DeepSpeed's ZeRO-1/2/3 shards are
+memory-mapped and read fragment by fragment with the offsets of DeepSpeed's own reconstruction (``zero_to_fp32``);
+``optimizer.bin`` is read with the tensors-only unpickler (memory-mapped too) and named from the optimizer's
+groups. A rank's memory holds one full tensor at a time, whatever the model's size.
+
+Reading into the new layout: without DeepSpeed, weights are copied into the parameters and the moments go through
+the optimizer's own ``load_state_dict``; under ZeRO-3 (and offload), each rank takes its partition of every full
+tensor through DeepSpeed's tensor-fragment API (``safe_set_full_fp32_param``, ``safe_set_full_optimizer_state``);
+under ZeRO-1/2 each rank reads, by name with safetensors' lazy ``safe_open``, only the rows that hold its own
+fragments, and skips the parameters it holds none of. Then the training-precision weights are refreshed from
+the fp32 masters.
+
+A cache in the form of earlier code (format 1: one file per state) is not read: the checkpoint is converted again
+and the cache replaced.
 
 Why not DeepSpeed's universal checkpoints: ``ds_to_universal`` needs ``--inject_missing_state`` for checkpoints
 written through Accelerate, its loader (``load_universal``) has failed on Accelerate/Trainer layouts (DeepSpeed
@@ -30,13 +41,17 @@ plain safetensors by name, readable by anything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
+import math
+import mmap
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -51,21 +66,23 @@ logger = logging.getLogger(__name__)
 PORTABLE_SUFFIX = ".portable"
 META_FILE = "portable.json"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
-"""One safetensors file per state: the fp32 weights and AdamW's two moments."""
+"""One sharded safetensors set per state: the fp32 weights and AdamW's two moments."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: one whole safetensors file per state, written by the main process (not read: converted again)."""
+SHARD_BYTES = 2 << 30
+"""Largest file of a state (a larger single tensor gets a file of its own), as Hugging Face shards weights."""
+_BYTES_PER_VALUE = 4  # every state is stored in fp32
+_CHUNK_VALUES = 1 << 22
+"""Values copied from a memory-mapped shard before its pages are released (16 MB of fp32)."""
 
 ParamNames = Sequence[Sequence[str]]
 """Every parameter of the optimizer in its order (group by group), each with all the names it goes by (a tied
 weight has several)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Layouts
-
-
-# --------------------------------------------------------------------------------------------------
-# Converting a checkpoint (main process)
+def index_file(key: str) -> str:
+    return f"{key}.safetensors.index.json"
 
 
 def portable_dir(checkpoint: Path, root: Path | None = None) -> Path:
@@ -81,15 +98,340 @@ def cached_portable(dest: Path, source_sha256: str) -> bool:
     """Whether ``dest`` holds a complete conversion of the checkpoint whose state has ``source_sha256``."""
     try:
         meta = json.loads((dest / META_FILE).read_text())
-    except (OSError, ValueError):
+        files = {file for key in STATES for file in json.loads((dest / index_file(key)).read_text())["weight_map"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     return (meta.get("format_version") == FORMAT_VERSION and meta.get("source_state_sha256") == source_sha256
-            and all((dest / f"{key}.safetensors").is_file() for key in STATES))
+            and all((dest / file).is_file() for file in files))
+
+
+def stale_form(dest: Path) -> bool:
+    """Whether ``dest`` holds a topology-free form written by earlier code (another format version)."""
+    try:
+        return json.loads((dest / META_FILE).read_text()).get("format_version") != FORMAT_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Which rank writes which parameters, in which file
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The files of each state: the parameters of each file in order, and the rank that writes it."""
+
+    shapes: dict[str, tuple[int, ...]]
+    files: tuple[tuple[str, ...], ...]
+    writers: tuple[int, ...]
+
+    def file_name(self, key: str, index: int) -> str:
+        return f"{key}-{index + 1:05d}-of-{len(self.files):05d}.safetensors"
+
+    def files_of(self, rank: int) -> list[int]:
+        return [i for i, writer in enumerate(self.writers) if writer == rank]
+
+    def nbytes(self, name: str) -> int:
+        return _BYTES_PER_VALUE * math.prod(self.shapes[name])
+
+
+def plan_shards(shapes: Mapping[str, Sequence[int]], ranks: int, max_bytes: int = SHARD_BYTES) -> ShardPlan:
+    """Split the parameters (in ``shapes``' order) into ``ranks`` contiguous runs of about equal bytes, and each run
+    into files of at most ``max_bytes``. Every rank computes the same plan from the same shapes."""
+    shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+    sizes = {name: _BYTES_PER_VALUE * math.prod(shape) for name, shape in shapes.items()}
+    total = max(sum(sizes.values()), 1)
+    files: list[list[str]] = []
+    writers: list[int] = []
+    file_bytes = done = 0
+    for name, size in sizes.items():
+        writer = min(ranks - 1, done * ranks // total)  # the run this parameter's first byte falls in
+        if not files or writers[-1] != writer or (file_bytes + size > max_bytes and file_bytes > 0):
+            files.append([])
+            writers.append(writer)
+            file_bytes = 0
+        files[-1].append(name)
+        file_bytes += size
+        done += size
+    return ShardPlan(shapes, tuple(tuple(f) for f in files), tuple(writers))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the checkpoint one tensor at a time
+
+
+class _PageRelease:
+    """Drops the pages of memory-mapped checkpoint files from this process's resident memory once they are read.
+
+    A page of a file mapping that has been read stays resident (and counted) until the mapping goes; over a whole
+    conversion that is every shard. Only ranges inside a mapping of the given files (checked against
+    ``/proc/self/maps``) are released; the conversion only reads them, so a released page is read again from the
+    file if needed. Elsewhere than Linux nothing is released.
+    """
+
+    _MADV_DONTNEED = 4
+
+    def __init__(self, files: Iterable[Path]):
+        self.ranges: list[tuple[int, int]] = []
+        self._madvise = None
+        if not sys.platform.startswith("linux"):
+            return
+        names = {str(Path(f).resolve()) for f in files}
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].strip() in names:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    self.ranges.append((lo, hi))
+        self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+        self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        start = tensor.data_ptr()
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = -(-(start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if self._madvise is not None and any(a <= lo and hi <= b for a, b in self.ranges):
+            self._madvise(lo, hi - lo, self._MADV_DONTNEED)
+
+
+def _load_mapped(path: Path, weights_only: bool):
+    """``torch.load`` memory-mapped (nothing is read until used); a file in torch's legacy format is read whole."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError as err:
+        if "mmap" not in str(err):
+            raise
+        logger.info("%s is in torch's legacy format and cannot be memory-mapped; it is read whole.", path)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def _copy_range(pieces: Sequence[torch.Tensor], start: int, out: torch.Tensor, release: _PageRelease) -> None:
+    """Fill 1-D ``out`` with ``pieces`` (1-D, read as one concatenation) from element ``start`` on."""
+    end, pos, filled = start + out.numel(), 0, 0
+    for piece in pieces:
+        flat = piece.reshape(-1)
+        for lo in range(max(start, pos), min(end, pos + piece.numel()), _CHUNK_VALUES):
+            hi = min(end, pos + piece.numel(), lo + _CHUNK_VALUES)
+            part = flat[lo - pos:hi - pos]
+            out[lo - start:hi - start].copy_(part)
+            release(part)  # chunk by chunk: the source pages in memory stay a few MB, not a second tensor
+            filled += hi - lo
+        pos += piece.numel()
+        if pos >= end:
+            break
+    if filled != out.numel():
+        raise fail(f"The checkpoint's optimizer shards hold {filled} of the {out.numel()} values a parameter needs at "
+                   f"offset {start}: they are incomplete or were written by different code.")
+
+
+class _ZeroSource:
+    """ZeRO-1/2/3 shards, read one parameter's state at a time with DeepSpeed's reconstruction offsets."""
+
+    def __init__(self, ds_dir: Path):
+        from deepspeed.utils import zero_to_fp32 as z
+
+        model_file = Path(z.get_model_state_files(str(ds_dir))[0])
+        optim_files = [Path(f) for f in z.get_optim_files(str(ds_dir))]
+        model_state = _load_mapped(model_file, weights_only=False)  # its module weights stay unread
+        param_shapes = [dict(group) for group in model_state["param_shapes"]]
+        del model_state
+        shards = [_load_mapped(f, weights_only=False)["optimizer_state_dict"] for f in optim_files]
+        self.release = _PageRelease(optim_files)
+        self.stage = int(shards[0]["zero_stage"])
+        world_size = shards[0]["partition_count"]
+        self.world_size = max(world_size) if isinstance(world_size, list) else int(world_size)
+        if len(shards) != self.world_size:
+            raise fail(f"{ds_dir} holds {len(shards)} optimizer shards for a world size of {self.world_size}: it is "
+                       "incomplete.")
+        if self.stage <= 2:
+            self.flat = [s["single_partition_of_fp32_groups"] for s in shards]
+            inner = [s["base_optimizer_state"]["state"] for s in shards]
+        else:
+            self.flat = [s["fp32_flat_groups"] for s in shards]
+            inner = [s["optimizer_state_dict"]["state"] for s in shards]
+        self.inner = inner
+        self.shapes = {name: tuple(shape) for group in param_shapes for name, shape in group.items()}
+        self.steps = {name: int(torch.as_tensor(inner[0][g]["step"]).item())
+                      for g, group in enumerate(param_shapes) for name in group}
+        self.where = (self._zero2_offsets(param_shapes, shards[0].get("param_alignment_paddings")) if self.stage <= 2
+                      else self._zero3_offsets())
+
+    def _zero2_offsets(self, param_shapes: list[dict], paddings) -> dict[str, tuple[int, int]]:
+        """(group, offset in the group's ranks' partitions laid end to end), as ``_zero2_merge_trainable_params``."""
+        where = {}
+        for group, shapes in enumerate(param_shapes):
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                where[name] = (group, offset)
+                offset += math.prod(shape) + (paddings[group][i] if paddings is not None else 0)
+            align = 2 * self.world_size
+            avail = sum(rank[group].numel() for rank in self.flat)
+            if align * math.ceil(offset / align) != align * math.ceil(avail / align):
+                raise fail(f"The ZeRO shards' group {group} holds {avail} values where its parameters take {offset}: "
+                           "the checkpoint was written by different code.")
+        return where
+
+    def _zero3_offsets(self) -> dict[str, tuple[int, int]]:
+        """(offset in each rank's partitions laid end to end, values per rank), as ``_zero3_merge_trainable_params``."""
+        where, offset = {}, 0
+        for name, shape in self.shapes.items():
+            per_rank = math.ceil(math.prod(shape) / self.world_size)
+            where[name] = (offset, per_rank)
+            offset += per_rank
+        avail = sum(flat.numel() for flat in self.flat[0])
+        if offset != avail:
+            raise fail(f"The ZeRO-3 shards hold {avail} values per rank where the parameters take {offset}: the "
+                       "checkpoint was written by different code.")
+        return where
+
+    def _partitions(self, rank: int, key: str) -> list[torch.Tensor]:
+        if key == "fp32":
+            return list(self.flat[rank])
+        return [self.inner[rank][g][key] for g in range(len(self.flat[rank]))]
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        out = torch.empty(math.prod(shape), dtype=torch.float32)
+        if self.stage <= 2:
+            group, offset = self.where[name]
+            _copy_range([self._partitions(r, key)[group] for r in range(self.world_size)], offset, out, self.release)
+        else:
+            offset, per_rank = self.where[name]
+            for rank in range(self.world_size):
+                dst = out[rank * per_rank:(rank + 1) * per_rank]  # the last rank's piece ends with padding
+                if dst.numel():
+                    _copy_range(self._partitions(rank, key), offset, dst, self.release)
+        return out.view(shape)
+
+    def close(self) -> None:
+        self.flat = self.inner = None
+
+
+class _PlainSource:
+    """``model.safetensors`` + ``optimizer.bin`` (no DeepSpeed), named by the optimizer's order."""
+
+    def __init__(self, checkpoint: Path, param_names: ParamNames):
+        from safetensors import safe_open
+
+        self.weights_file = checkpoint / "model.safetensors"
+        with safe_open(self.weights_file, framework="pt") as fh:
+            stored = {bare_parameter_name(name): name for name in fh.keys()}
+            shapes = {name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()}
+        optim = _load_mapped(checkpoint / "optimizer.bin", weights_only=True)
+        self.release = _PageRelease([checkpoint / "optimizer.bin"])
+        order = [index for group in optim["param_groups"] for index in group["params"]]
+        if len(order) != len(param_names):
+            raise fail(f"{checkpoint / 'optimizer.bin'} holds {len(order)} parameters but the model has "
+                       f"{len(param_names)}: the checkpoint belongs to another model.")
+        self.state = optim["state"]
+        self.shapes, self.steps, self.index, self.stored = {}, {}, {}, {}
+        for index, names in zip(order, param_names):
+            found = next((n for n in names if n in stored), None)
+            if found is None:
+                raise fail(f"{self.weights_file} has no weight named {' or '.join(names)}.")
+            name = names[0]
+            self.stored[name], self.index[name] = stored[found], index
+            self.shapes[name] = shapes[stored[found]]
+            entry = self.state.get(index)  # none: never stepped (the checkpoint of step 0)
+            self.steps[name] = 0 if entry is None else int(torch.as_tensor(entry["step"]).item())
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        if key == "fp32":
+            from safetensors import safe_open
+
+            with safe_open(self.weights_file, framework="pt") as fh:  # closed: its pages leave this process
+                return fh.get_tensor(self.stored[name]).float()
+        entry = self.state.get(self.index[name])
+        if entry is None:
+            return torch.zeros(self.shapes[name], dtype=torch.float32)
+        mapped = entry[key]
+        value = mapped.to(torch.float32, copy=True)
+        self.release(mapped)
+        return value
+
+    def close(self) -> None:
+        self.state = None
+
+
+def open_source(checkpoint: Path, *, deepspeed_dir: Path | None, param_names: ParamNames):
+    """The checkpoint's state, readable one parameter at a time: ``shapes`` and ``steps`` by name, ``read(key,
+    name)`` a full fp32 tensor, ``close()``. ``deepspeed_dir``: the folder of its ZeRO shards, or None for a
+    checkpoint without DeepSpeed, whose ``optimizer.bin`` ``param_names`` names by position."""
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed reports progress on stdout
+        return _ZeroSource(deepspeed_dir) if deepspeed_dir is not None else _PlainSource(checkpoint, param_names)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing the portable form: each rank its files, then the main process the indexes
+
+
+class _StreamedSafetensors:
+    """A safetensors file written one tensor at a time: the header (names, shapes, offsets) first, then the data in
+    that order, so the file is never in memory."""
+
+    def __init__(self, path: Path, names: Sequence[str], plan: ShardPlan):
+        header, offset = {}, 0
+        for name in names:
+            size = plan.nbytes(name)
+            header[name] = {"dtype": "F32", "shape": list(plan.shapes[name]), "data_offsets": [offset, offset + size]}
+            offset += size
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.pending = list(reversed(names))
+        self.fh = open(path, "wb")
+        self.fh.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.pending.pop() != name:
+            raise RuntimeError(f"{name} written out of the header's order")
+        self.fh.write(memoryview(tensor.detach().to(torch.float32).contiguous().numpy()).cast("B"))
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def write_share(source, plan: ShardPlan, folder: Path, rank: int, progress: bool = False) -> int:
+    """Write rank ``rank``'s files of ``plan`` into ``folder``, one parameter and state at a time; return the bytes."""
+    from tqdm.auto import tqdm
+
+    mine = plan.files_of(rank)
+    total = sum(plan.nbytes(name) for i in mine for name in plan.files[i]) * len(STATES)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="topology-free form",
+               disable=not (progress and sys.stderr.isatty()))
+    with contextlib.ExitStack() as stack:
+        for i in mine:
+            files = {key: _StreamedSafetensors(folder / plan.file_name(key, i), plan.files[i], plan) for key in STATES}
+            for file in files.values():
+                stack.callback(file.close)
+            for name in plan.files[i]:
+                for key in STATES:
+                    files[key].write(name, source.read(key, name))  # the one tensor this process holds
+                    bar.update(plan.nbytes(name))
+    bar.close()
+    return total
+
+
+def finish(folder: Path, plan: ShardPlan, source_steps: Mapping[str, int], *, source_layout: Layout,
+           source_sha256: str) -> dict:
+    """The main process, once every rank's files are written: each state's index and ``portable.json``."""
+    for key in STATES:
+        weight_map = {name: plan.file_name(key, i) for i, names in enumerate(plan.files) for name in names}
+        total = sum(plan.nbytes(name) for name in plan.shapes)
+        write_json_atomic(folder / index_file(key), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    meta = {
+        "format_version": FORMAT_VERSION, "source_layout": source_layout.to_dict(), "source_state_sha256": source_sha256,
+        "params": {name: list(shape) for name, shape in plan.shapes.items()},
+        "step": {name: int(source_steps[name]) for name in plan.shapes},
+    }
+    write_json_atomic(folder / META_FILE, meta)
+    return meta
 
 
 def convert(checkpoint: Path, dest: Path, *, deepspeed_dir: Path | None, param_names: ParamNames,
-            source_layout: Layout, source_sha256: str) -> dict:
-    """Write the portable form of ``checkpoint`` to ``dest`` (atomically: a folder built aside, then renamed).
+            source_layout: Layout, source_sha256: str, max_shard_bytes: int = SHARD_BYTES) -> dict:
+    """Write the whole portable form of ``checkpoint`` to ``dest`` in this process (atomically: a folder built aside,
+    then renamed); a run spreads the same steps over its ranks (``Checkpointer``).
 
     Args:
         deepspeed_dir: the folder of the checkpoint's ZeRO shards, or None for a checkpoint without DeepSpeed
@@ -101,90 +443,17 @@ def convert(checkpoint: Path, dest: Path, *, deepspeed_dir: Path | None, param_n
     Returns the contents of ``portable.json``.
     """
     start = time.perf_counter()
-    if deepspeed_dir is not None:
-        states, steps = _read_zero(deepspeed_dir)
-    else:
-        states, steps = _read_plain(checkpoint, param_names)
-    meta = {
-        "format_version": FORMAT_VERSION, "source_layout": source_layout.to_dict(), "source_state_sha256": source_sha256,
-        "params": {name: list(t.shape) for name, t in states["fp32"].items()}, "step": steps,
-    }
-    from safetensors.torch import save_file
-
-    with building_dir(dest, overwrite=True) as tmp:
-        for key in STATES:
-            save_file({name: t.contiguous() for name, t in states.pop(key).items()}, tmp / f"{key}.safetensors")
-        write_json_atomic(tmp / META_FILE, meta)
-    size_mb = sum(f.stat().st_size for f in dest.iterdir()) / 1e6
+    source = open_source(checkpoint, deepspeed_dir=deepspeed_dir, param_names=param_names)
+    try:
+        plan = plan_shards(source.shapes, 1, max_shard_bytes)
+        with building_dir(dest, overwrite=True) as tmp:
+            size = write_share(source, plan, tmp, 0, progress=True)
+            meta = finish(tmp, plan, source.steps, source_layout=source_layout, source_sha256=source_sha256)
+    finally:
+        source.close()
     logger.info("Converted %s to its topology-free form %s (%d parameters, %.1f MB, %.1f s)",
-                checkpoint, dest, len(meta["params"]), size_mb, time.perf_counter() - start)
+                checkpoint, dest, len(meta["params"]), size / 1e6, time.perf_counter() - start)
     return meta
-
-
-def _read_plain(checkpoint: Path, param_names: ParamNames) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
-    """Weights from ``model.safetensors``; moments and steps from ``optimizer.bin``, named by optimizer position."""
-    from safetensors.torch import load_file
-
-    weights = {bare_parameter_name(name): tensor for name, tensor in load_file(checkpoint / "model.safetensors").items()}
-    optim = torch.load(checkpoint / "optimizer.bin", map_location="cpu", weights_only=True)
-    order = [index for group in optim["param_groups"] for index in group["params"]]
-    if len(order) != len(param_names):
-        raise fail(f"{checkpoint / 'optimizer.bin'} holds {len(order)} parameters but the model has {len(param_names)}: "
-                   "the checkpoint belongs to another model.")
-    states: dict[str, dict[str, torch.Tensor]] = {key: {} for key in STATES}
-    steps = {}
-    for index, names in zip(order, param_names):
-        name = names[0]
-        found = next((n for n in names if n in weights), None)
-        if found is None:
-            raise fail(f"{checkpoint / 'model.safetensors'} has no weight named {' or '.join(names)}.")
-        states["fp32"][name] = weights[found].float()
-        entry = optim["state"].get(index)
-        if entry is None:  # never stepped (the checkpoint of step 0): fresh moments
-            entry = {"step": 0, "exp_avg": torch.zeros_like(weights[found]), "exp_avg_sq": torch.zeros_like(weights[found])}
-        for key in MOMENTS:
-            states[key][name] = entry[key].float()
-        steps[name] = int(torch.as_tensor(entry["step"]).item())
-    return states, steps
-
-
-def _read_zero(ds_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
-    """Consolidate ZeRO-1/2/3 shards: fp32 weights and both moments by name, with DeepSpeed's reconstruction."""
-    from deepspeed.utils import zero_to_fp32 as z
-
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed reports progress on stdout
-        model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
-        shards = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
-                  for f in z.get_optim_files(str(ds_dir))]
-    stage = int(shards[0]["zero_stage"])
-    world_size = shards[0]["partition_count"]
-    world_size = max(world_size) if isinstance(world_size, list) else int(world_size)
-    if len(shards) != world_size:
-        raise fail(f"{ds_dir} holds {len(shards)} optimizer shards for a world size of {world_size}: it is incomplete.")
-    if stage <= 2:
-        flat = [s["single_partition_of_fp32_groups"] for s in shards]
-        inner = [s["base_optimizer_state"]["state"] for s in shards]
-    else:
-        flat = [s["fp32_flat_groups"] for s in shards]
-        inner = [s["optimizer_state_dict"]["state"] for s in shards]
-    n_groups = len(flat[0])
-    partitions = {"fp32": flat, **{key: [[rank[g][key] for g in range(n_groups)] for rank in inner] for key in MOMENTS}}
-    names = set().union(*(shapes.keys() for shapes in model_states[0].param_shapes))
-    states = {}
-    with contextlib.redirect_stdout(sys.stderr):
-        for key, groups in partitions.items():
-            if stage <= 2:
-                full = z._get_fp32_state_dict_from_zero2_checkpoint(
-                    world_size, groups, model_states, False, shards[0].get("param_alignment_paddings"))
-            else:
-                full = z.to_torch_tensor(z._get_fp32_state_dict_from_zero3_checkpoint(world_size, groups, model_states, False))
-            # Owned copies: ZeRO-1/2 consolidation returns views of one flat buffer per group.
-            states[key] = {name: t.float().clone() for name, t in full.items() if name in names}
-    steps = {}
-    for group, shapes in enumerate(model_states[0].param_shapes):
-        step = int(torch.as_tensor(inner[0][group]["step"]).item())
-        steps.update({name: step for name in shapes})
-    return states, steps
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,19 +461,12 @@ def _read_zero(ds_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[s
 
 
 class PortableState:
-    """The portable files of one checkpoint, read one tensor at a time (memory-mapped)."""
+    """The portable files of one checkpoint, read by name one tensor (or one tensor's rows) at a time."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         self.folder = folder
         self.meta = json.loads((folder / META_FILE).read_text())
-        self._stack = contextlib.ExitStack()
-        self._files = {key: self._stack.enter_context(safe_open(folder / f"{key}.safetensors", framework="pt"))
-                       for key in STATES}
-
-    def close(self) -> None:
-        self._stack.close()
+        self.weight_map = {key: json.loads((folder / index_file(key)).read_text())["weight_map"] for key in STATES}
 
     def name_for(self, names: Iterable[str]) -> str:
         for name in names:
@@ -213,7 +475,22 @@ class PortableState:
         raise fail(f"The checkpoint holds no parameter named {' or '.join(names)}: it belongs to another model.")
 
     def get(self, key: str, name: str) -> torch.Tensor:
-        return self._files[key].get_tensor(name)
+        from safetensors import safe_open
+
+        # One open per tensor: closing the file unmaps the pages just read, so they do not pile up in this process.
+        with safe_open(self.folder / self.weight_map[key][name], framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    def get_flat(self, key: str, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the flattened tensor, reading only the rows that hold them."""
+        from safetensors import safe_open
+
+        shape = self.meta["params"][name]
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        first, last = start // row, -(-(start + numel) // row)
+        with safe_open(self.folder / self.weight_map[key][name], framework="pt") as fh:
+            rows = fh.get_slice(name)[first:last]
+        return rows.reshape(-1)[start - first * row:start - first * row + numel]
 
     def step(self, name: str) -> int:
         return int(self.meta["step"][name])
@@ -226,13 +503,10 @@ def load_portable(folder: Path, model, optimizer, *, deepspeed: bool, step: int,
     of the run, samples seen).
     """
     portable = PortableState(folder)
-    try:
-        if deepspeed:
-            _load_zero(portable, model, step, samples_per_step)
-        else:
-            _load_plain(portable, model, optimizer)
-    finally:
-        portable.close()
+    if deepspeed:
+        _load_zero(portable, model, step, samples_per_step)
+    else:
+        _load_plain(portable, model, optimizer)
 
 
 @torch.no_grad()
@@ -255,10 +529,28 @@ def _load_plain(portable: PortableState, module, optimizer) -> None:
 
 
 @torch.no_grad()
-def _load_zero(portable: PortableState, engine, run_step: int, samples_per_step: int) -> None:
-    """ZeRO-1/2/3: fresh AdamW state on this rank's flat partitions, then each rank takes its fragments."""
+def _set_fragments(portable: PortableState, param, name: str, stage: int) -> None:
+    """This rank's part of ``param``'s fp32 master and moments. ZeRO-1/2: only the rows of its fragment are read (a
+    parameter it holds no fragment of is skipped); ZeRO-3: the full tensors, through the tensor-fragment API."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+    if stage <= 2:
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            return
+        address = mapping.lp_fragment_address
+        for key in STATES:
+            value = portable.get_flat(key, name, address.start, address.numel)
+            mapping.get_hp_fragment(None if key == "fp32" else key).data.copy_(value)
+        return
+    safe_set_full_fp32_param(param, portable.get("fp32", name))
+    for key in MOMENTS:
+        safe_set_full_optimizer_state(param, portable.get(key, name), key)
+
+
+@torch.no_grad()
+def _load_zero(portable: PortableState, engine, run_step: int, samples_per_step: int) -> None:
+    """ZeRO-1/2/3: fresh AdamW state on this rank's flat partitions, then each rank takes its fragments."""
     zero = engine.optimizer
     stage = engine.zero_optimization_stage()
     if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False):
@@ -285,10 +577,7 @@ def _load_zero(portable: PortableState, engine, run_step: int, samples_per_step:
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()  # point each parameter's fragment at the new moments
     for param in module.parameters():
-        name = portable.name_for(names[id(param)])
-        safe_set_full_fp32_param(param, portable.get("fp32", name))
-        for key in MOMENTS:
-            safe_set_full_optimizer_state(param, portable.get(key, name), key)
+        _set_fragments(portable, param, portable.name_for(names[id(param)]), stage)
     if stage <= 2:
         zero.update_lp_params()  # training-precision weights from the fp32 masters (an all-gather)
     else:

@@ -95,3 +95,15 @@ def stack_documents(batches: list[DocumentBatch]) -> DocumentBatch:
         cu_seqlens=cu_seqlens.astype(np.int32),
         max_seqlen=max(b.max_seqlen for b in batches),
     )
+
+
+def from_positions(position_ids: np.ndarray, document_ids: np.ndarray) -> DocumentBatch:
+    """The :class:`DocumentBatch` whose per-token arrays are these (rows assembled from several indices).
+
+    A segment starts exactly where the position inside the document is 0 (each document start, and each row's
+    first token), so the flattened segment starts and the longest segment follow from ``position_ids`` alone.
+    """
+    starts = np.flatnonzero(np.asarray(position_ids).reshape(-1) == 0)
+    cu_seqlens = np.append(starts, position_ids.size).astype(np.int32)
+    return DocumentBatch(position_ids=position_ids, document_ids=document_ids.astype(np.int32), cu_seqlens=cu_seqlens,
+                         max_seqlen=int(np.diff(cu_seqlens).max()))

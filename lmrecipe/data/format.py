@@ -5,10 +5,17 @@ The folder (version :data:`FORMAT_VERSION`) is written by ``lmrecipe/data/prepar
 and checks it against the files' sizes (:func:`load_meta`, the one call for a folder; :func:`read_meta_file` is its
 schema check of the file alone) and a fixed sample of their contents (:class:`TokenWindows`): constant
 time, whatever the number of tokens. The largest token id comes from ``meta.json``, not from a scan of the tokens.
+
+A shard set (``tools/prepare_data.py --shard i/N``) is a folder whose ``meta.json`` lists ``shards``: sub-folders of
+this format, prepared from disjoint parts of one corpus with one tokenizer. Its splits are the shards' splits laid
+end to end in the listed order (``lmrecipe/data/stream.py``); ``meta.json``'s ``splits`` describe the whole, its
+``shards`` each part (counts, ``max_token_id`` and ``sha256``, checked against each shard's own ``meta.json`` at
+start-up). Everything that takes a data folder takes a shard set.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmrecipe.data.documents import DocumentBatch, document_batch
+from lmrecipe.data.stream import TokenStream
 from lmrecipe.errors import fail
 
 # torch is imported where tensors are built, not here: the tokenizer workers of data preparation import the format
@@ -43,6 +51,10 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _SAMPLE_BLOCKS = 16
 _SAMPLE_BLOCK_TOKENS = 4096
 _SAMPLE_DOCUMENTS = 64
+# In a shard set, this many shards (spread evenly, first and last included) get that sample at start-up.
+_SAMPLE_SHARDS = 16
+SHARD_NAME = re.compile(r"shard-(\d{5})-of-(\d{5})")
+"""Name of the folder of shard i of N inside a shard set: ``shard-{i:05d}-of-{N:05d}``."""
 
 
 def load_meta(data_dir: str | Path) -> dict:
@@ -62,9 +74,55 @@ def load_meta(data_dir: str | Path) -> dict:
     if not any(data_dir.iterdir()):
         raise fail(f"Data folder {str(data_dir)!r} is empty. {how_to_make}")
     meta = read_meta_file(data_dir)
+    if "shards" in meta:
+        check_shards(data_dir, meta)
+        return meta
     for name in SPLITS:
         _check_sizes(data_dir, name, meta, how_to_make)
     return meta
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}"
+
+
+def check_shards(data_dir: Path, meta: dict) -> None:
+    """Each shard a shard set's ``meta.json`` lists exists, is a complete folder, and is the one it describes.
+
+    Reads each shard's ``meta.json`` and file sizes (not its tokens): a shard missing, re-prepared or swapped since
+    the set's ``meta.json`` was written fails here, with the fix.
+    """
+    shards = meta["shards"]
+    finish = (f"Run `python tools/prepare_data.py --output {data_dir} --finish-shards` to list the set's shards "
+              f"again (it names any that are missing).")
+    if not isinstance(shards, list) or not shards or any(not isinstance(e, dict) or "path" not in e or "splits" not in e
+                                                           for e in shards):
+        raise fail(f"{data_dir / 'meta.json'} has a malformed shards list. {finish}")
+    names = [str(entry["path"]) for entry in shards]
+    twice = sorted(n for n, times in collections.Counter(names).items() if times > 1)
+    if twice or any(Path(n).name != n or n in ("", ".", "..") for n in names):
+        what = f"{', '.join(twice)} more than once" if twice else "a shard path outside the folder"
+        raise fail(f"{data_dir / 'meta.json'} lists {what}: a shard set names each shard once, as a sub-folder. {finish}")
+    for entry in shards:
+        folder = data_dir / entry["path"]
+        if not (folder / "meta.json").is_file():
+            raise fail(f"Shard {folder} of the shard set {data_dir} is missing (no such complete folder): it was moved "
+                       f"or deleted after the set was finished. Restore it, or prepare it again with the same "
+                       f"command and --shard {_shard_arg(entry['path'])}, then {finish[0].lower()}{finish[1:]}")
+        shard = read_meta_file(folder)
+        changed = [key for key in ("vocab_size", "eos_id", "dtype") if shard[key] != meta[key]]
+        changed += [f"{split} {key}" for split in SPLITS for key in (*_SPLIT_KEYS, "sha256")
+                    if shard["splits"][split].get(key) != entry["splits"].get(split, {}).get(key)]
+        if changed:
+            raise fail(f"Shard {folder} differs from what {data_dir / 'meta.json'} records of it ({', '.join(changed)}): "
+                       f"it was prepared again after the set was finished. {finish}")
+        for split in SPLITS:
+            _check_sizes(folder, split, shard, f"Prepare it again with --shard {_shard_arg(entry['path'])}.")
+
+
+def _shard_arg(name: str) -> str:
+    match = SHARD_NAME.fullmatch(name)
+    return f"{int(match.group(1))}/{int(match.group(2))}" if match else "i/N"
 
 
 def read_meta_file(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -78,6 +136,11 @@ def read_meta_file(data_dir: str | os.PathLike) -> dict[str, Any]:
     path = data_dir / "meta.json"
     remedy = f"Create it with `python tools/prepare_data.py --output {data_dir}` (add --overwrite to replace it)."
     if not path.is_file():
+        if data_dir.is_dir() and any(SHARD_NAME.fullmatch(p.name.split(".tmp-")[0]) for p in data_dir.iterdir()):
+            raise fail(f"{data_dir} holds shards of a sharded preparation but no meta.json: the set is not finished "
+                       f"(a shard is missing or still being written). Run `python tools/prepare_data.py --output "
+                       f"{data_dir} --finish-shards`, which lists what is missing and writes meta.json once every "
+                       f"shard is there.")
         raise fail(f"{path} not found: {data_dir} is not a prepared data folder. {remedy}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -157,7 +220,8 @@ def file_sha256(path: str | Path) -> str:
 
 
 class TokenWindows:
-    """Windows of ``seq_len + 1`` tokens over one split's memmap (window i starts at token i*seq_len).
+    """Windows of ``seq_len + 1`` tokens over one split's memmap, or a shard set's split (its shards' memmaps laid
+    end to end, :attr:`stream`); window i starts at token i*seq_len.
 
     Opening checks a fixed sample of the split against ``meta.json`` (see :func:`check_sample`): a file
     swapped or damaged since preparation fails here, in constant time, rather than mid-run.
@@ -173,25 +237,44 @@ class TokenWindows:
                 f"documents, or with a --val-fraction that leaves documents in both splits: "
                 f"`python tools/prepare_data.py --output {data_dir} --overwrite ...`."
             )
-        # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
-        self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
         self.max_token_id = int(meta["splits"][split]["max_token_id"])
         """The largest id ``meta.json`` records (checked against the model's vocabulary at start); every window is
         checked against it as it is read."""
         self.index_path = Path(data_dir) / f"{split}.idx"
-        check_sample(self.tokens, self.index_path, meta, split)
+        self.stream: TokenStream | None = None
+        """A shard set's split, its shards laid end to end (None for one folder)."""
+        if "shards" in meta:
+            self.tokens = self._open_shards(Path(data_dir), split, meta)
+        else:
+            # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
+            self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
+            check_sample(self.tokens, self.index_path, meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise fail(
                 f"data.seq_len={seq_len} is longer than the {split} split ({len(self.tokens)} tokens in {self.path}); "
                 f"a window needs seq_len + 1 tokens. Lower data.seq_len or prepare more data."
             )
+        if self.stream is not None:
+            return
         # Every window as a row of one strided view of the map (rows overlap by a token; still memory-mapped, no
         # copy): a batch is one index along the rows, each row copied whole. Slicing the np.memmap once per window
         # and stacking was several times slower (BENCHMARKS.md section 3).
         view = self.tokens.view(np.ndarray)
         self._rows = np.lib.stride_tricks.as_strided(view, shape=(self.n_windows, seq_len + 1),
                                                      strides=(seq_len * view.itemsize, view.itemsize), writeable=False)
+
+    def _open_shards(self, data_dir: Path, split: str, meta: dict) -> TokenStream:
+        """The shards' splits as one stream; a sample of up to ``_SAMPLE_SHARDS`` shards is checked (constant time)."""
+        folders = [data_dir / entry["path"] for entry in meta["shards"]]
+        lengths = [int(entry["splits"][split]["n_tokens"]) for entry in meta["shards"]]
+        self.stream = TokenStream([f / f"{split}.bin" for f in folders], lengths, _DTYPES[meta["dtype"]], self.seq_len)
+        kept = self.stream.kept
+        for k in np.unique(np.linspace(0, len(kept) - 1, num=min(_SAMPLE_SHARDS, len(kept))).round().astype(int)):
+            entry = meta["shards"][kept[k]]
+            check_sample(self.stream.piece(int(k)), folders[kept[k]] / f"{split}.idx",
+                         {"eos_id": meta["eos_id"], "splits": entry["splits"]}, split)
+        return self.stream
 
     def __len__(self) -> int:
         return self.n_windows
@@ -210,11 +293,12 @@ class TokenWindows:
         """
         L = self.seq_len
         ids = np.asarray(window_ids, dtype=np.int64).reshape(-1)
-        rows = self._rows[ids].astype(np.int64)
+        rows = self._rows[ids].astype(np.int64) if self.stream is None else self.stream.rows(ids)
         if rows.size and int(rows.max()) > self.max_token_id:
             row, col = np.argwhere(rows > self.max_token_id)[0]
             i, at = int(ids[row]), int(ids[row]) * L + int(col)
-            raise fail(f"{self.path} holds token id {int(rows[row, col])} at token {at} (window {i}), above the "
+            where = self.path if self.stream is None else f"the {self.path.stem} split of the shard set {self.path.parent}"
+            raise fail(f"{where} holds token id {int(rows[row, col])} at token {at} (window {i}), above the "
                        f"largest id meta.json records ({self.max_token_id}), which the model's vocabulary was checked "
                        f"against: the file was changed or damaged after preparation. Re-create the folder with the same "
                        f"inputs: python tools/prepare_data.py --output {self.path.parent} --overwrite ...")
@@ -226,12 +310,21 @@ class TokenWindows:
 
     @functools.cached_property
     def doc_starts(self) -> np.ndarray:
-        """The split's document index (``<split>.idx``): document starts, then the token count; memory-mapped."""
+        """The split's document index (``<split>.idx``): document starts, then the token count; memory-mapped.
+        One folder only: a shard set keeps one index per shard (:meth:`documents_at` reads them)."""
+        if self.stream is not None:
+            raise TypeError("a shard set has one document index per shard: use documents_at")
         return np.memmap(self.index_path, dtype=INDEX_DTYPE, mode="r")
 
     def documents(self, window_ids: np.ndarray) -> DocumentBatch:
         """Where the documents start inside the given windows' inputs (numpy arrays, see ``data/documents.py``)."""
-        return document_batch(self.doc_starts, np.asarray(window_ids, dtype=np.int64) * self.seq_len, self.seq_len)
+        return self.documents_at(np.asarray(window_ids, dtype=np.int64) * self.seq_len, self.seq_len)
+
+    def documents_at(self, offsets: np.ndarray, n_tokens: int) -> DocumentBatch:
+        """Where the documents start inside the spans of ``n_tokens`` tokens at the given token offsets of the split."""
+        if self.stream is not None:
+            return self.stream.documents(offsets, n_tokens)
+        return document_batch(self.doc_starts, np.asarray(offsets, dtype=np.int64), n_tokens)
 
 
 def split_rows(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

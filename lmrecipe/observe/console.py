@@ -127,18 +127,21 @@ class Reporter:
         self._reset_interval(time.perf_counter())
 
     def eval_done(self, state, val_loss: float, per_source: dict[str, float] | None = None,
-                  val_loss_ema: float | None = None) -> None:
-        """Write an evaluation row; ``per_source`` (a mixture) adds ``val_loss/<name>`` for each source, and
-        ``val_loss_ema`` (a weight EMA) the loss of the averaged weights."""
+                  val_loss_ema: float | None = None, figures: dict[str, float] | None = None) -> None:
+        """Write an evaluation row; ``per_source`` (a mixture) adds ``val_loss/<name>`` for each source,
+        ``val_loss_ema`` (a weight EMA) the loss of the averaged weights, and ``figures`` further figures of the
+        evaluation as they are named (the tasks' ``acc/<task>``, ...)."""
         val_ppl = math.exp(val_loss) if val_loss < 50 else float("inf")
         extra = {f"val_loss/{name}": loss for name, loss in (per_source or {}).items()}
         if val_loss_ema is not None:
             extra["val_loss_ema"] = val_loss_ema
+        extra.update(figures or {})
         self.tracker.log({"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
                           **extra})
         if self.is_main:
             self.bar.write(f"step {state.step:>6}/{self.max_steps} | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
-                           + "".join(f" | {key} {loss:.4f}" for key, loss in extra.items()))
+                           + "".join(f" | {key} {value:.4f}" for key, value in extra.items()
+                                     if not key.startswith("chance/")))
         # Evaluation time is not training throughput.
         self._interval_start = time.perf_counter() - self._interval_step_time_s
 

@@ -20,11 +20,14 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def plot_training(rows: list[dict], path: str | Path) -> None:
     """Train/val loss, learning rate, grad norm and tokens/s against optimizer step.
 
-    A data mixture's rows (``val_loss/<name>``, ``tokens_seen/<name>``) add a third column: validation loss and
-    tokens seen per source.
+    A data mixture's rows (``val_loss/<name>``, ``tokens_seen/<name>``) add a column: validation loss and tokens
+    seen per source; multiple-choice tasks (``acc/<task>``, ``acc_norm/<task>``, ``chance/<task>``) another: accuracy
+    and normalised accuracy per task, against chance.
     """
     per_source = sorted({k.partition("/")[0] for r in rows for k in r if k.startswith(("val_loss/", "tokens_seen/"))})
-    fig, axes = plt.subplots(2, 3 if per_source else 2, figsize=(16 if per_source else 11, 7), constrained_layout=True)
+    tasks = sorted({k.partition("/")[2] for r in rows for k in r if k.startswith("acc/")})
+    columns = 2 + bool(per_source) + bool(tasks)
+    fig, axes = plt.subplots(2, columns, figsize=(5.5 * columns, 7), constrained_layout=True)
     ax = axes[0, 0]
     ax.plot(*_series(rows, "loss"), label="train loss", lw=1)
     steps, val = _series(rows, "val_loss")
@@ -47,6 +50,17 @@ def plot_training(rows: list[dict], path: str | Path) -> None:
                                          (axes[1, 2], "tokens_seen/", "tokens seen per source", "-")):
             for key in sorted({k for r in rows for k in r if k.startswith(prefix)}):
                 ax.plot(*_series(rows, key), style, label=key[len(prefix):], ms=4, lw=1)
+            ax.set_ylabel(label)
+            ax.legend()
+    if tasks:
+        panels = ((axes[0, -1], "acc/", "task accuracy"), (axes[1, -1], "acc_norm/", "task accuracy, length-normalised"))
+        for ax, prefix, label in panels:
+            for task in tasks:
+                line, = ax.plot(*_series(rows, prefix + task), "o-", label=task, ms=4, lw=1)
+                steps, chance = _series(rows, "chance/" + task)
+                if steps:
+                    ax.axhline(chance[-1], color=line.get_color(), ls=":", lw=1, label=f"{task}: chance")
+            ax.set_ylim(0, 1)
             ax.set_ylabel(label)
             ax.legend()
     for ax in axes.flat:

@@ -25,11 +25,16 @@ FINAL_FILE = "final.json"
 REPORT_FILE = "report.md"
 
 
-def write_run_end(out_dir: Path, outcome: dict, cost_per_device_hour: float | None) -> None:
-    """Main process, at the end of a run: ``final.json``, ``run_meta.json["outcome"]``, ``report.md``."""
+def write_run_end(out_dir: Path, outcome: dict, cost_per_device_hour: float | None,
+                  prediction: dict | None = None) -> None:
+    """Main process, at the end of a run: ``final.json``, ``run_meta.json["outcome"]``, ``report.md``.
+
+    ``prediction``: the planner's figures at the run's configuration (``lmrecipe.plan.predict_run``), which the
+    report sets against the measured ones.
+    """
     write_json_atomic(out_dir / FINAL_FILE, outcome)
     meta = record_outcome(out_dir, outcome)
-    write_text_atomic(out_dir / REPORT_FILE, build_report(out_dir, meta, outcome, cost_per_device_hour))
+    write_text_atomic(out_dir / REPORT_FILE, build_report(out_dir, meta, outcome, cost_per_device_hour, prediction))
     logger.info("Run report written to %s", out_dir / REPORT_FILE)
 
 
@@ -57,11 +62,31 @@ def summarize_metrics(rows: list[dict]) -> dict:
         "best_val_loss_ema": min((r["val_loss_ema"] for r in val_ema), default=None),
         "tokens_per_sec": mean("tokens_per_sec"),
         "mfu": mean("mfu"),
+        "step_time_s": mean("step_time_s"),
         "peak_mem_gb": max((r["peak_mem_gb"] for r in train if r.get("peak_mem_gb") is not None), default=None),
         "gpu_util_pct": sum(util) / len(util) if util else None,
         "gpu_mem_used_gb": max((r["gpu_mem_used_gb"] for r in train if r.get("gpu_mem_used_gb") is not None),
                                default=None),
     }
+
+
+def task_table(rows: list[dict]) -> list[str]:
+    """The multiple-choice tasks' accuracy (``eval.tasks``) at the first and last evaluation that scored them, and
+    the best, against chance; nothing when the run scored none."""
+    tasks = sorted({k.partition("/")[2] for r in rows for k in r if k.startswith("acc/")})
+    if not tasks:
+        return []
+    lines = ["## Tasks (multiple choice, log-likelihood)", "",
+             "| task | chance | accuracy: first (step) | last (step) | best | normalised accuracy: last | best |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for task in tasks:
+        scored = [r for r in rows if r.get(f"acc/{task}") is not None]
+        first, last = scored[0], scored[-1]
+        lines.append(
+            f"| {task} | {_fmt(last.get(f'chance/{task}'))} | {_fmt(first[f'acc/{task}'])} ({first['step']}) | "
+            f"{_fmt(last[f'acc/{task}'])} ({last['step']}) | {_fmt(max(r[f'acc/{task}'] for r in scored))} | "
+            f"{_fmt(last.get(f'acc_norm/{task}'))} | {_fmt(max(r.get(f'acc_norm/{task}', 0.0) for r in scored))} |")
+    return lines + [""]
 
 
 def config_differences(config: dict, recipe: str | None) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
@@ -99,7 +124,8 @@ def _hours(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour: float | None) -> str:
+def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour: float | None,
+                 prediction: dict | None = None) -> str:
     rows = read_metrics(out_dir / METRICS_FILE)
     figures = summarize_metrics(rows)
     world = meta.get("world_size", 1)
@@ -145,6 +171,8 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         f"| GPU utilisation (NVML, mean of logged steps) | {_fmt(figures['gpu_util_pct'], 1, ' %')} |",
         f"| GPU memory in use (NVML, max) | {_fmt(figures['gpu_mem_used_gb'], 3, ' GB')} |",
         "",
+        *task_table(rows),
+        *(_plan_check(prediction, figures, meta, hardware.get("gpu")) if prediction else []),
         "## Environment",
         "",
         f"- code: git commit `{meta.get('git_commit')}`",
@@ -163,6 +191,38 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         lines += _table("## The recipe file's differences from the defaults", "default", "recipe", from_defaults)
     lines.append("The resolved configuration is in `config.yaml`; every logged step is in `metrics.jsonl`.")
     return "\n".join(lines) + "\n"
+
+
+def _plan_check(predicted: dict, figures: dict, meta: dict, gpu: str | None) -> list[str]:
+    """The planner's figures at this run's configuration against the measured ones."""
+    def row(name: str, key: str, scale: float = 1.0, digits: int = 4, unit: str = "", measured=None) -> str:
+        p = predicted.get(key)
+        m = figures.get(key) if measured is None else measured
+        ratio = f"{m / p:,.2f}" if p and m is not None else "n/a"
+        return (f"| {name} | {_fmt(None if p is None else p * scale, digits, unit)} | "
+                f"{_fmt(None if m is None else m * scale, digits, unit)} | {ratio} |")
+
+    memory_note = ("the allocator's peak" if gpu else
+                   "the process's peak resident set, which also holds the Python runtime and its libraries")
+    lines = [
+        "## Plan against measurement",
+        "",
+        f"Predicted by `lmrecipe.plan.predict_run` at this run's configuration: MFU {100 * predicted['mfu']:.0f}% "
+        f"assumed ({predicted['mfu_source']}), {meta.get('peak_tflops_per_device', float('nan')):.3g} TFLOP/s "
+        f"per device, {_fmt(meta.get('flops_per_token'), 0)} FLOPs per token; memory by `lmrecipe.memory.estimate` "
+        f"(model states, activations of one micro-batch). Measured memory: {memory_note}.",
+        "",
+        "| | predicted | measured | measured / predicted |",
+        "| --- | --- | --- | --- |",
+        row("throughput (tokens/s, all processes)", "tokens_per_sec", digits=1),
+        row("MFU", "mfu", 100.0, 2, " %"),
+        row("step time (s)", "step_time_s"),
+        row("peak memory per process", "peak_mem_gb", digits=3, unit=" GB"),
+    ]
+    if predicted.get("model_states_measured_gb") is not None:
+        lines.append(row("model states per process (largest rank)", "model_states_gb", digits=3, unit=" GB",
+                         measured=predicted["model_states_measured_gb"]))
+    return lines + [""]
 
 
 def _container(info: dict | None) -> str:

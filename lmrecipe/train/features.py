@@ -11,8 +11,9 @@ and calls each hook on the features in their list order. A feature overrides onl
 - ``at_sync(state, longest_skip_run) -> bool``: at a sync point (a logged, evaluated or saved step), after the
   skip counters were read; True means the feature moved the run back (a rollback) and the loop goes on from
   ``state.step`` without logging, evaluating or saving this step;
-- ``eval_metrics(evaluate) -> dict``: before the validation loss of an evaluation, further figures of the same
-  data (``evaluate()`` returns the validation loss of the weights the model holds now);
+- ``eval_metrics(evaluate) -> dict``: before the validation loss of an evaluation, further figures for its metrics
+  row, by name (``evaluate()`` returns the validation loss of the weights the model holds now; the weight EMA uses
+  it, the multiple-choice tasks score their own items);
 - ``after_eval(state, val_loss, best_before)``: after an evaluation;
 - ``stop_reason(state) -> Stop | None``: after the step's save; the first feature that names a reason ends the run
   (cleanly, or with exit code 2 when ``Stop.error``).

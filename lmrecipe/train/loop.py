@@ -11,17 +11,18 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from lmrecipe.checkpoint.policy import Checkpointer
 from lmrecipe.checkpoint.storage import PROBE_TOKENS
 from lmrecipe.config import Config, due_at, save_config
-from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import fail
 from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.loss import chunked_head, validation_loss
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.profiler import StepProfiler
 from lmrecipe.observe.run_report import write_run_end
+from lmrecipe.plan import predict_run
 from lmrecipe.train.features import EarlyStopping, Features, NonFiniteStop, Stop
 from lmrecipe.train.faults import maybe_install_faults
 from lmrecipe.train.lock import RunLock
@@ -31,6 +32,7 @@ from lmrecipe.train.setup import Run, build_run
 from lmrecipe.train.spikes import SpikeGuard
 from lmrecipe.train.state import TrainState
 from lmrecipe.train.step import train_step
+from lmrecipe.train.task_eval import TaskEval
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,8 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def evaluate(run: Run, state: TrainState, reporter: Reporter, features: Features) -> None:
-    """The validation loss (per source of a mixture), with the features' figures of the same data (the weight
-    EMA's loss), then the features' ``after_eval``."""
+    """The validation loss (per source of a mixture), with the features' figures (the weight EMA's loss, the
+    multiple-choice tasks' accuracy), then the features' ``after_eval``."""
 
     def losses() -> dict[str, float]:
         return {name: validation_loss(run.model, batches, run.accelerator, run.attention) for name, batches in run.data.val_sets.items()}
@@ -50,9 +52,10 @@ def evaluate(run: Run, state: TrainState, reporter: Reporter, features: Features
     val_loss = run.data.val_loss(per_source)
     best_before = state.best_val_loss
     state.record_eval(val_loss)
-    state.last_val_loss_ema = extra.get("val_loss_ema")
+    state.last_val_loss_ema = extra.pop("val_loss_ema", None)
     features.after_eval(state, val_loss, best_before)
-    reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=state.last_val_loss_ema)
+    reporter.eval_done(state, val_loss, per_source if run.data.is_mixture else None, val_loss_ema=state.last_val_loss_ema,
+                       figures=extra)
 
 
 def export_source(run: Run, checkpointer: Checkpointer) -> Path | None:
@@ -85,7 +88,8 @@ def build_features(run: Run, out_dir: Path) -> Features:
                         precision=run.runtime.precision)
     spikes.warn_if_nothing_to_roll_back(cfg.checkpoint.every_steps)
     ema = [run.ema] if run.ema is not None else []
-    return Features([spikes, NonFiniteStop(cfg.train.max_consecutive_skips), *ema, EarlyStopping(cfg.train)])
+    tasks = [TaskEval(cfg, run.model, run.accelerator, run.data.tokenizer_dir, run.attention)] if cfg.eval.tasks else []
+    return Features([spikes, NonFiniteStop(cfg.train.max_consecutive_skips), *ema, *tasks, EarlyStopping(cfg.train)])
 
 
 def build_checkpointer(run: Run, out_dir: Path, features: Features | None = None) -> Checkpointer:
@@ -100,7 +104,7 @@ def probe_kwargs(run: Run):
     if run.attention is None:
         return None
     windows = next(iter(run.data.val_sets.values())).windows
-    documents = document_batch(windows.doc_starts, np.zeros(1, dtype=np.int64), PROBE_TOKENS).as_tensors()
+    documents = windows.documents_at(np.zeros(1, dtype=np.int64), PROBE_TOKENS).as_tensors()
     return functools.partial(run.attention.forward_kwargs, documents)
 
 
@@ -230,11 +234,27 @@ def finish(run: Run, state: TrainState, checkpointer: Checkpointer, reporter: Re
         logger.info("Exported %s from %s", export, source)
     reporter.close(plot=True)
     if run.accelerator.is_main_process:
-        write_run_end(out_dir, run_outcome(run, state, features, source, export), run.cfg.logging.cost_per_device_hour)
+        write_run_end(out_dir, run_outcome(run, state, features, source, export), run.cfg.logging.cost_per_device_hour,
+                      run_prediction(run, reporter.peak_tflops, out_dir))
     # Tear the process group down together: a rank that destroys its side while another still holds the group
     # open has been seen to abort at exit (SIGABRT, "terminate called without an active exception").
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
+
+
+def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:
+    """The planner's figures at this run's configuration, for the report (main process, after training)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # Training is over: detach transformers from a live ZeRO-3 config, or building the shape on the meta device
+    # would enter zero.Init and wait for the other ranks.
+    unset_hf_deepspeed_config()
+    accelerator, runtime = run.accelerator, run.runtime
+    device = accelerator.device
+    return predict_run(run.cfg, accelerator.unwrap_model(run.model).config, world_size=accelerator.num_processes,
+                       precision=runtime.precision, zero=runtime.zero, accum_steps=runtime.layout.accum_steps,
+                       flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
+                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None, out_dir=out_dir)
 
 
 def run_outcome(run: Run, state: TrainState, features: Features, export_from: Path | None,

@@ -26,7 +26,14 @@ from lmrecipe.distributed import (
 from lmrecipe.errors import fail
 from lmrecipe.loss import use_chunked_loss
 from lmrecipe.memory import attach_model_state_probe
-from lmrecipe.model import build_attention, build_hf_config, build_model, flops_per_token, param_counts
+from lmrecipe.model import (
+    build_attention,
+    build_hf_config,
+    build_model,
+    flops_per_token,
+    fp8_layer_filter,
+    param_counts,
+)
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.train.ema import WeightEMA
@@ -103,6 +110,8 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer,
                                 fused=not runtime.zero.deepspeed and runtime.precision != "fp16")
     name_sequence_parallel_attention(accelerator, model)
+    if runtime.precision == "fp8":
+        choose_fp8_layers(accelerator, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.train.compile and runtime.zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
@@ -117,3 +126,15 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
                         world_size=accelerator.num_processes, is_main=accelerator.is_main_process,
                         device=accelerator.device)
     return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, ema, attention)
+
+
+def choose_fp8_layers(accelerator, model: torch.nn.Module) -> None:
+    """Tell Accelerate which linear layers ``prepare`` swaps for float8 ones, and log those that stay in bf16."""
+    converts, kept = fp8_layer_filter(model)
+    accelerator.ao_recipe_handler.module_filter_func = converts
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    logger.info("fp8: %d of %d linear layers train with float8 matmuls; in bf16: %s", n_linear - len(kept), n_linear,
+                ", ".join(f"{name} ({why})" for name, why in kept.items()) or "none")
+    if len(kept) == n_linear:
+        logger.warning("fp8: no linear layer qualifies (all are first/last or have a dimension not divisible by 16); "
+                       "the run trains in bf16.")

@@ -11,9 +11,14 @@ import torch
 from helpers import run_train
 from safetensors.torch import load_file
 
+from lmrecipe.config import load_config
+from lmrecipe.data.format import load_meta
+from lmrecipe.distributed import ZeroSetup
 from lmrecipe.errors import EXIT_USER_ERROR
+from lmrecipe.memory import estimate
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.profiler import PREFIX
+from lmrecipe.plan import shape_from_config
 from lmrecipe.train.faults import OOM_FAULT_ENV as FAULT_ENV
 
 
@@ -86,6 +91,31 @@ def test_report_matches_metrics(profiled_run):
     # differences from the recipe file: the test's overrides
     assert '| `train.max_steps` | 300 | 5 |' in report and '| `profile.first_step` | null | 2 |' in report
     assert "torch " + torch.__version__ in report
+
+
+def test_report_sets_the_plan_against_the_measurement(profiled_run):
+    out, _ = profiled_run
+    meta = json.loads((out / "run_meta.json").read_text())
+    train = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    steady = train[1:]
+    cfg = load_config(out / "config.yaml")
+    # The planner's CPU MFU (0.4) of the peak the run itself measured, at the run's FLOPs per token.
+    tokens_per_sec = 0.4 * meta["peak_tflops_per_device"] * 1e12 / meta["flops_per_token"]
+    step_time_s = cfg.train.global_batch_size * cfg.data.seq_len / tokens_per_sec
+    shape = shape_from_config(cfg, int(load_meta(cfg.data.path)["vocab_size"])).memory_shape()  # = model_shape's
+    peak_gb = estimate(shape, ZeroSetup(), 1, 1, "fp32", meta["accum_steps"], cfg.train.micro_batch_size,
+                       cfg.data.seq_len, False).device_total / 1e9
+    measured = {key: sum(r[key] for r in steady) / len(steady) for key in ("tokens_per_sec", "mfu", "step_time_s")}
+    measured_peak = max(r["peak_mem_gb"] for r in train)
+    report = (out / "report.md").read_text()
+    assert "## Plan against measurement" in report
+    assert (f"| throughput (tokens/s, all processes) | {tokens_per_sec:,.1f} | {measured['tokens_per_sec']:,.1f} | "
+            f"{measured['tokens_per_sec'] / tokens_per_sec:,.2f} |") in report
+    assert f"| MFU | 40.00 % | {100 * measured['mfu']:,.2f} % | {measured['mfu'] / 0.4:,.2f} |" in report
+    assert (f"| step time (s) | {step_time_s:,.4f} | {measured['step_time_s']:,.4f} | "
+            f"{measured['step_time_s'] / step_time_s:,.2f} |") in report
+    assert (f"| peak memory per process | {peak_gb:,.3f} GB | {measured_peak:,.3f} GB | "
+            f"{measured_peak / peak_gb:,.2f} |") in report
 
 
 # ---------------------------------------------------------------------------------------------- early stopping

@@ -88,13 +88,15 @@ def test_end_of_run_export_round_trip_in_a_fresh_process(plain):
     assert_round_trip(result, "float32", tied=False)
 
 
-def test_eval_of_a_checkpoint_reproduces_the_training_validation_loss(plain, tiny_data):
-    # 2 batches of 8 = the run's 16 validation windows (data.val_windows=16 in the tiny overrides).
+def test_eval_of_a_checkpoint_reproduces_the_training_validation_loss(plain, tiny_data, tiny_shards):
+    # 2 batches of 8 = the run's 16 validation windows (data.val_windows=16 in the tiny overrides); the same corpus
+    # prepared as 3 shards alongside, which holds the same validation windows.
     proc = run_script(["eval.py", str(plain / "checkpoints" / step_dir_name(STEPS)), "--data", str(tiny_data),
-                       "--max-batches", "2", "--batch-size", "8"])
+                       str(tiny_shards), "--max-batches", "2", "--batch-size", "8"])
     result = eval_json(proc)
     val_loss = [r["val_loss"] for r in read_metrics(plain / "metrics.jsonl") if r.get("step") == STEPS and "val_loss" in r][-1]
-    assert result["loss"] == pytest.approx(val_loss, rel=1e-6) and result["tokens"] == 16 * 32
+    assert result["loss"] == pytest.approx(val_loss, rel=1e-6) and result["tokens"] == 2 * 16 * 32
+    assert result["sources"][tiny_shards.name]["loss"] == result["sources"][tiny_data.name]["loss"]
     assert result["perplexity"] == pytest.approx(2.718281828459045 ** result["loss"])
 
 

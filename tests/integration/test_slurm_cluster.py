@@ -1,7 +1,9 @@
 """slurm/ on a real two-node SLURM cluster (tests/slurm_cluster.py): train.sbatch on 2 nodes x 1 CPU process
 to completion; a stop during start-up that is not lost, then a SIGUSR1 preemption -> checkpoint -> requeue ->
 exact resume; compare_zero.sbatch (which is also the test of tools/compare_zero.py's comparison). One cluster and
-one uninterrupted reference run serve every test."""
+one uninterrupted reference run serve every test. The reference run first prepares its data with prepare.sbatch, a
+3-task array job writing a shard set, and trains on that set; the other runs read the one-folder preparation of the
+same corpus, so their equal losses show that a shard set trains exactly like the folder."""
 
 import csv
 import json
@@ -67,17 +69,39 @@ def wait_for(condition, what: str, timeout_s: float = 300, proc: subprocess.Pope
         time.sleep(0.1)
 
 
+PREPARE_TASKS = 3
+
+
 @pytest.fixture(scope="module")
-def reference_run(slurm_cluster, tiny_data, tmp_path_factory):
-    """An uninterrupted `sbatch -N2 slurm/train.sbatch` run: its log and out_dir."""
+def reference_run(slurm_cluster, tiny_data, corpus_dir, tmp_path_factory):
+    """tiny_data's corpus prepared by `sbatch --array=0-2 slurm/prepare.sbatch` (with tiny_data's tokenizer), then an
+    uninterrupted `sbatch -N2 slurm/train.sbatch` run on that shard set: its log, out_dir, the set and the array's
+    logs."""
     tmp = tmp_path_factory.mktemp("slurm_reference")
+    shard_set = tmp / "shards"
+    args = ["--input", str(corpus_dir), "--tokenizer", str(tiny_data), "--val-fraction", "0.1", "--output", str(shard_set)]
+    proc, _ = submit(slurm_cluster, "slurm/prepare.sbatch", args, tmp / "prepare-%a.out", [f"--array=0-{PREPARE_TASKS - 1}"])
+    finish(slurm_cluster, proc, tmp / "prepare-0.out")
+    prepare_logs = [(tmp / f"prepare-{i}.out").read_text() for i in range(PREPARE_TASKS)]
     out_dir, output = tmp / "run", tmp / "slurm.out"
-    proc, _ = submit(slurm_cluster, "slurm/train.sbatch", train_args(out_dir, tiny_data), output, ["-N2"])
-    return finish(slurm_cluster, proc, output), out_dir
+    proc, _ = submit(slurm_cluster, "slurm/train.sbatch", train_args(out_dir, shard_set), output, ["-N2"])
+    return finish(slurm_cluster, proc, output), out_dir, shard_set, prepare_logs
+
+
+def test_prepare_array_job_writes_a_shard_set_that_train_sbatch_trains_on(reference_run, tiny_data):
+    _, out_dir, shard_set, prepare_logs = reference_run
+    for task, log in enumerate(prepare_logs):
+        assert f"task {task} on " in log and f"shard {task} of {PREPARE_TASKS}" in log, log[-3000:]
+    assert any(f"wrote {shard_set / 'meta.json'}: {PREPARE_TASKS} shards" in log for log in prepare_logs)
+    meta = json.loads((shard_set / "meta.json").read_text())
+    assert [e["path"] for e in meta["shards"]] == [f"shard-{i:05d}-of-{PREPARE_TASKS:05d}" for i in range(PREPARE_TASKS)]
+    tokens = b"".join((shard_set / e["path"] / "train.bin").read_bytes() for e in meta["shards"])
+    assert tokens == (tiny_data / "train.bin").read_bytes()
+    assert json.loads((out_dir / "run_meta.json").read_text())["config"]["data"]["path"] == str(shard_set)
 
 
 def test_train_sbatch_on_two_cpu_nodes(reference_run):
-    log, out_dir = reference_run
+    log, out_dir = reference_run[:2]
     # One launcher per node, one process each (no GPUs), rendezvous at n1's NodeAddr rather than its name.
     for node in (0, 1):
         assert re.search(rf"\[launch\] node {node} of 2 on .*: 1 processes per node x 1 threads, 2 processes in all, "

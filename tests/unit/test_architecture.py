@@ -25,20 +25,20 @@ LAYERS = {
     # components: each one concern, unaware of the loop
     "data": 2, "attention": 2, "optim": 2, "observe": 2, "launch": 2,
     "model": 3, "distributed": 3, "loss": 3,
-    "checkpoint": 4, "memory": 4,
-    "export": 5,
-    "evaluate": 6,
+    "checkpoint": 4, "memory": 4, "tasks": 4,
+    "export": 5, "plan": 5,
+    "evaluate": 6, "harness": 6,
     # orchestration: the loop and the comparison driver
     "train": 7, "compare": 7,
 }
 INNER = {
-    "data": {"documents": 0, "format": 1, "order": 1, "prepare": 2, "batches": 2, "sources": 3},
-    "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "pipeline": 1},
+    "data": {"documents": 0, "stream": 1, "order": 1, "format": 2, "prepare": 3, "batches": 3, "sources": 4},
+    "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "shards": 1, "pipeline": 2},
     "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "compat": 0, "storage": 1, "policy": 2},
     "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "trackers": 0, "metrics_log": 1, "run_meta": 1,
                 "run_report": 2, "console": 3},
     "train": {"state": 0, "lock": 0, "preemption": 0, "oom": 0, "faults": 0, "features": 0,
-              "ema": 1, "setup": 2, "step": 3, "spikes": 3, "loop": 4},
+              "ema": 1, "task_eval": 1, "setup": 2, "step": 3, "spikes": 3, "loop": 4},
 }
 
 

@@ -10,6 +10,9 @@ the corpus.
 
 Nothing appears at the output until the whole folder is written. An interrupted preparation does not resume; run
 it again and it restarts from the beginning.
+
+With ``shard=(i, N)`` it prepares shard i of N of the corpus into a sub-folder of ``output`` (``shards.py``), and the
+shard that completes the set writes the set's ``meta.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmrecipe.data.format import FORMAT_VERSION, SPLITS
+from lmrecipe.data.format import FORMAT_VERSION, SPLITS, file_sha256, shard_name
 from lmrecipe.data.prepare.read import (
     Document,
     DocumentSource,
@@ -44,6 +47,13 @@ from lmrecipe.data.prepare.tokenize import (
     init_worker,
     load_hf_tokenizer,
     train_bpe_tokenizer,
+)
+from lmrecipe.data.prepare.shards import (
+    check_set_folder,
+    check_shard_request,
+    finish_shards,
+    finished_shard,
+    shard_args,
 )
 from lmrecipe.data.prepare.write import SplitWriter, check_output_free, warn_stale_temp_dirs, write_meta
 from lmrecipe.errors import fail
@@ -76,6 +86,7 @@ def prepare(
     max_documents: int | None = None,
     overwrite: bool = False,
     seed: int = 0,
+    shard: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Stream a corpus, build or load a tokenizer, and write a prepared data folder at ``output``.
 
@@ -100,13 +111,17 @@ def prepare(
         max_documents: keep only the first N non-empty documents.
         overwrite: replace an existing ``output`` (only once the new folder is complete).
         seed: salt of the train/val split hash.
+        shard: ``(i, N)``: prepare only shard i of N of the corpus's files into ``output/shard-0000i-of-0000N``
+            (needs ``tokenizer``; see ``shards.py``); the shard that completes the set writes ``output/meta.json``.
 
     Returns:
-        The dict written to ``meta.json``.
+        The dict written to ``meta.json`` (the shard's, with ``shard``).
     """
     started = time.perf_counter()
     out_dir = Path(output)
     check_val_fraction(val_fraction)
+    if shard is not None:
+        check_shard_request(shard, tokenizer, max_documents)
     if tokenizer is None:
         check_vocab_size(vocab_size)
         if not tokenizer_sample_mb > 0:
@@ -114,7 +129,17 @@ def prepare(
     num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc
     if num_proc < 1:
         raise fail(f"--num-proc must be at least 1, got {num_proc}.")
-    source = DocumentSource(inputs, hub_dataset, text_field, max_documents)
+    source = DocumentSource(inputs, hub_dataset, text_field, max_documents, shard)
+    shard_record = None
+    if shard is not None:
+        set_dir, out_dir = out_dir, out_dir / shard_name(*shard)
+        check_set_folder(set_dir, shard[1])
+        shard_record = {"plan": source.shard_plan()[0], "args": shard_args(tokenizer, text_field, val_fraction, seed)}
+        done = None if overwrite else finished_shard(out_dir, **shard_record)
+        if done is not None:
+            logger.info("%s is already prepared (same files and arguments): kept", out_dir)
+            finish_shards(set_dir, required=False)
+            return done
     check_output_free(out_dir, overwrite)
     warn_stale_temp_dirs(out_dir)
     # A given tokenizer is loaded before the corpus is read, so a wrong name fails in seconds.
@@ -124,7 +149,7 @@ def prepare(
     try:
         with building_dir(out_dir, overwrite) as tmp_dir:
             meta = _build(tmp_dir, source, tokenizer, given_tokenizer, vocab_size, tokenizer_sample_mb, num_proc,
-                          val_fraction, seed)
+                          val_fraction, seed, shard_record)
             check_output_free(out_dir, overwrite)  # again: it may have appeared while we worked
     except OSError as err:
         if not is_disk_full(err):
@@ -134,6 +159,8 @@ def prepare(
                    f"{kept}. Free some space (the folder takes about 2 bytes per token with a vocabulary of up to "
                    f"65536, 4 above) or choose an --output on a larger disk, then run the command again.") from None
     logger.info("wrote %s in %.1fs", out_dir, time.perf_counter() - started)
+    if shard is not None:
+        finish_shards(out_dir.parent, required=False)
     return meta
 
 
@@ -147,10 +174,12 @@ def _build(
     num_proc: int,
     val_fraction: float,
     seed: int,
+    shard_record: dict | None = None,
 ) -> dict[str, Any]:
     """Write tokenizer, .bin/.idx files and, last, meta.json into ``tmp_dir``; return the meta dict.
 
     ``given_tokenizer`` is the loaded ``tokenizer`` (a name), or None to train a BPE on a sample of the train split.
+    ``shard_record``: the ``shard`` entry of a shard's ``meta.json`` (a shard's split may be empty; the set's may not).
     """
     started = time.perf_counter()
     sample = None
@@ -178,7 +207,8 @@ def _build(
     splits, inputs = _tokenize_to_files(tmp_dir, documents, spec, num_proc, val_fraction, seed, len(source.names))
     tokenize_seconds = time.perf_counter() - started
     described = source.describe(stats)
-    check_splits(splits, stats, described, val_fraction)
+    if shard_record is None:
+        check_splits(splits, stats, described, val_fraction)
     n_tokens = sum(split["n_tokens"] for split in splits.values())
     logger.info(
         "read %d documents (%.1fM characters) from %s; skipped %d empty documents and %d files that are not "
@@ -203,6 +233,7 @@ def _build(
         "inputs": [{"name": name, **per_split} for name, per_split in zip(source.names, inputs)],
         "skipped": {"empty_documents": stats.empty_documents, "not_text_files": stats.not_text_files},
         "tokenizer_sample": sample,
+        **({} if shard_record is None else {"shard": shard_record, "tokenizer_sha256": _tokenizer_sha256(tmp_dir)}),
         # Everything that differs between two identical runs lives here, so the rest can be compared.
         "timing": {
             "num_proc": num_proc,
@@ -213,6 +244,11 @@ def _build(
     }
     write_meta(tmp_dir, meta)
     return meta
+
+
+def _tokenizer_sha256(folder: Path) -> str | None:
+    """sha256 of the folder's ``tokenizer.json`` (None without one): the shards of a set must agree on it."""
+    return file_sha256(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
 
 
 def _train_bpe(source: DocumentSource, vocab_size: int, val_fraction: float, seed: int, sample: dict):

@@ -8,6 +8,11 @@ The train/val split is per document: a document goes to val when the first 8 byt
 ``"<seed>:<key>"``, read as a fraction of 2**64, are below ``val_fraction``. So a document's split depends only
 on its key and the seed: not on the order in which documents are read, on the other documents, or on how many
 processes tokenize them.
+
+Shards. ``shard=(i, N)`` reads a contiguous run of the corpus's files (:func:`assign_files`: files in reading order,
+cut into N runs of about equal bytes): the N shards read disjoint files, and their documents laid end to end in
+shard order are the documents of the whole corpus in reading order. Listing the files (names and sizes) is the only
+work every shard repeats.
 """
 
 from __future__ import annotations
@@ -84,7 +89,12 @@ class DocumentSource:
         hub_dataset: str | None = None,
         text_field: str = "text",
         max_documents: int | None = None,
+        shard: tuple[int, int] | None = None,
     ):
+        if shard is not None and hub_dataset:
+            raise fail(f"--shard reads a disjoint part of a corpus's files; a Hub dataset ({hub_dataset}) is streamed as "
+                       "one. Download it to jsonl or parquet files first (e.g. `datasets`' to_json), then pass them "
+                       "with --input.")
         if inputs and hub_dataset:
             raise fail("Pass either --input or --hub-dataset, not both.")
         if max_documents is not None and max_documents < 1:
@@ -93,6 +103,8 @@ class DocumentSource:
         self.hub_dataset = hub_dataset
         self.text_field = text_field
         self.max_documents = max_documents
+        self.shard = shard
+        self._shard_plan: tuple[dict, list[tuple[int, str, Path]]] | None = None
         if hub_dataset:
             self.names = [f"hub:{hub_dataset}"]
         elif inputs:
@@ -123,20 +135,61 @@ class DocumentSource:
         if self.hub_dataset:
             yield from _record_documents(_load_hub_dataset(self.hub_dataset), self.text_field, self.hub_dataset,
                                          self.hub_dataset, 0, stats)
-        elif self.inputs:
+            return
+        files = self._files() if self.shard is None else self.shard_plan()[1]
+        for index, key, path in files:
+            yield from _file_documents(path, key, index, self.text_field, stats)
+
+    def _files(self) -> Iterator[tuple[int, str, Path]]:
+        """(input index, key, path) of every file, in reading order; the names are listed, no file is read."""
+        if self.inputs:
             for index, path in enumerate(self.inputs):
                 if path.is_dir():
                     unsupported = [0]
                     for rel, file in _walk_supported(path, path, unsupported):
-                        yield from _file_documents(file, rel, index, self.text_field, stats)
+                        yield index, rel, file
                     if unsupported[0]:
                         logger.info("%s: skipped %d files of unsupported types", path, unsupported[0])
                 else:
-                    yield from _file_documents(path, path.name, index, self.text_field, stats)
+                    yield index, path.name, path
         else:
             root = stdlib_root()
             for path in embedded_corpus_files():
-                yield from _file_documents(path, path.relative_to(root).as_posix(), 0, self.text_field, stats)
+                yield 0, path.relative_to(root).as_posix(), path
+
+    def shard_plan(self) -> tuple[dict, list[tuple[int, str, Path]]]:
+        """This shard's files and what ``meta.json`` records of them (``shard``: index, count, its run of files, and
+        the sha256 of the whole listing, which every shard of one corpus shares)."""
+        if self._shard_plan is None:
+            index, count = self.shard
+            files = list(self._files())
+            sizes = [path.stat().st_size for _, _, path in files]
+            listing = hashlib.sha256()
+            for (input_index, key, _), size in zip(files, sizes):
+                listing.update(f"{input_index}\0{key}\0{size}\n".encode())
+            first, stop = assign_files(sizes, index, count)
+            plan = {"index": index, "count": count, "files": [first, stop], "n_files": len(files),
+                    "bytes": sum(sizes[first:stop]), "listing_sha256": listing.hexdigest()}
+            self._shard_plan = plan, files[first:stop]
+            logger.info("shard %d of %d: files %d-%d of %d (%.1f MB of %.1f MB)", index, count, first, stop, len(files),
+                        plan["bytes"] / 1e6, sum(sizes) / 1e6)
+        return self._shard_plan
+
+
+def assign_files(sizes: Sequence[int], index: int, count: int) -> tuple[int, int]:
+    """The run ``[first, stop)`` of files that shard ``index`` of ``count`` reads: file ``j`` goes to the shard its
+    middle byte falls in when the corpus's bytes are cut into ``count`` equal parts (by file count if all are
+    empty). Runs are contiguous, disjoint and cover every file; a shard may get none (a file larger than a part)."""
+    total = sum(sizes)
+    owners, before = [], 0
+    for j, size in enumerate(sizes):
+        if total:
+            owners.append(min(count - 1, (2 * before + size) * count // (2 * total)))
+        else:
+            owners.append(j * count // len(sizes))
+        before += size
+    first = sum(1 for owner in owners if owner < index)
+    return first, first + sum(1 for owner in owners if owner == index)
 
 
 def embedded_corpus_files() -> list[Path]:

@@ -14,7 +14,8 @@ holds:
   the embedded corpus) with, per split, its contiguous range of documents ``[first, stop)`` and its token count,
   so that tokens can be attributed to their input without re-tokenizing. ``skipped`` counts empty documents and
   files that are not UTF-8 text; ``tokenizer_sample`` says what a trained BPE was trained on. Everything except
-  the ``timing`` key is a pure function of the inputs and arguments, so two runs can be compared.
+  the ``timing`` key is a pure function of the inputs and arguments, so two runs can be compared. A shard of a
+  shard set also records ``shard`` (its files and arguments) and ``tokenizer_sha256`` (see ``shards.py``).
 - the tokenizer files (``save_pretrained``), loadable with ``AutoTokenizer.from_pretrained(folder)``.
 
 The folder is built next to its destination (``<output>.tmp-<pid>``) and renamed into place only when complete,

@@ -1,0 +1,553 @@
+"""A compute budget turned into a run, and the prediction a finished run is checked against.
+
+Budget: ``C = devices x peak FLOP/s x MFU x seconds`` (or ``6 N D`` from a parameter count N and tokens D). The
+compute-optimal split takes ``D = k N`` tokens for N parameters (``k`` = ``tokens_per_param``, 20 by default:
+Hoffmann et al. 2022, "Training Compute-Optimal Large Language Models", whose fits give about 20 tokens per
+parameter), so ``N = sqrt(C / (6 k))``. Near N, :func:`shapes_near` takes Llama shapes from one family (depth =
+width / 128, as Llama 3.2 1B 2048/16, Llama 3 8B 4096/32 and 405B 16384/126; MLP 3.5 x width, as Llama 3 8B and
+70B; 64-wide heads up to width 2048, else 128; at most 8 key/value heads), and for each the training FLOPs per
+token (:func:`lmrecipe.model.flops_per_token`) and the per-device memory under every ZeRO stage
+(:func:`lmrecipe.memory.estimate`). The chosen configuration is the shape nearest N that fits, under the stage that
+leaves the most memory free. Its wall time is ``tokens x FLOPs per token / (devices x peak x MFU)``.
+
+The same arithmetic at a finished run's own configuration (:func:`predict_run`) is what ``report.md`` puts next
+to the measured tokens/s, MFU, step time and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from lmrecipe.config import Config, load_config, resolve_deepspeed_config, save_config
+from lmrecipe.distributed import ZeroSetup
+from lmrecipe.errors import fail
+from lmrecipe.memory import ModelShape, estimate, model_shape, read_measured
+from lmrecipe.model import flops_per_token
+from lmrecipe.observe.device import cpu_matmul_tflops, gpu_peak_tflops
+from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
+from lmrecipe.observe.run_report import FINAL_FILE, summarize_metrics
+
+DEFAULT_TOKENS_PER_PARAM = 20.0
+"""Hoffmann et al. 2022 (Chinchilla): about 20 training tokens per parameter at the compute-optimal point."""
+DEFAULT_VOCAB_SIZE = 128_256
+"""Llama 3's vocabulary: the planner's assumption when neither the flags nor the base recipe's data say."""
+DEFAULT_RESERVE = 0.10
+"""Share of a device's memory kept free of the estimate: the CUDA context, communication buffers and the
+allocator's fragmentation, which the estimator does not count."""
+STAGES = (0, 1, 2, 3)
+
+_H100_MFU = ("Llama 3 (Dubey et al. 2024, Table 4): 38-43% BF16 MFU on 8,192-16,384 H100s")
+_A100_MFU = ("Narayanan et al. 2021 (Megatron-LM): 52% of peak, GPT-3 175B on 3,072 A100s; MegaScale "
+             "(Jiang et al. 2024): 55.2% on 12,288 GPUs")
+_OTHER_MFU = "no large-scale figure published; the H100's 40% assumed"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One kind of accelerator the planner knows."""
+
+    name: str
+    """The name fragment of :data:`lmrecipe.observe.device._GPU_PEAK_TFLOPS` (the peak FLOP/s table MFU uses)."""
+    memory_gb: float | None
+    """Nominal memory per device (GB = 1e9 bytes, the vendor's figure); None = this host's RAM (the CPU)."""
+    mfu: float
+    """Default MFU assumed for a large run."""
+    mfu_source: str
+
+
+DEVICES = {
+    "h100": Device("H100", 80, 0.40, _H100_MFU),
+    "h100-pcie": Device("H100 PCIe", 80, 0.40, _H100_MFU),
+    "h200": Device("H200", 141, 0.40, _H100_MFU),
+    "a100": Device("A100", 80, 0.50, _A100_MFU),
+    "a100-40gb": Device("A100", 40, 0.50, _A100_MFU),
+    "l40s": Device("L40S", 48, 0.40, _OTHER_MFU),
+    "a10g": Device("A10G", 24, 0.40, _OTHER_MFU),
+    "l4": Device("L4", 24, 0.40, _OTHER_MFU),
+    "cpu": Device("cpu", None, 0.40, "BENCHMARKS.md section 5: the tiny recipe at 38-42% of this CPU's matmul peak"),
+}
+
+
+def device_spec(key: str) -> Device:
+    """The :data:`DEVICES` entry for ``--gpu`` (case-insensitive); UserError naming the choices."""
+    device = DEVICES.get(key.strip().lower())
+    if device is None:
+        raise fail(f"--gpu {key!r} is not a device the planner knows. Choose one of {', '.join(DEVICES)}, or pass "
+                   "the nearest one with --peak-tflops and --memory-gb for yours.")
+    return device
+
+
+def device_for_name(device_name: str | None) -> Device:
+    """The entry for a device as torch names it (``NVIDIA H100 80GB HBM3``); None or unknown -> the CPU's MFU."""
+    if device_name:
+        for device in DEVICES.values():
+            if device.name != "cpu" and device.name in device_name:
+                return device
+    return DEVICES["cpu"]
+
+
+def peak_tflops(device: Device, precision: str) -> float:
+    """Dense peak TFLOP/s of one device: the MFU table's figure, or this CPU's measured matmul peak."""
+    if device.name == "cpu":
+        return cpu_matmul_tflops(precision)
+    peak = gpu_peak_tflops(device.name, precision)
+    if peak is None:
+        raise fail(f"No {precision} peak is known for the {device.name}. Pass --precision with another value, or "
+                   "--peak-tflops.")
+    return peak
+
+
+def host_memory_gb() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / 1e9
+
+
+def measured_mfu(run: str | Path) -> tuple[float, str]:
+    """The MFU a finished run's ``report.md`` states (mean of its logged intervals), and where it ran."""
+    out = Path(run)
+    if not (out / FINAL_FILE).is_file() or not (out / METRICS_FILE).is_file():
+        raise fail(f"--from-run {run}: no {FINAL_FILE} and {METRICS_FILE} there, so it is not a finished run's folder "
+                   "(out_dir). Pass the out_dir of a run that reached its end, or --mfu.")
+    mfu = summarize_metrics(read_metrics(out / METRICS_FILE))["mfu"]
+    if not mfu or mfu <= 0:
+        raise fail(f"--from-run {run}: its metrics hold no MFU (no logged training step). Pass --mfu instead.")
+    meta_path = out / "run_meta.json"
+    hardware = json.loads(meta_path.read_text()).get("hardware", {}) if meta_path.is_file() else {}
+    return mfu, f"measured by {run} on {hardware.get('gpu') or 'a CPU'}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Budget
+
+
+def compute_optimal(compute_flops: float, tokens_per_param: float) -> tuple[float, float]:
+    """(parameters, tokens) that spend ``compute_flops`` at ``6 N D`` with ``D = tokens_per_param x N``."""
+    params = math.sqrt(compute_flops / (6.0 * tokens_per_param))
+    return params, tokens_per_param * params
+
+
+def budget_flops(devices: int, peak: float, mfu: float, days: float) -> float:
+    """Training FLOPs ``devices`` devices of ``peak`` TFLOP/s deliver at ``mfu`` in ``days`` days."""
+    return devices * peak * 1e12 * mfu * days * 86_400.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama decoder's sizes (no biases; RMSNorm; SwiGLU MLP)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def layer_params(self) -> int:
+        h, kv, f = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+
+    @property
+    def n_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.num_layers * self.layer_params() + embeddings + self.hidden_size
+
+    @property
+    def n_lookup(self) -> int:
+        """Parameters used only as a lookup: the input embedding, unless tied to the output projection."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return flops_per_token(self.n_params, self.n_lookup, self.num_layers, self.hidden_size, seq_len)
+
+    def memory_shape(self) -> ModelShape:
+        """What :func:`lmrecipe.memory.estimate` needs, counted without building the model."""
+        h, kv, f, v = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size, self.vocab_size
+        per_layer = (h * h, h * kv, h * kv, h * h, f * h, f * h, h * f, h, h)  # q k v o, gate up down, two norms
+        sizes = (v * h, *per_layer * self.num_layers, h, *(() if self.tie_embeddings else (v * h,)))
+        return ModelShape(n_params=self.n_params, largest_layer_params=max(v * h, f * h), param_sizes=sizes,
+                          num_layers=self.num_layers, hidden_size=h, kv_size=kv, mlp_size=f,
+                          num_heads=self.num_heads, vocab_size=v,
+                          muon_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f))
+
+    def overrides(self) -> list[str]:
+        """The recipe's ``model.*`` keys for this shape."""
+        return [f"model.hidden_size={self.hidden_size}", f"model.num_layers={self.num_layers}",
+                f"model.num_heads={self.num_heads}", f"model.num_kv_heads={self.num_kv_heads}",
+                f"model.intermediate_size={self.intermediate_size}", f"model.tie_embeddings={str(self.tie_embeddings).lower()}"]
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} x {self.hidden_size}, {self.num_heads} heads ({self.num_kv_heads} kv), "
+                f"MLP {self.intermediate_size}{', tied' if self.tie_embeddings else ''}")
+
+
+def _round_up(value: float, multiple: int) -> int:
+    return int(-(-value // multiple) * multiple)
+
+
+def family_shape(hidden_size: int, vocab_size: int) -> LlamaShape:
+    """The family's shape of width ``hidden_size`` (module docstring): a multiple of 64."""
+    head_dim = 64 if hidden_size <= 2048 else 128
+    heads = hidden_size // head_dim
+    mlp = _round_up(3.5 * hidden_size, 64 if hidden_size < 1024 else 256)
+    return LlamaShape(hidden_size=hidden_size, num_layers=max(2, round(hidden_size / 128)), num_heads=heads,
+                      num_kv_heads=math.gcd(heads, 8), intermediate_size=mlp, vocab_size=vocab_size,
+                      tie_embeddings=hidden_size <= 3072)
+
+
+def _widths() -> list[int]:
+    """Widths whose head count takes 8 (or 4) key/value heads evenly above 1,024."""
+    return [*range(128, 1024, 64), *range(1024, 2048, 256), *range(2048, 32769, 512)]
+
+
+def shapes_near(n_params: float, vocab_size: int, count: int = 3) -> list[LlamaShape]:
+    """Up to ``count`` family shapes around ``n_params``: the nearest (in log size), and the nearest to 1/1.5 and 1.5
+    times it, smallest first."""
+    family = [family_shape(h, vocab_size) for h in _widths()]
+    targets = [n_params, n_params / 1.5, n_params * 1.5][:count]
+    chosen: list[LlamaShape] = []
+    for target in targets:
+        best = min(family, key=lambda s: abs(math.log(s.n_params / target)))
+        if best not in chosen:
+            chosen.append(best)
+    return sorted(chosen, key=lambda s: s.n_params)
+
+
+def shape_from_config(cfg: Config, vocab_size: int) -> LlamaShape:
+    m = cfg.model
+    return LlamaShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.kv_heads(),
+                      intermediate_size=m.mlp_size(), vocab_size=vocab_size, tie_embeddings=m.tie_embeddings)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class PlanInputs:
+    """What the planner is asked (``tools/plan.py``'s flags, resolved)."""
+
+    devices: int
+    device: Device
+    precision: str
+    peak_tflops: float
+    memory_gb: float
+    mfu: float
+    mfu_source: str
+    base: Config
+    """The recipe the written recipe starts from (data, optimizer, schedule...)."""
+    vocab_size: int
+    seq_len: int
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    days: float | None = None
+    micro_batch_fixed: bool = True
+    """False: the micro-batch is the largest of micro_batch_size, its halves, ... 1 at which something fits."""
+    checkpointing_fixed: bool = True
+    """False: activation checkpointing is turned on when nothing fits without it at any micro-batch."""
+    tokens: float | None = None
+    params: float | None = None
+    tokens_per_param: float = DEFAULT_TOKENS_PER_PARAM
+    cost_per_device_hour: float | None = None
+    reserve: float = DEFAULT_RESERVE
+    model_from_recipe: bool = False
+    """Plan the base recipe's own model instead of the family's shapes near the optimum."""
+
+
+@dataclass
+class Candidate:
+    """One shape under one ZeRO stage."""
+
+    shape: LlamaShape
+    stage: int
+    device_bytes: float
+    """Estimated per-device memory (lmrecipe.memory.estimate's ``device_total``)."""
+    capacity_bytes: float
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.capacity_bytes - self.device_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    compute_flops: float
+    optimal_params: float
+    optimal_tokens: float
+    shapes: list[LlamaShape]
+    candidates: list[Candidate]
+    chosen: Candidate
+    tokens: float
+    """Tokens the chosen shape trains on: --tokens; with --days the whole budget at its FLOPs per token; with
+    --params tokens_per_param of its parameters."""
+    global_batch_size: int
+    max_steps: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.chosen.shape.flops_per_token(self.inputs.seq_len)
+
+    @property
+    def tokens_per_sec(self) -> float:
+        i = self.inputs
+        return i.devices * i.peak_tflops * 1e12 * i.mfu / self.flops_per_token
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.max_steps * self.global_batch_size * self.inputs.seq_len / self.tokens_per_sec
+
+    @property
+    def device_hours(self) -> float:
+        return self.inputs.devices * self.wall_seconds / 3600.0
+
+
+def stage_setup(stage: int) -> ZeroSetup:
+    """The ZeroSetup of ``ds_configs/zero{stage}.json`` (stage 0: no DeepSpeed)."""
+    if stage == 0:
+        return ZeroSetup()
+    path = resolve_deepspeed_config(f"zero{stage}")
+    return ZeroSetup.from_ds_config(json.loads(Path(path).read_text()))
+
+
+def estimate_device_bytes(shape: ModelShape, stage: int, devices: int, precision: str, micro_batch_size: int,
+                          seq_len: int, gradient_checkpointing: bool, cfg: Config, accum_steps: int) -> float:
+    """Per-device memory of one configuration (lmrecipe.memory.estimate's ``device_total``)."""
+    est = estimate(shape, stage_setup(stage), devices, 1, precision, accum_steps=accum_steps, micro_batch_size=micro_batch_size,
+                   seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
+                   attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
+                   loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size), optimizer=cfg.optim.name)
+    return est.device_total
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """The budget, the compute-optimal size, the shapes near it under each stage, and the chosen configuration."""
+    i = inputs
+    k = i.tokens_per_param
+    if i.days is not None:
+        compute = budget_flops(i.devices, i.peak_tflops, i.mfu, i.days)
+        n_opt, d_opt = compute_optimal(compute, k)
+    else:
+        n_opt = i.params if i.params is not None else i.tokens / k
+        d_opt = i.tokens if i.tokens is not None else k * n_opt
+        compute = 6.0 * n_opt * d_opt
+    if i.model_from_recipe:
+        shapes = [shape_from_config(i.base, i.vocab_size)]
+    else:
+        shapes = shapes_near(n_opt, i.vocab_size)
+    capacity = i.memory_gb * 1e9 * (1.0 - i.reserve)
+    tried = []
+    for micro_batch, checkpointing in memory_settings(i):
+        accum = batch_and_steps(replace(i, micro_batch_size=micro_batch), 1.0)[0] // (micro_batch * i.devices)
+        candidates = [Candidate(s, stage, estimate_device_bytes(s.memory_shape(), stage, i.devices, i.precision,
+                                                                micro_batch, i.seq_len, checkpointing, i.base, accum),
+                                capacity)
+                      for s in shapes for stage in STAGES]
+        fitting = [c for c in candidates if c.fits]
+        if fitting:
+            break
+        tried.append(f"micro-batch {micro_batch}{' with activation checkpointing' if checkpointing else ''}")
+    else:
+        smallest = min(candidates, key=lambda c: c.device_bytes)
+        raise fail(f"Nothing fits: the smallest configuration (ZeRO-{smallest.stage}, {smallest.shape.describe()}, "
+                   f"{tried[-1]}) needs {smallest.device_bytes / 1e9:,.1f} GB per device, over the "
+                   f"{capacity / 1e9:,.1f} GB usable of {i.memory_gb:,.0f} GB ({100 * i.reserve:.0f}% kept free). "
+                   "Lower --micro-batch or --seq-len, add --gradient-checkpointing, use more devices, or plan a "
+                   "smaller model (--params).")
+    notes = [f"Did not fit at {', '.join(tried)}; planned at micro-batch {micro_batch}"
+             f"{' with activation checkpointing' if checkpointing else ''}."] if tried else []
+    if checkpointing:
+        notes.append("Activation checkpointing recomputes the forward pass: the devices do about 8 instead of 6 FLOPs "
+                     "per parameter per token, so at the same hardware utilisation expect about 3/4 of the predicted "
+                     "tokens/s.")
+    i = replace(i, micro_batch_size=micro_batch, gradient_checkpointing=checkpointing)
+    nearest = min({c.shape for c in fitting}, key=lambda s: abs(math.log(s.n_params / n_opt)))
+    chosen = max((c for c in fitting if c.shape == nearest), key=lambda c: c.headroom_bytes)
+    if i.tokens is not None:
+        tokens = i.tokens
+    elif i.days is not None:  # the whole budget, at the chosen shape's FLOPs per token
+        tokens = compute / chosen.shape.flops_per_token(i.seq_len)
+    else:
+        tokens = k * chosen.shape.n_params
+    gbs, steps = batch_and_steps(i, tokens)
+    return Plan(i, compute, n_opt, d_opt, shapes, candidates, chosen, tokens, gbs, steps, notes)
+
+
+def memory_settings(inputs: PlanInputs) -> list[tuple[int, bool]]:
+    """(micro-batch, activation checkpointing) to try in order: the asked ones, then (what is not fixed) halves of
+    the micro-batch down to 1, then the same with checkpointing."""
+    i = inputs
+    batches = [i.micro_batch_size]
+    while not i.micro_batch_fixed and batches[-1] > 1:
+        batches.append(batches[-1] // 2)
+    checkpointing = [True] if i.gradient_checkpointing else [False] if i.checkpointing_fixed else [False, True]
+    return [(b, c) for c in checkpointing for b in batches]
+
+
+def batch_and_steps(inputs: PlanInputs, tokens: float) -> tuple[int, int]:
+    """Global batch (sequences) and optimizer steps: the base recipe's tokens per step, in whole micro-batches on
+    every device, and enough steps to see ``tokens``."""
+    i = inputs
+    unit = i.micro_batch_size * i.devices
+    per_step = i.base.train.global_batch_size * i.base.data.seq_len
+    gbs = max(unit, round(per_step / i.seq_len / unit) * unit)
+    return gbs, max(1, math.ceil(tokens / (gbs * i.seq_len)))
+
+
+def recipe_overrides(plan: Plan, out_dir: str) -> list[str]:
+    """The ``key=value`` overrides that turn the base recipe into the chosen configuration."""
+    i, c = plan.inputs, plan.chosen
+    warmup = min(i.base.schedule.warmup_steps, max(1, plan.max_steps // 10))
+
+    def every(interval: int) -> int:  # an interval no longer than the run (0 keeps its meaning: never / end only)
+        return min(interval, plan.max_steps)
+
+    out = [*c.shape.overrides(), f"data.seq_len={i.seq_len}", f"model.max_position_embeddings={i.seq_len}",
+           f"train.micro_batch_size={i.micro_batch_size}", f"train.global_batch_size={plan.global_batch_size}",
+           f"train.max_steps={plan.max_steps}", f"schedule.warmup_steps={warmup}",
+           f"train.eval_every_steps={every(i.base.train.eval_every_steps)}",
+           f"checkpoint.every_steps={every(i.base.checkpoint.every_steps)}",
+           f"train.gradient_checkpointing={str(i.gradient_checkpointing).lower()}",
+           f"distributed.deepspeed_config={'null' if c.stage == 0 else f'zero{c.stage}'}", f"out_dir={out_dir}",
+           f"model.vocab_size={i.vocab_size}"]
+    if i.cost_per_device_hour is not None:
+        out.append(f"logging.cost_per_device_hour={i.cost_per_device_hour}")
+    if i.device.name != "cpu":
+        out.append(f"train.precision={i.precision}")
+    return out
+
+
+def write_recipe(plan: Plan, base_recipe: str | None, path: str | Path, base_overrides: list[str] = ()) -> Config:
+    """Write the chosen configuration as a recipe YAML (atomically) that ``train.py`` accepts; returns it as loaded."""
+    path = Path(path)
+    cfg = load_config(base_recipe, [*base_overrides, *recipe_overrides(plan, f"runs/{path.stem}")])
+    save_config(cfg, path)
+    return load_config(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Text
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f}{unit}"
+    return f"{n:,.0f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 86_400:
+        return f"{seconds / 86_400:,.2f} days"
+    if seconds >= 3600:
+        return f"{seconds / 3600:,.2f} hours"
+    return f"{seconds / 60:,.1f} minutes"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the text ``tools/plan.py`` prints."""
+    i, c = plan.inputs, plan.chosen
+    asked = (f"{i.days:g} days" if i.days is not None else
+             " and ".join(x for x in (f"{_fmt_count(i.params)} parameters" if i.params is not None else "",
+                                      f"{_fmt_count(i.tokens)} tokens" if i.tokens is not None else "") if x))
+    lines = [
+        f"Devices: {i.devices} x {i.device.name}, {i.peak_tflops:,.3g} TFLOP/s peak ({i.precision}), "
+        f"{i.memory_gb:,.0f} GB each ({100 * i.reserve:.0f}% kept free); MFU {100 * i.mfu:.1f}% ({i.mfu_source})",
+        f"Asked: {asked}; {i.tokens_per_param:g} tokens per parameter (Hoffmann et al. 2022); seq_len {i.seq_len}, "
+        f"micro-batch {i.micro_batch_size}, vocabulary {i.vocab_size:,}, activation checkpointing "
+        f"{'on' if i.gradient_checkpointing else 'off'}",
+        "",
+        f"Compute budget:   {plan.compute_flops:.3e} FLOPs",
+        f"Compute-optimal:  {_fmt_count(plan.optimal_params)} parameters, {_fmt_count(plan.optimal_tokens)} tokens",
+        "",
+        "Shapes (FLOPs per token: 6 x non-embedding parameters + attention at seq_len):",
+    ]
+    for s in plan.shapes:
+        lines.append(f"  {_fmt_count(s.n_params):>9} params  {s.flops_per_token(i.seq_len) / 1e9:>9,.3f} GFLOP/token  "
+                     f"{s.describe()}")
+    lines += ["", "Memory per device (GB, lmrecipe.memory.estimate) by ZeRO stage, and whether it fits "
+              f"{c.capacity_bytes / 1e9:,.1f} GB:"]
+    header = f"  {'params':>9}" + "".join(f"  {'ZeRO-' + str(s) if s else 'no ZeRO':>14}" for s in STAGES)
+    lines.append(header)
+    for s in plan.shapes:
+        cells = [x for x in plan.candidates if x.shape == s]
+        lines.append(f"  {_fmt_count(s.n_params):>9}" + "".join(
+            f"  {x.device_bytes / 1e9:>10,.2f} {'ok ' if x.fits else 'OOM'}" for x in cells))
+    run_tokens = plan.max_steps * plan.global_batch_size * i.seq_len
+    cost = (f", cost {plan.device_hours * i.cost_per_device_hour:,.2f} at {i.cost_per_device_hour:g} per device-hour"
+            if i.cost_per_device_hour is not None else "")
+    lines += [
+        "",
+        f"Chosen: {c.shape.describe()} ({_fmt_count(c.shape.n_params)} params), "
+        f"{'ZeRO-' + str(c.stage) if c.stage else 'no ZeRO'}: {c.device_bytes / 1e9:,.2f} GB per device, "
+        f"{c.headroom_bytes / 1e9:,.2f} GB headroom (the nearest fitting shape to the optimum, under the stage that "
+        "leaves the most memory free)",
+        f"Run: {_fmt_count(run_tokens)} tokens ({run_tokens / c.shape.n_params:,.1f} per parameter) = "
+        f"{plan.max_steps:,} steps x {plan.global_batch_size} sequences x {i.seq_len} tokens",
+        f"Predicted: {plan.tokens_per_sec:,.0f} tokens/s, wall time {_duration(plan.wall_seconds)}, "
+        f"{plan.device_hours:,.1f} device-hours{cost}",
+        *(["", *plan.notes] if plan.notes else []),
+    ]
+    return "\n".join(lines)
+
+
+def plan_summary(plan: Plan) -> dict:
+    """The plan as JSON-ready numbers (``tools/plan.py --json``)."""
+    i, c = plan.inputs, plan.chosen
+    return {
+        "devices": i.devices, "device": i.device.name, "peak_tflops": i.peak_tflops, "mfu": i.mfu,
+        "precision": i.precision, "compute_flops": plan.compute_flops, "optimal_params": plan.optimal_params,
+        "optimal_tokens": plan.optimal_tokens,
+        "shapes": [{"n_params": s.n_params, "flops_per_token": s.flops_per_token(i.seq_len), **asdict(s),
+                    "device_bytes": {str(x.stage): x.device_bytes for x in plan.candidates if x.shape == s}}
+                   for s in plan.shapes],
+        "chosen": {"n_params": c.shape.n_params, "stage": c.stage, "device_bytes": c.device_bytes,
+                   "headroom_bytes": c.headroom_bytes},
+        "tokens": plan.max_steps * plan.global_batch_size * i.seq_len, "max_steps": plan.max_steps,
+        "global_batch_size": plan.global_batch_size, "tokens_per_sec": plan.tokens_per_sec,
+        "wall_seconds": plan.wall_seconds, "device_hours": plan.device_hours,
+        "cost": plan.device_hours * i.cost_per_device_hour if i.cost_per_device_hour is not None else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# A finished run's prediction
+
+
+def predict_run(cfg: Config, hf_config, *, world_size: int, precision: str, zero: ZeroSetup, accum_steps: int,
+                flops_per_token: float, peak_tflops: float, device_name: str | None,
+                out_dir: str | Path | None = None) -> dict:
+    """What the planner predicts for this run's own configuration, for ``report.md``: tokens/s (all devices), MFU,
+    the step time (one optimizer step), the per-process peak memory (GB = 1e9 bytes) and the model states; with
+    ``out_dir``, the model states measured by ``logging.measure_model_states`` (largest rank) beside them."""
+    device = device_for_name(device_name)
+    tokens_per_sec = device.mfu * peak_tflops * 1e12 * world_size / flops_per_token
+    shape = model_shape(hf_config)
+    est = estimate(shape, zero, world_size, 1, precision, accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len,
+                   cfg.train.gradient_checkpointing, cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
+                   loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size),
+                   sequence_parallel_size=cfg.distributed.sequence_parallel_size, optimizer=cfg.optim.name)
+    measured = read_measured(out_dir) if out_dir is not None else []
+    return {
+        "tokens_per_sec": tokens_per_sec, "mfu": device.mfu, "mfu_source": device.mfu_source,
+        "step_time_s": cfg.train.global_batch_size * cfg.data.seq_len / tokens_per_sec,
+        "peak_mem_gb": est.device_total / 1e9, "model_states_gb": est.model_states / 1e9,
+        "model_states_measured_gb": max(m["total"] for m in measured) / 1e9 if measured else None,
+    }
