@@ -417,9 +417,14 @@ class DistributedConfig:
     consecutive ranks, which attend over the whole window through all-to-alls; the data-parallel ranks are
     ``world_size / sequence_parallel_size``. 1 = off. Needs DeepSpeed; must divide the process count, the attention
     heads and ``data.seq_len``."""
+    tensor_parallel_size: int = 1
+    """DeepSpeed AutoTP tensor parallelism: the attention and MLP matrices of each layer are split over this many
+    consecutive ranks, which read the same samples; the data-parallel ranks are ``world_size /
+    tensor_parallel_size``. 1 = off. Needs DeepSpeed ZeRO 0-2 (ZeRO-3 is refused); must divide the process count,
+    the attention and key/value heads and ``model.intermediate_size``."""
 
     def validate(self) -> None:
-        _positive(self, "timeout_s", "sequence_parallel_size")
+        _positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size")
         self.deepspeed_config_path()
 
     def deepspeed_config_path(self) -> Optional[Path]:
@@ -479,6 +484,7 @@ class Config:
             raise fail("checkpoint.export_weights=ema needs a weight EMA: set train.ema_decay (e.g. 0.999), or "
                        "checkpoint.export_weights=raw.")
         self._validate_eval()
+        self._validate_tensor_parallel()
         if train.early_stopping_patience and (train.eval_every_steps == 0 or every_save == 0
                                               or train.eval_every_steps % every_save):
             raise fail(
@@ -498,6 +504,26 @@ class Config:
             raise fail(f"eval.every_steps={section.every_steps} must be a multiple of train.eval_every_steps="
                        f"{every_eval}: the tasks are scored with the validation. Set eval.every_steps="
                        f"{max(every_eval, section.every_steps // every_eval * every_eval)}, or null for every validation.")
+
+    def _validate_tensor_parallel(self) -> None:
+        tp = self.distributed.tensor_parallel_size
+        if tp == 1:
+            return
+        unsupported = [
+            (self.distributed.sequence_parallel_size > 1,
+             f"distributed.sequence_parallel_size={self.distributed.sequence_parallel_size}", "one of the two splits"),
+            (self.train.ema_decay > 0, f"train.ema_decay={self.train.ema_decay}",
+             "train.ema_decay=0 (the EMA would average each rank's slice, not the model)"),
+            (bool(self.eval.tasks), f"eval.tasks={self.eval.tasks}", "eval.tasks=[] and score the export with eval.py "
+             "--tasks"),
+            (self.optim.name == "muon", "optim.name=muon", "optim.name=adamw"),
+            (self.train.precision == "fp8", "train.precision=fp8", "train.precision=bf16"),
+            (self.train.compile, "train.compile=true", "train.compile=false"),
+        ]
+        for refused, setting, fix in unsupported:
+            if refused:
+                raise fail(f"distributed.tensor_parallel_size={tp} cannot be combined with {setting} in this recipe. "
+                           f"Choose {fix}, or set distributed.tensor_parallel_size=1.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

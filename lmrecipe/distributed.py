@@ -94,20 +94,22 @@ class Layout:
     offload_optimizer: bool = False
     offload_param: bool = False
     sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1
 
     @classmethod
-    def of_run(cls, world_size: int, zero: ZeroSetup, sequence_parallel_size: int = 1) -> "Layout":
+    def of_run(cls, world_size: int, zero: ZeroSetup, sequence_parallel_size: int = 1,
+               tensor_parallel_size: int = 1) -> "Layout":
         return cls(world_size, zero.deepspeed, zero.stage if zero.deepspeed else 0, zero.offload_optimizer,
-                   zero.offload_param, sequence_parallel_size)
+                   zero.offload_param, sequence_parallel_size, tensor_parallel_size)
 
     @classmethod
     def from_topology(cls, topology: dict) -> "Layout":
         """The layout a checkpoint's ``topology`` record describes (older records lack the offload and sequence
-        parallel keys)."""
+        or tensor parallel keys)."""
         deepspeed = bool(topology["deepspeed"])
         return cls(int(topology["world_size"]), deepspeed, int(topology["zero_stage"]) if deepspeed else 0,
                    bool(topology.get("offload_optimizer", False)), bool(topology.get("offload_param", False)),
-                   int(topology.get("sequence_parallel_size", 1)))
+                   int(topology.get("sequence_parallel_size", 1)), int(topology.get("tensor_parallel_size", 1)))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,6 +129,8 @@ class Layout:
             changes.append(f"{saved.describe()} -> {self.describe()}")
         if saved.sequence_parallel_size != self.sequence_parallel_size:
             changes.append(f"sequence parallel {saved.sequence_parallel_size} -> {self.sequence_parallel_size}")
+        if saved.tensor_parallel_size != self.tensor_parallel_size:
+            changes.append(f"tensor parallel {saved.tensor_parallel_size} -> {self.tensor_parallel_size}")
         return changes
 
     def needs_conversion_from(self, saved: "Layout") -> bool:
@@ -156,12 +160,15 @@ def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, pr
             )
     ds["train_micro_batch_size_per_gpu"] = layout.micro_batch_size
     ds["gradient_accumulation_steps"] = layout.accum_steps
-    ds["train_batch_size"] = layout.global_batch_size
+    # DeepSpeed counts every rank in its batch check, the tensor-parallel ranks (which read the same samples) too.
+    ds["train_batch_size"] = layout.global_batch_size * cfg.distributed.tensor_parallel_size
     ds["gradient_clipping"] = cfg.optim.grad_clip
     if cfg.distributed.sequence_parallel_size > 1:
         # Read where DeepSpeed has no process-group object yet (ZeRO-3's zero.Init while the model is built): its
         # batch check divides the process count by it.
         ds["sequence_parallel_size"] = cfg.distributed.sequence_parallel_size
+    if cfg.distributed.tensor_parallel_size > 1:
+        ds["tensor_parallel"] = {"autotp_size": cfg.distributed.tensor_parallel_size}
     _fit_optimizer(ds, cfg, path)
     # fp8: bf16 master path (DeepSpeed's bf16 optimizer), float8 only inside the converted linear layers.
     ds.setdefault("bf16", {})["enabled"] = precision in ("bf16", "fp8")
@@ -248,6 +255,8 @@ class Runtime:
     """The DeepSpeed config as given to DeepSpeed, every "auto" filled; None without DeepSpeed."""
     sequence: SequenceParallel | None = None
     """This rank's share of each sequence (``distributed.sequence_parallel_size`` > 1); None: whole sequences."""
+    tensor_parallel_size: int = 1
+    """Consecutive ranks that split each layer's matrices (DeepSpeed AutoTP) and read the same samples."""
 
 
 def build_runtime(cfg: Config) -> Runtime:
@@ -261,13 +270,16 @@ def build_runtime(cfg: Config) -> Runtime:
         check_fp8()
     world_size = world_size_from_env()
     ds_path = cfg.distributed.deepspeed_config_path()
-    sp = cfg.distributed.sequence_parallel_size
+    sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
     check_sequence_parallel_topology(sp, world_size, ds_path is not None)
-    # Data-parallel ranks: the ranks of one sequence-parallel group read the same samples.
-    layout = BatchLayout.from_config(cfg.train, world_size // sp)  # fails before any process group exists
+    check_tensor_parallel_topology(tp, world_size, ds_path is not None)
+    # Data-parallel ranks: the ranks of one sequence- or tensor-parallel group read the same samples.
+    shared = sp * tp
+    layout = BatchLayout.from_config(cfg.train, world_size // shared)  # fails before any process group exists
     ds_config, plugin = None, None
     if ds_path is not None:
         ds_config = load_deepspeed_config(ds_path, cfg, layout, precision)
+        check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds_config), ds_path)
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
@@ -275,8 +287,8 @@ def build_runtime(cfg: Config) -> Runtime:
                                      parallelism)
     rank = accelerator.process_index
     sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
-    return Runtime(accelerator, precision, replace(layout, rank=rank // sp), ZeroSetup.from_ds_config(ds_config),
-                   ds_config, sequence)
+    return Runtime(accelerator, precision, replace(layout, rank=rank // shared), ZeroSetup.from_ds_config(ds_config),
+                   ds_config, sequence, tp)
 
 
 @dataclass(frozen=True)
@@ -334,6 +346,44 @@ def check_sequence_parallel_topology(sp: int, world_size: int, deepspeed: bool) 
             distributed.sequence_parallel_size={sp} does not divide the {world_size} processes: each group of {sp}
             consecutive ranks shares a sequence. Launch a multiple of {sp} processes, or choose a divisor of
             {world_size}.""")
+
+
+def check_tensor_parallel_topology(tp: int, world_size: int, deepspeed: bool) -> None:
+    """What ``distributed.tensor_parallel_size`` needs of the launch, checked before any process group exists."""
+    if tp == 1:
+        return
+    if not deepspeed:
+        raise fail(f"""
+            distributed.tensor_parallel_size={tp} runs through DeepSpeed AutoTP: choose a DeepSpeed config with ZeRO
+            0-2, e.g. distributed.deepspeed_config=zero1, or set distributed.tensor_parallel_size=1.""")
+    if world_size % tp:
+        raise fail(f"""
+            distributed.tensor_parallel_size={tp} does not divide the {world_size} processes: each group of {tp}
+            consecutive ranks splits the model's matrices. Launch a multiple of {tp} processes, or choose a divisor
+            of {world_size}.""")
+
+
+def check_tensor_parallel_stage(tp: int, zero: ZeroSetup, path: Path) -> None:
+    if tp > 1 and zero.stage == 3:
+        raise fail(f"""
+            distributed.tensor_parallel_size={tp} cannot run under ZeRO-3 ({path}): DeepSpeed AutoTP training
+            supports ZeRO stages 0-2. Choose distributed.deepspeed_config=zero1 or zero2 (TP already splits the
+            weights that ZeRO-3 would partition), or set distributed.tensor_parallel_size=1.""")
+
+
+def check_tensor_parallel_model(cfg: Config, hf_config) -> None:
+    """What ``distributed.tensor_parallel_size`` needs of the model: every split matrix divides evenly."""
+    tp = cfg.distributed.tensor_parallel_size
+    if tp == 1:
+        return
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    intermediate = hf_config.intermediate_size
+    if heads % tp or kv_heads % tp or intermediate % tp:
+        raise fail(f"""
+            distributed.tensor_parallel_size={tp} must divide the attention heads (model.num_heads={heads}), the
+            key/value heads ({kv_heads}) and model.intermediate_size={intermediate}: each rank holds an equal share
+            of every split matrix. Choose a tensor_parallel_size that divides all three.""")
 
 
 def check_sequence_parallel_model(cfg: Config, hf_config, attn_implementation: str) -> None:

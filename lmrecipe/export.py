@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.checkpoint.ema_files import read_ema_state_dict
+from lmrecipe.checkpoint.portable import open_source
 from lmrecipe.checkpoint.storage import (
     DS_TAG,
     HF_DIR,
@@ -34,6 +35,7 @@ from lmrecipe.checkpoint.storage import (
     read_checkpoint,
     resolve_checkpoint,
 )
+from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import parse_shard_size
 from lmrecipe.errors import fail
 from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic
@@ -56,6 +58,10 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     embeddings) map to one tensor.
     """
     if (ckpt / DS_TAG).is_dir():
+        saved = read_checkpoint(ckpt)
+        tp = int(saved.get("topology", {}).get("tensor_parallel_size", 1))
+        if tp > 1:
+            return _tensor_parallel_state_dict(ckpt, saved, tp, dtype)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
@@ -79,6 +85,17 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     from safetensors.torch import load_file
 
     return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
+
+
+def _tensor_parallel_state_dict(ckpt: Path, saved: dict, tp: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The fp32 masters of a tensor-parallel checkpoint, each split parameter's slices concatenated
+    (``checkpoint/tp_split.py``): DeepSpeed's ``zero_to_fp32`` reads one tensor-parallel rank only."""
+    source = open_source(ckpt, deepspeed_dir=ckpt / DS_TAG, param_names=[],
+                         tensor_parallel=(tp, saved.get(TP_RECORD, {})))
+    try:
+        return {name: source.read("fp32", name).to(dtype, copy=True) for name in source.shapes}
+    finally:
+        source.close()
 
 
 def weights_state_dict(ckpt: Path, dtype: torch.dtype, weights: str = "raw") -> dict[str, torch.Tensor]:

@@ -46,6 +46,8 @@ from lmrecipe.checkpoint.storage import (
     step_dir_name,
     use_earlier,
 )
+from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
+from lmrecipe.checkpoint.tp_split import splits_of
 from lmrecipe.config import Config, due_at
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.distributed import Layout, ZeroSetup
@@ -118,6 +120,7 @@ class Checkpointer:
         self.samples_per_step = samples_per_step
         self.max_steps = cfg.train.max_steps
         self.sequence_parallel_size = cfg.distributed.sequence_parallel_size
+        self.tensor_parallel_size = cfg.distributed.tensor_parallel_size
         self.run_config = cfg.to_dict()
         self.lr_schedule = lr_schedule
         self.extras = dict(extras or {})
@@ -184,7 +187,14 @@ class Checkpointer:
 
     def layout(self) -> Layout:
         """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
-        return Layout.of_run(self.accelerator.num_processes, self.zero, self.sequence_parallel_size)
+        return Layout.of_run(self.accelerator.num_processes, self.zero, self.sequence_parallel_size,
+                             self.tensor_parallel_size)
+
+    def _tensor_parallel(self, model) -> tuple[dict, int] | None:
+        """This run's AutoTP splits and this rank's tensor-parallel rank; None without tensor parallelism."""
+        if self.tensor_parallel_size == 1:
+            return None
+        return splits_of(self.accelerator.unwrap_model(model)), self.accelerator.process_index % self.tensor_parallel_size
 
     def _portable_form(self, path: Path, saved: dict, model) -> Path:
         """The checkpoint's topology-free form, cached beside it (``step_XXXXXXXX.portable``; the checkpoint itself
@@ -235,7 +245,8 @@ class Checkpointer:
         names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
         source = plan = error = None
         try:
-            source = open_source(path, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None, param_names=names)
+            source = open_source(path, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None, param_names=names,
+                                 tensor_parallel=(saved_layout.tensor_parallel_size, saved.get(TP_RECORD, {})))
             plan = plan_shards(source.shapes, acc.num_processes)
             write_share(source, plan, tmp, acc.process_index, progress=acc.is_main_process)
         except UserError as err:
@@ -307,7 +318,7 @@ class Checkpointer:
             if self.layout().needs_conversion_from(saved_layout):
                 folder = self._portable_form(path, saved, model)
                 load_portable(folder, model, optimizer, deepspeed=self.zero.deepspeed, step=saved["state"]["step"],
-                              samples_per_step=self.samples_per_step)
+                              samples_per_step=self.samples_per_step, tensor_parallel=self._tensor_parallel(model))
             else:
                 # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
                 self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
@@ -408,6 +419,7 @@ class Checkpointer:
         return {
             "state": {f.name: getattr(state, f.name) for f in fields(state)},
             "topology": self.layout().to_dict(),
+            **({TP_RECORD: splits_of(self.accelerator.unwrap_model(model))} if self.tensor_parallel_size > 1 else {}),
             "hf_config": self._hf_config(model),
             "config": self.run_config,
             "extras": {name: extra.state_dict() for name, extra in self.extras.items() if hasattr(extra, "state_dict")},

@@ -58,6 +58,7 @@ import torch
 from lmrecipe.distributed import Layout
 from lmrecipe.errors import fail
 from lmrecipe.fileio import building_dir, write_json_atomic
+from lmrecipe.checkpoint.tp_split import full_shape, local_slice, merge
 from lmrecipe.model import bare_parameter_name
 from lmrecipe.optim import names_by_param
 
@@ -227,11 +228,20 @@ def _copy_range(pieces: Sequence[torch.Tensor], start: int, out: torch.Tensor, r
 class _ZeroSource:
     """ZeRO-1/2/3 shards, read one parameter's state at a time with DeepSpeed's reconstruction offsets."""
 
-    def __init__(self, ds_dir: Path):
+    def __init__(self, ds_dir: Path, mp_rank: int | None = None):
+        """``mp_rank``: read only the files of this tensor-parallel rank (None: a checkpoint without tensor
+        parallelism)."""
         from deepspeed.utils import zero_to_fp32 as z
 
-        model_file = Path(z.get_model_state_files(str(ds_dir))[0])
-        optim_files = [Path(f) for f in z.get_optim_files(str(ds_dir))]
+        if mp_rank is None:
+            model_file = Path(z.get_model_state_files(str(ds_dir))[0])
+            optim_files = [Path(f) for f in z.get_optim_files(str(ds_dir))]
+        else:
+            model_file = ds_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
+            optim_files = [Path(f) for f in z.get_optim_files(str(ds_dir)) if f"_mp_rank_{mp_rank:02d}_" in Path(f).name]
+            if not model_file.is_file() or not optim_files:
+                raise fail(f"{ds_dir} lacks the files of tensor-parallel rank {mp_rank} ({model_file.name}, "
+                           f"*_mp_rank_{mp_rank:02d}_optim_states.pt): the checkpoint is incomplete.")
         model_state = _load_mapped(model_file, weights_only=False)  # its module weights stay unread
         param_shapes = [dict(group) for group in model_state["param_shapes"]]
         del model_state
@@ -307,6 +317,28 @@ class _ZeroSource:
         self.flat = self.inner = None
 
 
+class _TensorParallelSource:
+    """ZeRO shards of a tensor-parallel run: one :class:`_ZeroSource` per tensor-parallel rank, the split
+    parameters' slices concatenated (``tp_split.py``); the others are read from rank 0."""
+
+    def __init__(self, ds_dir: Path, size: int, splits: Mapping[str, Mapping]):
+        self.sources = [_ZeroSource(ds_dir, rank) for rank in range(size)]
+        self.splits = splits
+        first = self.sources[0]
+        self.shapes = {name: full_shape(shape, splits.get(name)) for name, shape in first.shapes.items()}
+        self.steps = first.steps
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        split = self.splits.get(name)
+        if split is None:
+            return self.sources[0].read(key, name)
+        return merge([source.read(key, name) for source in self.sources], split)
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
 class _PlainSource:
     """``model.safetensors`` + ``optimizer.bin`` (no DeepSpeed), named by the optimizer's order."""
 
@@ -353,12 +385,17 @@ class _PlainSource:
         self.state = None
 
 
-def open_source(checkpoint: Path, *, deepspeed_dir: Path | None, param_names: ParamNames):
+def open_source(checkpoint: Path, *, deepspeed_dir: Path | None, param_names: ParamNames,
+                tensor_parallel: tuple[int, Mapping[str, Mapping]] = (1, {})):
     """The checkpoint's state, readable one parameter at a time: ``shapes`` and ``steps`` by name, ``read(key,
     name)`` a full fp32 tensor, ``close()``. ``deepspeed_dir``: the folder of its ZeRO shards, or None for a
-    checkpoint without DeepSpeed, whose ``optimizer.bin`` ``param_names`` names by position."""
+    checkpoint without DeepSpeed, whose ``optimizer.bin`` ``param_names`` names by position. ``tensor_parallel``:
+    the saving run's tensor-parallel size and its recorded splits (``tp_split.py``)."""
+    size, splits = tensor_parallel
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed reports progress on stdout
-        return _ZeroSource(deepspeed_dir) if deepspeed_dir is not None else _PlainSource(checkpoint, param_names)
+        if deepspeed_dir is None:
+            return _PlainSource(checkpoint, param_names)
+        return _ZeroSource(deepspeed_dir) if size == 1 else _TensorParallelSource(deepspeed_dir, size, splits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,13 +533,37 @@ class PortableState:
         return int(self.meta["step"][name])
 
 
-def load_portable(folder: Path, model, optimizer, *, deepspeed: bool, step: int, samples_per_step: int) -> None:
+class _RankSlices:
+    """A :class:`PortableState` seen by one tensor-parallel rank: a split parameter reads as this rank's slice."""
+
+    def __init__(self, portable: PortableState, splits: Mapping[str, Mapping], rank: int):
+        self.portable, self.splits, self.rank = portable, splits, rank
+
+    def name_for(self, names: Iterable[str]) -> str:
+        return self.portable.name_for(names)
+
+    def step(self, name: str) -> int:
+        return self.portable.step(name)
+
+    def get(self, key: str, name: str) -> torch.Tensor:
+        return local_slice(self.portable.get(key, name), self.splits.get(name), self.rank)
+
+    def get_flat(self, key: str, name: str, start: int, numel: int) -> torch.Tensor:
+        if name not in self.splits:
+            return self.portable.get_flat(key, name, start, numel)
+        return self.get(key, name).reshape(-1)[start:start + numel]
+
+
+def load_portable(folder: Path, model, optimizer, *, deepspeed: bool, step: int, samples_per_step: int,
+                  tensor_parallel: tuple[Mapping[str, Mapping], int] | None = None) -> None:
     """Set weights, AdamW moments and step counts of the prepared ``model`` / ``optimizer`` from ``folder``.
 
     ``step`` and ``samples_per_step`` set a DeepSpeed engine's own counters as its loader would (optimizer steps
-    of the run, samples seen).
+    of the run, samples seen). ``tensor_parallel``: the loading run's splits and this rank's tensor-parallel rank.
     """
     portable = PortableState(folder)
+    if tensor_parallel is not None:
+        portable = _RankSlices(portable, *tensor_parallel)
     if deepspeed:
         _load_zero(portable, model, step, samples_per_step)
     else:

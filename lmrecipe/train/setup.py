@@ -21,6 +21,7 @@ from lmrecipe.distributed import (
     Runtime,
     build_runtime,
     check_sequence_parallel_model,
+    check_tensor_parallel_model,
     name_sequence_parallel_attention,
 )
 from lmrecipe.errors import fail
@@ -84,8 +85,10 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     meta = check_sources(cfg.data)
     check_trackers(cfg.logging.trackers)  # a tracker library that is missing stops the run before it writes
     hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
-    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed,
-                              val_ranks=(accelerator.num_processes, accelerator.process_index))
+    # Validation windows: split over every rank, or over the data-parallel ranks under tensor parallelism (a
+    # tensor-parallel group computes one forward together).
+    val_ranks = None if runtime.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
+    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed, val_ranks=val_ranks)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
@@ -101,6 +104,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     attention = build_attention(cfg, hf_config)
     model = build_model(cfg, hf_config, attention)
     check_sequence_parallel_model(cfg, hf_config, cfg.model.attn_implementation)
+    check_tensor_parallel_model(cfg, hf_config)
     if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
         use_chunked_loss(model, chunk_tokens)
     counts = param_counts(model)

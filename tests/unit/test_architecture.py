@@ -34,7 +34,8 @@ LAYERS = {
 INNER = {
     "data": {"documents": 0, "stream": 1, "order": 1, "format": 2, "prepare": 3, "batches": 3, "sources": 4},
     "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "shards": 1, "pipeline": 2},
-    "checkpoint": {"background": 0, "ema_files": 0, "portable": 0, "compat": 0, "storage": 1, "policy": 2},
+    "checkpoint": {"background": 0, "ema_files": 0, "compat": 0, "tp_split": 0, "portable": 1, "storage": 2,
+                   "policy": 3},
     "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "trackers": 0, "metrics_log": 1, "run_meta": 1,
                 "run_report": 2, "console": 3},
     "train": {"state": 0, "lock": 0, "preemption": 0, "oom": 0, "faults": 0, "features": 0,
