@@ -54,19 +54,22 @@ def ds_config_path(name: str) -> str | None:
 
 def config_overrides(name: str) -> list[str]:
     """The recipe overrides of a config's ``+option`` suffixes: ``zero3+sp2`` trains ZeRO-3 with
-    ``distributed.sequence_parallel_size=2``; ``zero2+fp8`` with ``train.precision=fp8``; ``zero2+muon`` with
+    ``distributed.sequence_parallel_size=2``; ``zero2+tp2`` with DeepSpeed AutoTP over 2 ranks
+    (``distributed.tensor_parallel_size=2``); ``zero2+fp8`` with ``train.precision=fp8``; ``zero2+muon`` with
     ``optim.name=muon`` (and ``optim.grad_clip=0``, which Muon under DeepSpeed needs)."""
     overrides = []
     for option in name.split("+")[1:]:
         if option.startswith("sp") and option[2:].isdigit():
             overrides.append(f"distributed.sequence_parallel_size={int(option[2:])}")
+        elif option.startswith("tp") and option[2:].isdigit():
+            overrides.append(f"distributed.tensor_parallel_size={int(option[2:])}")
         elif option == "fp8":
             overrides.append("train.precision=fp8")
         elif option == "muon":
             overrides += ["optim.name=muon", "optim.grad_clip=0"]
         else:
             raise fail(f"Config {name!r}: unknown option +{option}. Options: +spN (Ulysses sequence parallelism over "
-                       "N ranks, e.g. zero3+sp2), +fp8 (train.precision=fp8), +muon (optim.name=muon).")
+                       "N ranks, e.g. zero3+sp2), +tpN (AutoTP tensor parallelism over N ranks, e.g. zero2+tp2), +fp8 (train.precision=fp8), +muon (optim.name=muon).")
     return overrides
 
 
@@ -226,10 +229,11 @@ def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, 
     """Per-rank memory of the recipe under one DeepSpeed config (None = no DeepSpeed)."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
-    sp = cfg.distributed.sequence_parallel_size
-    if world_size % sp:
-        raise fail(f"distributed.sequence_parallel_size={sp} does not divide the world size {world_size}.")
-    layout = BatchLayout.from_config(cfg.train, world_size // sp)
+    sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
+    for key, size in (("sequence_parallel_size", sp), ("tensor_parallel_size", tp)):
+        if world_size % size:
+            raise fail(f"distributed.{key}={size} does not divide the world size {world_size}.")
+    layout = BatchLayout.from_config(cfg.train, world_size // (sp * tp))
     ds = load_deepspeed_config(ds_path, cfg, layout, precision) if ds_path else None
     return estimate(
         shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
@@ -237,7 +241,7 @@ def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, 
         seq_len=cfg.data.seq_len, gradient_checkpointing=cfg.train.gradient_checkpointing,
         attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
         loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
-        optimizer=cfg.optim.name,
+        optimizer=cfg.optim.name, tensor_parallel_size=tp,
     )
 
 

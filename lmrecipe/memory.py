@@ -65,6 +65,14 @@ holds s / p tokens of every window: every per-token term above divides by p (ins
 the sequence split for a head split, so the kernel's inputs and output are the same size), plus the exchanged
 q, k, v, which are kept besides the rank's own (e * b * s / p * (h + 2 h_kv)); the model states still divide over
 all ranks.
+
+Under tensor parallelism (``distributed.tensor_parallel_size`` = t, DeepSpeed AutoTP) each rank holds 1/t of every
+linear layer's matrix (``ModelShape.tp_split_params``: attention, MLP and output projections) and the rest whole
+(embeddings, norms); ZeRO then divides those per-rank states over the t-times fewer data-parallel ranks. Of a
+layer's saved activations, the tensors between a column- and a row-parallel matmul divide by t (the output
+projection's input, rotated q and k, v, the attention output and log-sum-exp, gate, up, SiLU(gate) and their
+product); the norms' inputs and the projections' common inputs stay whole, as do the logits (the output layer
+gathers them for the loss).
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ import logging
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -274,6 +282,16 @@ class ModelShape:
     vocab_size: int
     muon_params: int = 0
     """Elements of the hidden 2-D matrices, which ``optim.name=muon`` trains with Muon (one moment, not two)."""
+    tp_split_params: int = 0
+    """Elements of the linear layers' weights, which tensor parallelism (AutoTP) splits over its ranks."""
+
+    def per_tensor_parallel_rank(self, tp: int) -> "ModelShape":
+        """The parameters one of ``tp`` tensor-parallel ranks holds: its share of the split matrices, the rest whole."""
+        if tp == 1:
+            return self
+        held = self.n_params - self.tp_split_params + self.tp_split_params // tp
+        return replace(self, n_params=held, largest_layer_params=-(-self.largest_layer_params // tp),
+                       muon_params=self.muon_params // tp)
 
     def persistent_params(self, threshold: int) -> int:
         return sum(n for n in self.param_sizes if n <= threshold)
@@ -300,7 +318,15 @@ def model_shape(hf_config) -> ModelShape:
         num_heads=heads,
         vocab_size=hf_config.vocab_size,
         muon_params=sum(p.numel() for p in muon_split(model, False)[0]),
+        tp_split_params=_linear_params(model),
     )
+
+
+def _linear_params(model: nn.Module) -> int:
+    """Elements of the distinct linear-layer weights, less one tied to the embedding (which stays whole)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)}
+    return sum(n for key, n in linear.items() if key not in embeddings)
 
 
 @dataclass
@@ -421,19 +447,24 @@ def layer_extras(shape: ModelShape, e: int) -> int:
 
 def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
                          attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
-                         sequence_parallel_size: int = 1) -> tuple[float, float]:
+                         sequence_parallel_size: int = 1, tensor_parallel_size: int = 1) -> tuple[float, float]:
     """Saved-activation bytes of one micro-batch on one rank without and with activation checkpointing (module
-    docstring); ``seq_len`` is the whole window's, of which a rank holds ``1 / sequence_parallel_size``."""
+    docstring); ``seq_len`` is the whole window's, of which a rank holds ``1 / sequence_parallel_size``; under
+    tensor parallelism the tensors between the split matmuls divide by ``tensor_parallel_size``."""
     e = 2 if precision in HALF_PRECISIONS else 4
-    h, kv, f = shape.hidden_size, shape.kv_size, shape.mlp_size
+    h, kv, f, t = shape.hidden_size, shape.kv_size, shape.mlp_size, tensor_parallel_size
     tokens = micro_batch_size * seq_len // sequence_parallel_size
-    per_layer = tokens * (e * (6 * h + 2 * kv + 4 * f) + layer_extras(shape, e))
-    per_layer += e * micro_batch_size * shape.num_heads * seq_len**2 if attn_implementation == "eager" else e * tokens * h
+    whole = 4 * h  # inputs of the two norms, of q/k/v and of the MLP
+    split = 2 * h + 2 * kv + 4 * f  # output projection's input, rotated q and k, v, gate, up, SiLU(gate), product
+    extras = layer_extras(shape, e) - 4 * shape.num_heads + 4 * shape.num_heads / t  # the log-sum-exp is per head
+    per_layer = tokens * (e * (whole + split / t) + extras)
+    per_layer += (e * micro_batch_size * shape.num_heads / t * seq_len**2 if attn_implementation == "eager"
+                  else e * tokens * h / t)
     if sequence_parallel_size > 1:  # the exchanged q, k, v are kept for the backward besides the rank's own
         per_layer += e * tokens * (h + 2 * kv)
     output = output_layer_bytes(shape, tokens, precision, loss_chunk_tokens)
     # While a layer's backward runs, the gradients of its MLP's gate and up outputs exist besides the saved tensors.
-    working = 2 * e * tokens * f
+    working = 2 * e * tokens * f / t
     full = shape.num_layers * per_layer + max(output, working)
     checkpointed = shape.num_layers * e * tokens * h + per_layer + max(output, working)
     return float(full), float(checkpointed)
@@ -442,17 +473,23 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
 def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: int, precision: str,
              accum_steps: int, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
              attn_implementation: str = "sdpa", ema: bool = False, loss_chunk_tokens: int = 0,
-             sequence_parallel_size: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
+             sequence_parallel_size: int = 1, optimizer: str = "adamw", tensor_parallel_size: int = 1) -> MemoryEstimate:
     """The per-rank memory budget of one ZeRO setup (``ema``: with a weight EMA; ``loss_chunk_tokens``: the chunked
-    loss, 0 = full logits; ``sequence_parallel_size``: ranks sharing each window; ``optimizer``: ``optim.name``)."""
-    if world_size % num_nodes:
-        raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes}")
-    states = estimate_model_states(shape, setup, world_size, world_size // num_nodes, precision, accum_steps, optimizer)
+    loss, 0 = full logits; ``sequence_parallel_size``: ranks sharing each window; ``optimizer``: ``optim.name``;
+    ``tensor_parallel_size``: ranks splitting each matrix, whose states ZeRO divides over the data-parallel ranks)."""
+    if world_size % num_nodes or world_size % tensor_parallel_size:
+        raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes} and "
+                         f"tensor_parallel_size={tensor_parallel_size}")
+    activation_shape = shape
+    shape = shape.per_tensor_parallel_rank(tensor_parallel_size)
+    states = estimate_model_states(shape, setup, world_size // tensor_parallel_size, world_size // num_nodes,
+                                   precision, accum_steps, optimizer)
     gathered = 2.0 * weight_bytes(precision, setup.stage) * shape.largest_layer_params if setup.stage == 3 else 0.0
-    full, checkpointed = estimate_activations(shape, micro_batch_size, seq_len, precision, attn_implementation,
-                                              loss_chunk_tokens, sequence_parallel_size)
+    full, checkpointed = estimate_activations(activation_shape, micro_batch_size, seq_len, precision,
+                                              attn_implementation, loss_chunk_tokens, sequence_parallel_size,
+                                              tensor_parallel_size)
     activations = checkpointed if gradient_checkpointing else full
-    ema_bytes = (4.0 * shape.n_params / (world_size if setup.stage == 3 else 1)) if ema else 0.0
+    ema_bytes = (4.0 * shape.n_params / (world_size // tensor_parallel_size if setup.stage == 3 else 1)) if ema else 0.0
     return MemoryEstimate(
         **states, gathered=gathered, activations=full, activations_checkpointed=checkpointed,
         device_total=states["model_states_device"] + gathered + ema_bytes + activations, ema=ema_bytes,

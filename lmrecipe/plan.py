@@ -543,7 +543,8 @@ def predict_run(cfg: Config, hf_config, *, world_size: int, precision: str, zero
     est = estimate(shape, zero, world_size, 1, precision, accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len,
                    cfg.train.gradient_checkpointing, cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
                    loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size),
-                   sequence_parallel_size=cfg.distributed.sequence_parallel_size, optimizer=cfg.optim.name)
+                   sequence_parallel_size=cfg.distributed.sequence_parallel_size, optimizer=cfg.optim.name,
+                   tensor_parallel_size=cfg.distributed.tensor_parallel_size)
     measured = read_measured(out_dir) if out_dir is not None else []
     return {
         "tokens_per_sec": tokens_per_sec, "mfu": device.mfu, "mfu_source": device.mfu_source,

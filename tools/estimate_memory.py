@@ -57,12 +57,12 @@ def main() -> int:
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise fail(f"--vocab-size={args.vocab_size} must be positive.")
     cfg = load_config(args.recipe, args.overrides)
-    data_parallel = args.world_size // cfg.distributed.sequence_parallel_size
+    data_parallel = args.world_size // (cfg.distributed.sequence_parallel_size * cfg.distributed.tensor_parallel_size)
     accum_steps = BatchLayout.from_config(cfg.train, data_parallel).accum_steps  # fails early if the batch does not split
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
     shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg, args.vocab_size)))
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    # A +option suffix (zero2+muon, zero3+sp2) estimates the recipe with that option's overrides.
+    # A +option suffix (zero2+muon, zero3+sp2, zero2+tp2) estimates the recipe with that option's overrides.
     rows = [(config_label(name), estimate_config(load_config(args.recipe, [*args.overrides, *config_overrides(name)]),
                                                  shape, ds_config_path(name), args.world_size, args.nodes, precision))
             for name in names]

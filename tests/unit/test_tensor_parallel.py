@@ -1,0 +1,129 @@
+"""Tensor parallelism (DeepSpeed AutoTP) without processes: the refusals that name the fix, the DeepSpeed config,
+the layout a checkpoint records, merging and slicing the split parameters, the memory estimate and compare_zero's
++tpN rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ROOT, TINY_OVERRIDES
+
+from lmrecipe.checkpoint.tp_split import full_shape, local_slice, merge
+from lmrecipe.compare import config_overrides, estimate_config
+from lmrecipe.config import load_config
+from lmrecipe.data.batches import BatchLayout
+from lmrecipe.distributed import (
+    Layout,
+    ZeroSetup,
+    check_tensor_parallel_model,
+    check_tensor_parallel_stage,
+    check_tensor_parallel_topology,
+    load_deepspeed_config,
+)
+from lmrecipe.errors import UserError
+from lmrecipe.memory import model_shape
+from lmrecipe.model import build_hf_config
+
+TINY = ROOT / "recipes" / "tiny.yaml"
+TP2 = "distributed.tensor_parallel_size=2"
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("distributed.sequence_parallel_size=2", "one of the two splits"),
+    ("train.ema_decay=0.99", "train.ema_decay=0"),
+    ("eval.tasks=[next_line]", "eval.tasks=\\[\\]"),
+    ("optim.name=muon", "optim.name=adamw"),
+    ("train.precision=fp8", "train.precision=bf16"),
+    ("train.compile=true", "train.compile=false"),
+])
+def test_settings_tensor_parallelism_does_not_support_are_refused(override, fix):
+    with pytest.raises(UserError, match=fix) as err:
+        load_config(TINY, [*TINY_OVERRIDES, TP2, override])
+    assert "distributed.tensor_parallel_size=1" in str(err.value)
+    load_config(TINY, [*TINY_OVERRIDES, override])  # each is fine on its own
+
+
+@pytest.mark.parametrize("tp, world, deepspeed, fix", [
+    (2, 2, False, "distributed.deepspeed_config=zero1"),
+    (2, 3, True, "Launch a multiple of 2 processes"),
+])
+def test_launches_that_cannot_split_the_model_are_refused(tp, world, deepspeed, fix):
+    with pytest.raises(UserError, match=fix):
+        check_tensor_parallel_topology(tp, world, deepspeed)
+    check_tensor_parallel_topology(1, 3, False)
+    check_tensor_parallel_topology(2, 4, True)
+
+
+def test_zero3_is_refused_and_stages_up_to_2_are_not():
+    with pytest.raises(UserError, match="ZeRO stages 0-2"):
+        check_tensor_parallel_stage(2, ZeroSetup(stage=3, deepspeed=True), "ds_configs/zero3.json")
+    for stage in (1, 2):
+        check_tensor_parallel_stage(2, ZeroSetup(stage=stage, deepspeed=True), f"ds_configs/zero{stage}.json")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["distributed.tensor_parallel_size=3", "model.num_heads=3", "model.hidden_size=48", "model.intermediate_size=128"],
+    ["distributed.tensor_parallel_size=2", "model.num_kv_heads=1"],
+    ["distributed.tensor_parallel_size=2", "model.intermediate_size=129"],
+])
+def test_models_whose_matrices_do_not_split_evenly_are_refused(overrides):
+    cfg = load_config(TINY, [*TINY_OVERRIDES, *overrides])
+    with pytest.raises(UserError, match="must divide the attention heads"):
+        check_tensor_parallel_model(cfg, build_hf_config(cfg, 384))
+    good = load_config(TINY, [*TINY_OVERRIDES, TP2])
+    check_tensor_parallel_model(good, build_hf_config(good, 384))
+
+
+def test_the_deepspeed_config_turns_on_autotp_and_counts_every_rank_in_its_batch_check():
+    cfg = load_config(TINY, [*TINY_OVERRIDES, TP2])  # global batch 8, micro-batch 4
+    layout = BatchLayout.from_config(cfg.train, 2)  # 4 processes: 2 data-parallel ranks
+    ds = load_deepspeed_config("ds_configs/zero1.json", cfg, layout, "fp32")
+    assert ds["tensor_parallel"] == {"autotp_size": 2}
+    # DeepSpeed checks train_batch = micro x accumulation x all ranks; the two ranks of a group read the same samples.
+    assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
+    assert "tensor_parallel" not in load_deepspeed_config("ds_configs/zero1.json", load_config(TINY, TINY_OVERRIDES),
+                                                          layout, "fp32")
+
+
+def test_a_change_of_tensor_parallel_size_is_a_layout_change():
+    zero = ZeroSetup(stage=1, deepspeed=True)
+    saved, now = Layout.of_run(2, zero, 1, 2), Layout.of_run(2, zero, 1, 1)
+    assert now.changes_from(saved) == ["tensor parallel 2 -> 1"] and now.needs_conversion_from(saved)
+    assert Layout.from_topology(saved.to_dict()) == saved
+    older = {"world_size": 2, "deepspeed": True, "zero_stage": 1}  # written before the key existed
+    assert Layout.from_topology(older).tensor_parallel_size == 1
+
+
+def test_slices_merge_into_the_whole_and_each_rank_takes_its_own_back():
+    whole = torch.arange(7 * 4, dtype=torch.float32).view(7, 4)
+    for split in ({"dim": 0, "sizes": [4, 3]}, {"dim": 1, "sizes": [1, 3]}):
+        pieces = [local_slice(whole, split, rank) for rank in range(2)]
+        assert [p.shape[split["dim"]] for p in pieces] == split["sizes"]
+        assert full_shape(pieces[1].shape, split) == (7, 4)
+        assert torch.equal(merge(pieces, split), whole)
+    assert merge([whole, whole + 1], None) is whole  # not split: rank 0's copy
+    with pytest.raises(UserError, match="written by different code"):
+        merge([whole[:3], whole[3:]], {"dim": 0, "sizes": [4, 3]})
+
+
+def test_the_estimate_splits_the_matrices_and_the_activations_between_them():
+    cfg = load_config(ROOT / "recipes" / "llama_1b.yaml", ["model.init_from=null", "model.vocab_size=32000"])
+    shape = model_shape(build_hf_config(cfg, 32_000))
+    linear = shape.tp_split_params
+    embedding = shape.vocab_size * shape.hidden_size
+    norms = (2 * shape.num_layers + 1) * shape.hidden_size
+    assert shape.n_params == linear + embedding + norms  # untied: every matrix but the embedding splits
+
+    def estimate(*overrides: str):
+        run = load_config(ROOT / "recipes" / "llama_1b.yaml", ["model.init_from=null", "model.vocab_size=32000",
+                                                               "train.global_batch_size=64", *overrides])
+        return estimate_config(run, shape, "ds_configs/zero2.json", 8, 1, "bf16")
+
+    plain, tp2 = estimate(), estimate(TP2)
+    # bf16 ZeRO-2: 2 bytes of weights whole, the other 18 over the data-parallel ranks (4 of them under tp=2).
+    held = shape.n_params - linear / 2
+    assert tp2.weights == pytest.approx(2 * held)
+    assert tp2.model_states == pytest.approx(2 * held + 18 * held / 4)
+    assert plain.model_states == pytest.approx(2 * shape.n_params + 18 * shape.n_params / 8)
+    assert plain.activations_checkpointed > tp2.activations_checkpointed > plain.activations_checkpointed / 2
+    assert config_overrides("zero2+tp2") == [TP2]
