@@ -34,8 +34,9 @@ demo: $(VENV)/.installed $(DATA)/meta.json
 	$(PY) train.py recipes/tiny.yaml out_dir=$(RUN) data.path=$(DATA) 'eval.tasks=[next_line]'
 	$(PY) eval.py $(RUN)/export --data $(DATA) --output $(RUN)/eval.json --generate "def main("
 
+# The slowest tests are listed at the end, to keep the suite's time in view.
 test: $(VENV)/.installed
-	$(PYTEST)
+	$(PYTEST) --durations=15
 
 # The quick set: everything but the multi-process runs.
 test-quick: $(VENV)/.installed
