@@ -180,7 +180,9 @@ class LlamaShape:
         return ModelShape(n_params=self.n_params, largest_layer_params=max(v * h, f * h), param_sizes=sizes,
                           num_layers=self.num_layers, hidden_size=h, kv_size=kv, mlp_size=f,
                           num_heads=self.num_heads, vocab_size=v,
-                          muon_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f))
+                          muon_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f),
+                          tp_split_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f)
+                          + (0 if self.tie_embeddings else v * h))
 
     def overrides(self) -> list[str]:
         """The recipe's ``model.*`` keys for this shape."""
