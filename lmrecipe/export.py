@@ -30,6 +30,7 @@ from lmrecipe.checkpoint.portable import open_source
 from lmrecipe.checkpoint.storage import (
     DS_TAG,
     HF_DIR,
+    STATE_FILE,
     looks_like_checkpoint,
     no_checkpoint_message,
     read_checkpoint,
@@ -58,7 +59,7 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     embeddings) map to one tensor.
     """
     if (ckpt / DS_TAG).is_dir():
-        saved = read_checkpoint(ckpt)
+        saved = _saved_state(ckpt)
         tp = int(saved.get("topology", {}).get("tensor_parallel_size", 1))
         if tp > 1:
             return _tensor_parallel_state_dict(ckpt, saved, tp, dtype)
@@ -85,6 +86,14 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     from safetensors.torch import load_file
 
     return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
+
+
+def _saved_state(ckpt: Path) -> dict:
+    """The checkpoint's ``train_state.json`` as far as it can be read ({} if not: the consolidation says why)."""
+    try:
+        return json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _tensor_parallel_state_dict(ckpt: Path, saved: dict, tp: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -192,8 +192,12 @@ def train_loop(run: Run, out_dir: Path, recipe: str | None = None, stop: Preempt
 
 def log_start(run: Run) -> None:
     cfg, layout, sequence = run.cfg, run.runtime.layout, run.runtime.sequence
-    ranks = f"{layout.world_size} processes" if sequence is None else (
-        f"{layout.world_size} data-parallel groups of {sequence.size} ranks sharing each sequence")
+    tp = run.runtime.tensor_parallel_size
+    ranks = f"{layout.world_size} processes"
+    if sequence is not None:
+        ranks = f"{layout.world_size} data-parallel groups of {sequence.size} ranks sharing each sequence"
+    elif tp > 1:
+        ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
     logger.info(
         "model %.2fM params | %s x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s%s",
         run.n_params / 1e6, ranks, layout.micro_batch_size, layout.accum_steps, layout.global_batch_size,
