@@ -58,6 +58,19 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests in {len(files)} files use the slurm_cluster fixture ({', '.join(files)}); "
                                 "one machine holds one cluster and the files run on parallel workers: move them to "
                                 "tests/integration/test_slurm_cluster.py.")
+    # Longest files first, one-process unit tests last: the workers finish together instead of one running a long
+    # file alone at the end (the SLURM cluster's file, mostly waits on sbatch, goes first so the other fills them).
+    items.sort(key=_schedule_rank)  # stable: a file's tests stay together and in order
+
+
+_LONG_FILES = ("test_slurm_cluster.py", "test_train.py", "test_checkpoint.py", "test_export_eval.py",
+               "test_resume_topology.py", "test_sequence_parallel.py", "test_slurm.py", "test_ema.py",
+               "test_spikes.py", "test_step.py", "test_document_masking.py", "test_tensor_parallel.py")
+
+
+def _schedule_rank(item) -> tuple[int, int]:
+    name, unit = item.path.name, "unit" in item.path.parts
+    return (_LONG_FILES.index(name) if name in _LONG_FILES and not unit else len(_LONG_FILES), unit)
 
 
 @pytest.fixture(scope="session")
