@@ -55,10 +55,10 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from lmrecipe.checkpoint.tp_split import full_shape, local_slice, merge
 from lmrecipe.distributed import Layout
 from lmrecipe.errors import fail
 from lmrecipe.fileio import building_dir, write_json_atomic
-from lmrecipe.checkpoint.tp_split import full_shape, local_slice, merge
 from lmrecipe.model import bare_parameter_name
 from lmrecipe.optim import names_by_param
 
