@@ -288,3 +288,21 @@ def wandb_runs(wandb_dir: Path) -> dict[str, dict]:
                 if "_step" in row:
                     run["history"][row["_step"]] = row
     return runs
+
+
+def metric_rows(out: Path, key: str) -> dict[int, float]:
+    """``{step: value}`` of one key of a run's metrics.jsonl."""
+    from lmrecipe.observe.metrics_log import read_metrics
+
+    return {r["step"]: r[key] for r in read_metrics(out / "metrics.jsonl") if key in r}
+
+
+def assert_same_run(run: Path, reference: Path, tol: float, first_step: int = 1) -> None:
+    """Loss, gradient norm and validation loss of ``run`` within ``tol`` (relative above 1) of ``reference``'s, from
+    ``first_step`` on, at the same steps."""
+    for key in ("loss", "grad_norm", "val_loss"):
+        got, want = metric_rows(run, key), metric_rows(reference, key)
+        steps = [s for s in want if s >= first_step]
+        assert sorted(got) == steps, (key, sorted(got), steps)
+        worst = max(abs(got[s] - want[s]) / max(1.0, abs(want[s])) for s in steps)
+        assert worst <= tol, f"{key}: {worst:.2e} between {run.name} and {reference.name}"

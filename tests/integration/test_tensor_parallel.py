@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_script, run_train
+from helpers import assert_same_run, metric_rows, run_script, run_train
 
 from lmrecipe.export import checkpoint_state_dict
-from lmrecipe.observe.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -41,19 +40,6 @@ def tp_runs(tmp_path_factory, tiny_data):
     return get
 
 
-def rows(out: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in read_metrics(out / "metrics.jsonl") if key in r}
-
-
-def assert_same_run(run: Path, reference: Path, first_step: int = 1) -> None:
-    for key in ("loss", "grad_norm", "val_loss"):
-        got, want = rows(run, key), rows(reference, key)
-        steps = [s for s in want if s >= first_step]
-        assert sorted(got) == steps, (key, sorted(got), steps)
-        worst = max(abs(got[s] - want[s]) / max(1.0, abs(want[s])) for s in steps)
-        assert worst <= TOL, f"{key}: {worst:.2e} between {run.name} and {reference.name}"
-
-
 def reference(tp_runs) -> Path:
     return tp_runs("reference", ("distributed.deepspeed_config=zero1",), nproc=1)
 
@@ -64,7 +50,7 @@ def tp2(tp_runs) -> Path:
 
 def test_two_ranks_splitting_each_matrix_train_like_one_process(tp_runs):
     run = tp2(tp_runs)
-    assert_same_run(run, reference(tp_runs))
+    assert_same_run(run, reference(tp_runs), TOL)
     state = json.loads((run / "checkpoints" / "step_00000010" / "train_state.json").read_text())
     assert state["topology"]["tensor_parallel_size"] == 2
     # Every linear layer is split: q/k/v/gate/up and the output layer by rows, o/down by columns, in halves.
@@ -118,4 +104,4 @@ def test_a_resume_continues_the_losses_exactly(tp_runs, tiny_data, tmp_path, nam
         assert "on a new layout" not in proc.stderr
     else:
         assert change in proc.stderr
-    assert_same_run(out, reference(tp_runs), first_step=6)
+    assert_same_run(out, reference(tp_runs), TOL, first_step=6)
