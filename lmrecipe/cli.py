@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import logging
 import os
 import sys
@@ -42,6 +43,7 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     def wrapper(*args, **kwargs) -> int:
         rank = int(os.environ.get("RANK", "0"))
         error = None
+        skip_autotuner_mlflow()
         try:
             code = fn(*args, **kwargs)
             code = 0 if code is None else int(code)
@@ -63,6 +65,32 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
         return code
 
     return wrapper
+
+
+class _AutotunerMlflowSkip(importlib.abc.MetaPathFinder):
+    """Refuses the import of mlflow that DeepSpeed's autotuner makes when DeepSpeed is imported (Accelerate imports
+    DeepSpeed in every process, the launcher's too); any other import of mlflow (the mlflow tracker's) goes ahead."""
+
+    module = "deepspeed.autotuning.autotuner"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlflow":
+            frame = sys._getframe(1)
+            for _ in range(16):  # the importing module's frame lies a few import-machinery frames up
+                if frame is None:
+                    break
+                if frame.f_globals.get("__name__") == self.module:
+                    raise ModuleNotFoundError(f"mlflow is not imported for {self.module}", name=name)
+                frame = frame.f_back
+        return None
+
+
+def skip_autotuner_mlflow() -> None:
+    """Spare this process DeepSpeed's autotuner's import of mlflow: where mlflow is installed it costs about 1.5 s of
+    every process's start (most of ``import deepspeed``), and the recipe never runs the autotuner, the only user of
+    that import (it then logs nothing to mlflow, which it would not anyway)."""
+    if not any(isinstance(finder, _AutotunerMlflowSkip) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AutotunerMlflowSkip())
 
 
 def _record_exit(rank: int, code: int, error: str | None) -> None:

@@ -30,7 +30,6 @@ from lmrecipe.checkpoint.portable import open_source
 from lmrecipe.checkpoint.storage import (
     DS_TAG,
     HF_DIR,
-    STATE_FILE,
     looks_like_checkpoint,
     no_checkpoint_message,
     read_checkpoint,
@@ -51,15 +50,16 @@ INDEX_FILE = "model.safetensors.index.json"
 _NOT_TOKENIZER = {"config.json", "meta.json"}
 
 
-def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The full model state dict of a training checkpoint in ``dtype``, consolidated in this process.
+def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = None) -> dict[str, torch.Tensor]:
+    """The full model state dict of a training checkpoint in ``dtype``, consolidated in this process (``saved``: its
+    ``read_checkpoint`` record, read here when not given).
 
     Every tensor owns its storage (ZeRO-1/2 consolidation returns views of one flat buffer, which would
     bloat a safetensors file with the whole buffer or fail to save); names that DeepSpeed records as shared (tied
     embeddings) map to one tensor.
     """
     if (ckpt / DS_TAG).is_dir():
-        saved = _saved_state(ckpt)
+        saved = read_checkpoint(ckpt) if saved is None else saved
         tp = int(saved.get("topology", {}).get("tensor_parallel_size", 1))
         if tp > 1:
             return _tensor_parallel_state_dict(ckpt, saved, tp, dtype)
@@ -88,14 +88,6 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
 
 
-def _saved_state(ckpt: Path) -> dict:
-    """The checkpoint's ``train_state.json`` as far as it can be read ({} if not: the consolidation says why)."""
-    try:
-        return json.loads((ckpt / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _tensor_parallel_state_dict(ckpt: Path, saved: dict, tp: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The fp32 masters of a tensor-parallel checkpoint, each split parameter's slices concatenated
     (``checkpoint/tp_split.py``): DeepSpeed's ``zero_to_fp32`` reads one tensor-parallel rank only."""
@@ -107,11 +99,13 @@ def _tensor_parallel_state_dict(ckpt: Path, saved: dict, tp: int, dtype: torch.d
         source.close()
 
 
-def weights_state_dict(ckpt: Path, dtype: torch.dtype, weights: str = "raw") -> dict[str, torch.Tensor]:
-    """The trained weights (``raw``) or their moving average (``ema``) of a checkpoint, full, by name, in ``dtype``."""
+def weights_state_dict(ckpt: Path, dtype: torch.dtype, weights: str = "raw",
+                       saved: dict | None = None) -> dict[str, torch.Tensor]:
+    """The trained weights (``raw``) or their moving average (``ema``) of a checkpoint, full, by name, in ``dtype``
+    (``saved``: the checkpoint's ``read_checkpoint`` record, if the caller has it)."""
     if weights not in WEIGHTS:
         raise fail(f"Weights {weights!r} are not known. Choose one of: {', '.join(WEIGHTS)}.")
-    return checkpoint_state_dict(ckpt, dtype) if weights == "raw" else read_ema_state_dict(ckpt, dtype)
+    return checkpoint_state_dict(ckpt, dtype, saved) if weights == "raw" else read_ema_state_dict(ckpt, dtype)
 
 
 def _match_model_keys(state_dict: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
@@ -159,7 +153,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     if not looks_like_checkpoint(ckpt):
         raise fail(f"{no_checkpoint_message(Path(checkpoint))} Pass a checkpoint folder (out_dir/checkpoints/step_N), "
                    "or a run folder that saved one.")
-    read_checkpoint(ckpt)
+    saved = read_checkpoint(ckpt)
     out = Path(out_dir)
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise fail(f"Export folder {out} lies inside the checkpoint {ckpt}; choose a folder outside it.")
@@ -171,7 +165,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     hf_config.use_cache = True  # training turns the KV cache off; generation wants it
     hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     hf_config.pad_token_id = tokenizer.pad_token_id
-    state_dict = weights_state_dict(ckpt, torch_dtype, weights)
+    state_dict = weights_state_dict(ckpt, torch_dtype, weights, saved)
     with torch.device("meta"):  # only the class, config and names are needed; the weights are state_dict
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
     state_dict = _match_model_keys(state_dict, model)
@@ -272,7 +266,7 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32, wei
         saved = read_checkpoint(ckpt)
         hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        model.load_state_dict(_match_model_keys(weights_state_dict(ckpt, dtype, weights), model), strict=True)
+        model.load_state_dict(_match_model_keys(weights_state_dict(ckpt, dtype, weights, saved), model), strict=True)
         seq_len = int(saved["config"]["data"]["seq_len"])
     else:
         if weights != "raw":

@@ -1,5 +1,6 @@
-"""Fixtures: a tiny corpus, a tiny prepared dataset shared by the end-to-end tests, a real SLURM cluster (session);
-two prepared sources of one tokenizer, a corpus of unusual documents and its preparation (per module)."""
+"""Fixtures: a tiny corpus, a tiny prepared dataset shared by the end-to-end tests, a real SLURM cluster (session;
+the data is built once for all pytest-xdist workers); two prepared sources of one tokenizer, a corpus of unusual
+documents and its preparation (per module)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import SHORT_DOC_LEN, VOCAB, write_corpus, write_data
+from helpers import SHORT_DOC_LEN, VOCAB, build_once, write_corpus, write_data
 
 
 @pytest.fixture(scope="session")
@@ -16,11 +17,13 @@ def corpus_dir(tmp_path_factory) -> Path:
     """About 40 real Python source files: text a tiny model can learn something from."""
     from lmrecipe.data.prepare.read import embedded_corpus_files
 
-    out = tmp_path_factory.mktemp("corpus")
-    files = [f for f in embedded_corpus_files() if 4_000 < f.stat().st_size < 30_000][:40]
-    for i, f in enumerate(files):
-        shutil.copy(f, out / f"{i:03d}_{f.name}")
-    return out
+    def build(out: Path) -> None:
+        out.mkdir()
+        files = [f for f in embedded_corpus_files() if 4_000 < f.stat().st_size < 30_000][:40]
+        for i, f in enumerate(files):
+            shutil.copy(f, out / f"{i:03d}_{f.name}")
+
+    return build_once(tmp_path_factory, "corpus", build)
 
 
 @pytest.fixture(scope="session")
@@ -28,9 +31,10 @@ def tiny_data(tmp_path_factory, corpus_dir) -> Path:
     """A prepared dataset (byte-level BPE, vocab 384) shared by the end-to-end tests; treat as read-only."""
     from lmrecipe.data.prepare.pipeline import prepare
 
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    prepare(output=out, inputs=[corpus_dir], vocab_size=384, val_fraction=0.1, num_proc=1)
-    return out
+    def build(out: Path) -> None:
+        prepare(output=out, inputs=[corpus_dir], vocab_size=384, val_fraction=0.1, num_proc=1)
+
+    return build_once(tmp_path_factory, "tiny", build)
 
 
 @pytest.fixture(scope="session")
@@ -39,11 +43,12 @@ def tiny_shards(tmp_path_factory, corpus_dir, tiny_data) -> Path:
     as array tasks finish): the same tokens as tiny_data; treat as read-only."""
     from lmrecipe.data.prepare.pipeline import prepare
 
-    out = tmp_path_factory.mktemp("shards") / "tiny_shards"
-    for index in (2, 0, 1):
-        prepare(output=out, inputs=[corpus_dir], tokenizer=str(tiny_data), val_fraction=0.1, num_proc=1,
-                shard=(index, 3))
-    return out
+    def build(out: Path) -> None:
+        for index in (2, 0, 1):
+            prepare(output=out, inputs=[corpus_dir], tokenizer=str(tiny_data), val_fraction=0.1, num_proc=1,
+                    shard=(index, 3))
+
+    return build_once(tmp_path_factory, "tiny_shards", build)
 
 
 def _truthy_env(name: str) -> bool:
@@ -132,9 +137,10 @@ def prepared_documents(documents_dir, tmp_path_factory) -> tuple[Path, dict]:
 def short_docs(tmp_path_factory, tiny_data) -> Path:
     """Random token ids in documents of SHORT_DOC_LEN tokens (windows of 32 hold two or three boundaries), with the
     tiny data's tokenizer (same vocabulary) for exports."""
-    folder = write_data(tmp_path_factory.mktemp("short_docs") / "data", n_train=12_000, n_val=2_000, vocab=384,
-                        doc_len=SHORT_DOC_LEN)
-    for file in tiny_data.iterdir():
-        if file.suffix not in (".bin", ".idx") and file.name != "meta.json":
-            shutil.copy(file, folder / file.name)
-    return folder
+    def build(folder: Path) -> None:
+        write_data(folder, n_train=12_000, n_val=2_000, vocab=384, doc_len=SHORT_DOC_LEN)
+        for file in tiny_data.iterdir():
+            if file.suffix not in (".bin", ".idx") and file.name != "meta.json":
+                shutil.copy(file, folder / file.name)
+
+    return build_once(tmp_path_factory, "short_docs", build)

@@ -125,15 +125,43 @@ TASK_ITEMS = 13  # items of the next_line task the ZeRO-3 pair's first run score
 # Each run happens once per session, whichever test module asks first.
 
 
+def session_root(tmp_path_factory) -> Path:
+    """The folder every worker of this test session shares (``make test`` runs pytest-xdist workers, each with a
+    base folder of its own inside the session's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(path)`` once per test session, whichever worker asks first; the others wait for it and reuse it.
+
+    A folder whose build failed is removed, so the next test to ask builds it again (and fails with the cause).
+    """
+    from filelock import FileLock
+
+    out = session_root(tmp_path_factory) / "shared" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = out.parent / f"{name}.done"
+    with FileLock(str(out.parent / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            try:
+                build(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            done.touch()
+    return out
+
+
 def cached_run(tmp_path_factory, name: str, data: Path, overrides: list[str], nproc: int = 1) -> tuple[Path, str]:
-    """Train once per session into ``basetemp/name``; return the run folder and its stderr."""
-    out = tmp_path_factory.getbasetemp() / "runs" / name
-    done = out / "stderr.txt"
-    if not done.is_file():
-        shutil.rmtree(out, ignore_errors=True)
+    """Train once per session (across workers) into a shared folder ``name``; return the run folder and its stderr."""
+    def build(out: Path) -> None:
         proc = run_train(out, data, overrides, nproc=nproc)
-        done.write_text(proc.stderr)
-    return out, done.read_text()
+        (out / "stderr.txt").write_text(proc.stderr)
+
+    out = build_once(tmp_path_factory, f"runs/{name}", build)
+    return out, (out / "stderr.txt").read_text()
 
 
 def plain_run(tmp_path_factory, data: Path) -> Path:
@@ -154,27 +182,31 @@ def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
     """
     from lmrecipe.checkpoint.storage import step_dir_name
 
-    root = tmp_path_factory.getbasetemp() / "runs"
-    root.mkdir(exist_ok=True)
     export = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
     common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"]
     if stage == 2:
         a_extra = ["distributed.deepspeed_config=ds_configs/zero2.json", *export]
         b_extra = ["distributed.deepspeed_config=ds_configs/zero2.json"]
     else:
-        no_gather = root / "zero3_no_gather.json"
-        ds = json.loads((ROOT / "ds_configs/zero3.json").read_text())
-        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
-        no_gather.write_text(json.dumps(ds))
+        def write_no_gather(folder: Path) -> None:
+            ds = json.loads((ROOT / "ds_configs/zero3.json").read_text())
+            ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+            folder.mkdir()
+            (folder / "zero3.json").write_text(json.dumps(ds))
+
+        no_gather = build_once(tmp_path_factory, "zero3_no_gather", write_no_gather) / "zero3.json"
         # The multiple-choice task is scored at the last step on the live ZeRO-3 model (tests/integration/test_tasks.py).
         a_extra = [f"distributed.deepspeed_config={no_gather}", "model.tie_embeddings=true", "eval.tasks=[next_line]",
                    f"eval.next_line_items={TASK_ITEMS}"]
         b_extra = ["distributed.deepspeed_config=ds_configs/zero3.json", "model.tie_embeddings=true", *export]
     a, _ = cached_run(tmp_path_factory, f"zero{stage}_a", data, common + a_extra, nproc=2)
     source = a / "checkpoints" / step_dir_name(HALF)
-    digest_file = root / f"zero{stage}_source_digest.json"
-    if not digest_file.is_file():
-        digest_file.write_text(json.dumps(tree_digest(source)))
+
+    def write_digest(folder: Path) -> None:  # before run b resumes from the source, which must leave it untouched
+        folder.mkdir()
+        (folder / "digest.json").write_text(json.dumps(tree_digest(source)))
+
+    digest_file = build_once(tmp_path_factory, f"zero{stage}_source_digest", write_digest) / "digest.json"
     b_extra.append(f"checkpoint.resume={source}")
     b, b_stderr = cached_run(tmp_path_factory, f"zero{stage}_b", data, common + b_extra, nproc=2)
     return {"a": a, "b": b, "b_stderr": b_stderr, "source": source, "source_digest": json.loads(digest_file.read_text())}
