@@ -20,10 +20,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e .
 	touch $@
 
-venv: $(VENV)/.installed
+# The test tools, and DeepSpeed's ops compiled ahead (tools/build_ops.py: CPU Adam for the offload runs and, without
+# a GPU, the shared-memory collectives): on first use every run would wait on their compilation. It takes the core
+# pip leaves idle; if it fails, the runs that need the ops compile them.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) tools/build_ops.py & ops=$$!; \
+	$(PY) -m pip install --quiet -e ".[test]" || { wait $$ops; exit 1; }; \
+	wait $$ops || echo "tools/build_ops.py failed: the runs that need DeepSpeed's ops will compile them."
+	touch $@
+
+venv: $(VENV)/.installed-test
 
 $(DATA)/meta.json: | $(VENV)/.installed
 	$(PY) tools/prepare_data.py --output $(DATA) --vocab-size 8192
@@ -35,15 +44,15 @@ demo: $(VENV)/.installed $(DATA)/meta.json
 	$(PY) eval.py $(RUN)/export --data $(DATA) --output $(RUN)/eval.json --generate "def main("
 
 # The slowest tests are listed at the end, to keep the suite's time in view.
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(PYTEST) --durations=15
 
 # The quick set: everything but the multi-process runs.
-test-quick: $(VENV)/.installed
+test-quick: $(VENV)/.installed-test
 	$(PYTEST) -m "not slow"
 
 # The tests that run in one process (seconds).
-test-unit: $(VENV)/.installed
+test-unit: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/unit
 
 clean:

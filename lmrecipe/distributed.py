@@ -465,3 +465,25 @@ def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin
             "synchronised processes. Launch with `accelerate launch --multi_gpu --num_processes N SCRIPT ...` or torchrun."
         )
     return accelerator
+
+
+#: DeepSpeed ops that DeepSpeed compiles on a run's first use of them (a minute or more of CPU each, then cached under
+#: ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): CPU Adam, ZeRO-Offload's optimizer; and the
+#: shared-memory collectives that DeepSpeed's communication layer builds on a machine without a GPU.
+DEEPSPEED_OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")
+
+
+def build_deepspeed_ops() -> list[str]:
+    """Compile, ahead of any run, the ops of ``DEEPSPEED_OPS`` that this machine's DeepSpeed accelerator uses (or
+    find them compiled); returns their names."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in DEEPSPEED_OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            continue  # not an op of this accelerator (the shared-memory collectives on a GPU)
+        builder.load(verbose=False)
+        built.append(builder.NAME)
+    return built
