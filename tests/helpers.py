@@ -125,21 +125,16 @@ TASK_ITEMS = 13  # items of the next_line task the ZeRO-3 pair's first run score
 # Each run happens once per session, whichever test module asks first.
 
 
-def session_root(tmp_path_factory) -> Path:
-    """The folder every worker of this test session shares (``make test`` runs pytest-xdist workers, each with a
-    base folder of its own inside the session's)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 def build_once(tmp_path_factory, name: str, build) -> Path:
     """``build(path)`` once per test session, whichever worker asks first; the others wait for it and reuse it.
 
-    A folder whose build failed is removed, so the next test to ask builds it again (and fails with the cause).
+    ``make test`` runs pytest-xdist workers, each with a base folder of its own inside the session's, which they
+    share. A folder whose build failed is removed, so the next test to ask builds it again (and fails with the cause).
     """
     from filelock import FileLock
 
-    out = session_root(tmp_path_factory) / "shared" / name
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     done = out.parent / f"{name}.done"
     with FileLock(str(out.parent / f"{name}.lock")):
