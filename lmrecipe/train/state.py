@@ -64,6 +64,31 @@ class TrainState:
         self._pending = None
         return longest
 
+    def state_dict(self) -> dict:
+        """The fields as saved in ``train_state.json`` (``state``); call :meth:`sync` first to include recent skips."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
+                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+                "last_val_loss": self.last_val_loss, "last_val_step": self.last_val_step,
+                "last_val_loss_ema": self.last_val_loss_ema, "wall_time_s": self.wall_time_s}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Take a checkpoint's ``state``; a field a checkpoint of earlier code lacks keeps its default."""
+        fresh = TrainState()
+        self.step = int(saved.get("step", fresh.step))
+        self.tokens_seen = int(saved.get("tokens_seen", fresh.tokens_seen))
+        self.best_val_loss = _optional_float(saved.get("best_val_loss"))
+        self.skipped_steps = int(saved.get("skipped_steps", fresh.skipped_steps))
+        self.consecutive_skips = int(saved.get("consecutive_skips", fresh.consecutive_skips))
+        self.last_val_loss = _optional_float(saved.get("last_val_loss"))
+        self.last_val_step = None if saved.get("last_val_step") is None else int(saved["last_val_step"])
+        self.last_val_loss_ema = _optional_float(saved.get("last_val_loss_ema"))
+        self.wall_time_s = float(saved.get("wall_time_s", fresh.wall_time_s))
+        self._pending = None
+
     def record_eval(self, val_loss: float) -> None:
         self.last_val_loss, self.last_val_step = val_loss, self.step
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
