@@ -5,7 +5,7 @@
 #   docker run --gpus all --rm -v "$PWD/data:/data" -v "$PWD/runs:/runs" lmrecipe:0.1.0 \
 #       accelerate launch --multi_gpu --num_processes 8 train.py recipes/llama_1b.yaml data.path=/data/mine out_dir=/runs/1b
 #
-# tests/test_diagnostics.py checks that the *_VERSION pins below equal pyproject.toml's and the Makefile's.
+# tests/unit/test_diagnostics.py checks that the *_VERSION pins below equal pyproject.toml's and the Makefile's.
 # For SLURM clusters, containers/lmrecipe.def builds the same environment with Apptainer.
 
 FROM ghcr.io/astral-sh/uv:0.8.22 AS uv
@@ -39,11 +39,11 @@ RUN uv pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/lmrecipe
 COPY . /opt/lmrecipe
-# Editable: the package finds ds_configs/ and recipes/ next to it (lmrecipe/config.py REPO_ROOT).
+# Editable: the package finds ds_configs/ and recipes/ next to it (REPO_ROOT in lmrecipe/config/).
 RUN uv pip install -e ".[test]" "torch==${TORCH_VERSION}" "deepspeed==${DEEPSPEED_VERSION}" \
         "accelerate==${ACCELERATE_VERSION}" "transformers==${TRANSFORMERS_VERSION}"
 
-# run_meta.json records these (lmrecipe/tracking.py): which image, and which commit it was built from.
+# run_meta.json records these (lmrecipe/observe/run_meta.py): which image, and which commit it was built from.
 ENV LMRECIPE_IMAGE=${IMAGE_TAG} \
     LMRECIPE_GIT_COMMIT=${GIT_COMMIT} \
     PYTHONUNBUFFERED=1

@@ -19,7 +19,7 @@ def main() -> int:
     setup_logging()
     cfg = load_config(args.recipe, args.overrides)
     check_output_path(cfg.out_dir, "out_dir")
-    from lmrecipe.train.loop import train  # heavy imports only after the config is known to be valid
+    from lmrecipe.train.trainer import train  # heavy imports only after the config is known to be valid
 
     train(cfg, recipe=args.recipe)
     return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-# Run as `python bench/NAME.py` from a checkout, without installing the package.
+# Run as `python bench/<name>.py` from a checkout, without installing the package.
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -187,18 +187,16 @@ class Sections:
 
 
 class OursLoop:
-    """The training loop of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps.
+    """The trainer of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps.
 
-    Set up by the trainer's own ``build_run`` / ``build_checkpointer`` / ``build_reporter``; each step is the
-    trainer's ``train_step`` followed by what ``train`` does after it (``Reporter.step_done``, the preemption
-    check, ``Checkpointer.maybe_save``). ``train_step`` reports its sections to ``self.sections``.
+    Built by the trainer's own ``build_run`` / ``build_trainer``; each step is :meth:`Trainer.step`, the same method
+    ``Trainer.fit`` calls (``train_step``, then every callback: log, evaluation, save, the spike rule, ...).
+    ``train_step`` reports its sections to ``self.sections``.
     """
 
     def __init__(self, cfg, out_dir: Path):
-        from lmrecipe.train.loop import build_checkpointer, build_reporter
-        from lmrecipe.train.preemption import PreemptionSignal
         from lmrecipe.train.setup import build_run
-        from lmrecipe.train.state import TrainState
+        from lmrecipe.train.trainer import build_trainer
 
         out_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
@@ -214,29 +212,25 @@ class OursLoop:
         self.n_params, self.flops_per_token = self.run_.n_params, self.run_.flops_per_token
         self.tokens_per_step = self.run_.tokens_per_step
         self.hf_config = self.accelerator.unwrap_model(self.model).config
-        self.checkpointer = build_checkpointer(self.run_, out_dir)
-        self.state = TrainState()
-        self.reporter = build_reporter(self.run_, out_dir, 0, {})
-        self.stop = PreemptionSignal()
         self.sections = Sections()
+        self.trainer = build_trainer(self.run_, out_dir, timer=self.sections.add)
+        self.trainer.start()
+
+    @property
+    def state(self):
+        return self.trainer.state
 
     def run(self, n_steps: int) -> None:
-        from lmrecipe.train.step import train_step
-
-        run, state = self.run_, self.state
         for _ in range(n_steps):
-            step_start = time.perf_counter()
-            result = train_step(run, state.step, self.sections.add)
-            state.record_step(result.skipped, run.tokens_per_step)
-            sync_point = self.reporter.should_log(state.step) or self.checkpointer.due(state.step)
-            if sync_point:
-                state.sync()
-            self.reporter.step_done(state, result.loss, result.lr, result.grad_norm,
-                                    time.perf_counter() - step_start, result.data_time_s)
-            preempted = self.stop.requested(self.accelerator, exchange=sync_point)
-            self.checkpointer.maybe_save(run.model, state, preempted=preempted)
-            if preempted:
-                raise SystemExit("stopped by a signal")
+            self.trainer.step()
+
+    def close(self) -> None:
+        """Close the run's logs (without the end of a run: no export, no report)."""
+        from lmrecipe.train.callbacks.reporting import Reporting
+
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, Reporting):
+                callback.reporter.close(plot=False)
 
 
 class RawLoop:
@@ -254,7 +248,7 @@ class RawLoop:
         from lmrecipe.optim import param_groups
 
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, hf_config).to(device)
+        self.model = build_model(cfg.model, cfg.train, hf_config).to(device)
         self.model.train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(param_groups(self.model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)

@@ -108,7 +108,7 @@ def main() -> int:
             report.line(f"pair {i + 1} ({' '.join(order)}): loader {rates['loader'][-1]:,.0f} micro-batches/s, "
                         f"training consumes {rates['training'][-1]:,.2f}/s: headroom {headroom[-1]:,.0f}x; "
                         f"fetch share of the training block {100 * shares[-1]:.3f}%")
-        ours.reporter.close(plot=False)
+        ours.close()
     stats = C.ratio_stats(headroom)
     share_stats = C.ratio_stats(shares)
     report.line(f"loader / training micro-batches per second: {C.fmt_ratio(stats)}")

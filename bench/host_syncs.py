@@ -51,7 +51,7 @@ def worker(args) -> None:
 
     from lmrecipe.config import load_config
     try:
-        from lmrecipe.train.loop import train
+        from lmrecipe.train.trainer import train
     except ImportError:  # a baseline tree from before the package had subfolders
         from lmrecipe.trainer import train
 

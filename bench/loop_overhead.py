@@ -6,10 +6,10 @@
 
 Both sides run in this process, in alternating blocks of --block-steps optimizer steps (A B, B A, ...):
 
-- ours: lmrecipe.train.loop's own build_run / build_checkpointer / build_reporter, then per step lmrecipe.train.step.train_step
-  (the prefetched batches, accelerator.accumulate, causal_lm_loss, accelerator.backward, optimizer_step with
-  clipping, lr_at/set_lr) and what train's loop does after it (TrainState.record_step, Reporter.step_done with its
-  log line every logging.log_every_steps, PreemptionSignal.requested, Checkpointer.maybe_save)
+- ours: the trainer of train.py (lmrecipe.train.trainer.build_trainer over build_run), stepped by Trainer.step:
+  lmrecipe.train.step.train_step (the prefetched batches, accelerator.accumulate, causal_lm_loss,
+  accelerator.backward, optimizer_step with clipping, lr_at/set_lr), then every callback a run has (the log line
+  every logging.log_every_steps, the spike rule, the preemption check, the checkpoint's cadence, ...)
   (bench/_common.py: OursLoop);
 - raw: the same Hugging Face model and initial weights, AdamW with the same groups, the same micro-batches and
   accumulation, fp32 cross-entropy, (loss / accum).backward(), clip_grad_norm_, step, zero_grad - nothing else.
@@ -126,7 +126,7 @@ def main() -> int:
                 report.line(f"\ntorch.profiler, {args.block_steps} steps of {side}, top 15 ops by self CPU time:")
                 for row in prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15).splitlines():
                     report.line(row)
-        ours.reporter.close(plot=False)
+        ours.close()
     report.save()
     return 0
 

@@ -105,7 +105,7 @@ def cpu_worker(args) -> dict:
                     shapes.append(model_shape_tflops(ours.hf_config, tokens, args.probe_seconds))
             mfu_square.append(achieved[-1] / square[-1])
             mfu_shapes.append(achieved[-1] / shapes[-1])
-        ours.reporter.close(plot=False)
+        ours.close()
     return {"desc": desc, "achieved_tflops": achieved, "square_tflops": square, "shape_tflops": shapes,
             "mfu_square": C.ratio_stats(mfu_square), "mfu_shapes": C.ratio_stats(mfu_shapes),
             "tokens_per_sec": [a * 1e12 / ours.flops_per_token for a in achieved]}

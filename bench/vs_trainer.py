@@ -85,7 +85,7 @@ def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
     from lmrecipe import optim as optim_mod
     from lmrecipe.data import format as data_format
     from lmrecipe.observe import console
-    from lmrecipe.train import loop, setup
+    from lmrecipe.train import setup, trainer
     from lmrecipe.train import step as step_module
 
     timers.wrap(step_module, "causal_lm_loss", "forward+loss")
@@ -107,7 +107,7 @@ def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
         timers.mark_step_end(self.accelerator.device)
 
     console.Reporter.step_done = step_done
-    loop.train(cfg)
+    trainer.train(cfg)
     return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
 
 
@@ -122,7 +122,7 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
     from lmrecipe.optim import build_optimizer, lr_at
 
     meta = load_meta(cfg.data.path)
-    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+    hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(meta["vocab_size"]), cfg.data.seq_len)
     _, windows, _ = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
 
     class Windows(torch.utils.data.Dataset):
@@ -134,7 +134,7 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
             return {"input_ids": inputs[0], "labels": inputs[0]}
 
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, hf_config)
+    model = build_model(cfg.model, cfg.train, hf_config)
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=False)
     timers.hook_optimizer(optimizer)
     schedule = LambdaLR(optimizer, lambda step: lr_at(step, cfg.train.max_steps, cfg.optim, cfg.schedule) / cfg.optim.lr)

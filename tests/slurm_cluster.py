@@ -21,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from lmrecipe.train.preemption import process_alive
+from lmrecipe.train.callbacks.preemption import process_alive
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "munged")

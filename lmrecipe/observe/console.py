@@ -1,7 +1,8 @@
 """What a person sees during a run: progress bar, log lines, metrics rows, the final plot.
 
-The loop calls ``step_done`` every optimizer step and ``eval_done`` after an evaluation; the log interval, the
-main-process check and the averaging over the interval live here, not in the loop.
+The reporting callback (``lmrecipe/train/callbacks/reporting.py``) calls ``step_done`` every optimizer step and
+``eval_done`` after an evaluation; the log interval, the main-process check and the averaging over the interval
+live here, not in the loop.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ class Reporter:
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
         self._reset_interval(time.perf_counter())
-        self._clock = time.perf_counter()
         device_stats.reset_peak_memory(accelerator.device)
 
     def _reset_interval(self, now: float) -> None:
@@ -72,12 +72,8 @@ class Reporter:
                   step_time_s: float, data_time_s: float) -> None:
         """Count the step; at a log step read the loss and grad norm (their only host reads) and write a row.
 
-        The loop syncs ``state`` (skip counters) at every log step before calling this. ``state.wall_time_s``
-        (training time over all sessions, for the report's cost) advances here.
+        The loop syncs ``state`` (skip counters) at every log step before calling this.
         """
-        now = time.perf_counter()
-        state.wall_time_s += now - self._clock
-        self._clock = now
         self.bar.update(1)
         self._interval_steps += 1
         self._interval_step_time_s += step_time_s
@@ -127,14 +123,12 @@ class Reporter:
         self._reset_interval(time.perf_counter())
 
     def eval_done(self, state, val_loss: float, per_source: dict[str, float] | None = None,
-                  val_loss_ema: float | None = None, figures: dict[str, float] | None = None) -> None:
-        """Write an evaluation row; ``per_source`` (a mixture) adds ``val_loss/<name>`` for each source,
-        ``val_loss_ema`` (a weight EMA) the loss of the averaged weights, and ``figures`` further figures of the
-        evaluation as they are named (the tasks' ``acc/<task>``, ...)."""
+                  figures: dict[str, float] | None = None) -> None:
+        """Write an evaluation row; ``per_source`` (a mixture) adds ``val_loss/<name>`` for each source, and
+        ``figures`` further figures of the evaluation as they are named (the weight EMA's ``val_loss_ema``, the tasks'
+        ``acc/<task>``, ...)."""
         val_ppl = math.exp(val_loss) if val_loss < 50 else float("inf")
         extra = {f"val_loss/{name}": loss for name, loss in (per_source or {}).items()}
-        if val_loss_ema is not None:
-            extra["val_loss_ema"] = val_loss_ema
         extra.update(figures or {})
         self.tracker.log({"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
                           **extra})

@@ -1,7 +1,7 @@
 """Setting a run up: the Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer.
 
 ``build_run`` returns a :class:`Run`, which ``train_step`` (``lmrecipe/train/step.py``) advances by one optimizer
-step; ``train`` and every benchmark in ``bench/`` call these two, so what is timed is what trains.
+step; the trainer (``lmrecipe/train/trainer.py``) owns the loop over it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from lmrecipe.model import (
 )
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
-from lmrecipe.train.ema import WeightEMA
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +54,8 @@ class Run:
     prefetcher: Prefetcher
     n_params: int
     flops_per_token: float
-    ema: WeightEMA | None = None
     attention: DocumentAttention | None = None
     """The document-masking attention (``data.document_masking``): every forward takes its ``forward_kwargs``."""
-    """The weight EMA (``train.ema_decay`` > 0), updated after every optimizer step."""
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:
@@ -84,7 +81,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     # The data is checked before out_dir is touched: bad data writes nothing.
     meta = check_sources(cfg.data)
     check_trackers(cfg.logging.trackers)  # a tracker library that is missing stops the run before it writes
-    hf_config = build_hf_config(cfg, cfg.model.vocab_size or int(meta["vocab_size"]))
+    hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(meta["vocab_size"]), cfg.data.seq_len)
     # Validation windows: split over every rank, or over the data-parallel ranks under tensor parallelism (a
     # tensor-parallel group computes one forward together).
     val_ranks = None if runtime.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
@@ -101,10 +98,10 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
 
     torch.manual_seed(cfg.train.seed)
-    attention = build_attention(cfg, hf_config)
-    model = build_model(cfg, hf_config, attention)
-    check_sequence_parallel_model(cfg, hf_config, cfg.model.attn_implementation)
-    check_tensor_parallel_model(cfg, hf_config)
+    attention = build_attention(cfg.model, cfg.data, hf_config)
+    model = build_model(cfg.model, cfg.train, hf_config, attention)
+    check_sequence_parallel_model(cfg.distributed.sequence_parallel_size, hf_config)
+    check_tensor_parallel_model(cfg.distributed.tensor_parallel_size, hf_config)
     if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
         use_chunked_loss(model, chunk_tokens)
     counts = param_counts(model)
@@ -124,12 +121,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
-    ema = None
-    if cfg.train.ema_decay > 0:
-        ema = WeightEMA(model, cfg.train.ema_decay, zero3=runtime.zero.stage == 3, rank=accelerator.process_index,
-                        world_size=accelerator.num_processes, is_main=accelerator.is_main_process,
-                        device=accelerator.device)
-    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, ema, attention)
+    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, attention)
 
 
 def choose_fp8_layers(accelerator, model: torch.nn.Module) -> None:

@@ -86,7 +86,8 @@ class TrainState:
         self._pending = None
 
     def record_eval(self, val_loss: float) -> None:
-        self.last_val_loss, self.last_val_step = val_loss, self.step
+        """An evaluation at this step; the weight EMA's loss of it, if any, is recorded by its callback after."""
+        self.last_val_loss, self.last_val_step, self.last_val_loss_ema = val_loss, self.step, None
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
 
 

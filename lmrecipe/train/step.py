@@ -1,6 +1,7 @@
 """One optimizer step: accumulate / forward / backward / clip / step, with no host synchronisation.
 
-``train_step`` is what the loop and every benchmark in ``bench/`` call, so what is timed is what trains.
+``train_step`` is what the trainer (``lmrecipe/train/trainer.py``) calls, and every benchmark in ``bench/`` times the
+trainer, so what is timed is what trains.
 """
 
 from __future__ import annotations
@@ -120,8 +121,6 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
                                             run.runtime.zero.deepspeed)
-        if run.ema is not None:
-            run.ema.update(skipped)
     if timer is not None:
         timer("data", data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)

@@ -14,7 +14,7 @@ from pathlib import Path
 from lmrecipe.cli import setup_logging
 from lmrecipe.config import load_config
 from lmrecipe.observe.host_syncs import HostSyncCounter
-from lmrecipe.train.loop import train
+from lmrecipe.train.trainer import train
 
 
 def main() -> None:

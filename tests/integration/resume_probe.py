@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from lmrecipe.cli import setup_logging
 from lmrecipe.config import load_config
-from lmrecipe.train.loop import build_checkpointer
+from lmrecipe.train.callbacks.checkpointing import build_checkpointer
 from lmrecipe.train.setup import build_run
 from lmrecipe.train.state import TrainState
 

@@ -91,7 +91,7 @@ KILL_DURING_SECOND_SAVE = """
 import os, signal, sys
 import accelerate
 from lmrecipe.config import load_config
-from lmrecipe.train.loop import train
+from lmrecipe.train.trainer import train
 
 real_save_state = accelerate.Accelerator.save_state
 saves = []
@@ -156,7 +156,7 @@ import json, os, signal, sys, time
 from pathlib import Path
 from lmrecipe.checkpoint.storage import CheckpointStore
 from lmrecipe.config import load_config
-from lmrecipe.train.loop import train
+from lmrecipe.train.trainer import train
 
 cfg = load_config("recipes/tiny.yaml", sys.argv[1:])
 metrics = Path(cfg.out_dir) / "metrics.jsonl"

@@ -19,7 +19,7 @@ from lmrecipe.memory import estimate
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.profiler import PREFIX
 from lmrecipe.plan import shape_from_config
-from lmrecipe.train.faults import OOM_FAULT_ENV as FAULT_ENV
+from lmrecipe.train.callbacks.faults import OOM_FAULT_ENV as FAULT_ENV
 
 
 def checkpoint_names(out: Path) -> list[str]:

@@ -229,7 +229,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, tiny_data):
 
 SECOND_CTRL_C = """
 import sys, time
-from lmrecipe.train.preemption import PreemptionSignal
+from lmrecipe.train.callbacks.preemption import PreemptionSignal
 stop = PreemptionSignal(launched=False)
 print("ready", flush=True)
 time.sleep(60)

@@ -18,8 +18,8 @@ from lmrecipe.checkpoint.storage import read_checkpoint, step_dir_name
 from lmrecipe.data.format import TokenWindows
 from lmrecipe.data.order import SampleOrder
 from lmrecipe.observe.metrics_log import read_metrics
-from lmrecipe.train.faults import SPIKE_FAULT_ENV as FAULT_ENV
-from lmrecipe.train.spikes import read_spikes
+from lmrecipe.train.callbacks.faults import SPIKE_FAULT_ENV as FAULT_ENV
+from lmrecipe.train.callbacks.spikes import read_spikes
 
 SPIKE_STEP = 7
 RUN = ["train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=5", "logging.log_every_steps=3",

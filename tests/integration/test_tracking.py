@@ -10,7 +10,7 @@ import pytest
 from helpers import run_train, wandb_runs
 
 from lmrecipe.observe.metrics_log import read_metrics
-from lmrecipe.train.faults import SPIKE_FAULT_ENV
+from lmrecipe.train.callbacks.faults import SPIKE_FAULT_ENV
 
 ROLLBACK = ["checkpoint.every_steps=4", "checkpoint.keep_last=5", "logging.log_every_steps=3",
             "train.eval_every_steps=0", "spike.enabled=true", "spike.window=5", "spike.min_history=3"]

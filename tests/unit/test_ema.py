@@ -9,7 +9,7 @@ from lmrecipe.checkpoint.ema_files import read_ema_state_dict
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
 from lmrecipe.observe.host_syncs import HostSyncCounter
-from lmrecipe.train.ema import WeightEMA
+from lmrecipe.train.callbacks.ema import WeightEMA
 
 # ---------------------------------------------------------------------------------------------- unit
 

@@ -31,7 +31,7 @@ from lmrecipe.data.batches import BatchLayout, Prefetcher, TrainBatches
 from lmrecipe.data.format import TokenWindows, load_meta, sample_blocks
 from lmrecipe.errors import EXIT_INTERRUPTED, UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
-from lmrecipe.train.preemption import PreemptionSignal, started_by_launcher
+from lmrecipe.train.callbacks.preemption import PreemptionSignal, started_by_launcher
 
 # ---------------------------------------------------------------------------------------------- the scripts' exit
 

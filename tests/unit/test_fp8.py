@@ -36,7 +36,7 @@ def test_fp8_run_learns_and_exports_plain_weights(tmp_path, tiny_data, caplog, o
     from torchao.float8.float8_linear import Float8Linear
     from transformers import AutoModelForCausalLM
 
-    from lmrecipe.train.loop import train
+    from lmrecipe.train.trainer import train
 
     cfg = load_config("recipes/tiny.yaml", [
         f"out_dir={tmp_path / 'run'}", f"data.path={tiny_data}", *TINY_OVERRIDES, "train.precision=fp8",

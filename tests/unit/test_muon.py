@@ -80,7 +80,7 @@ def test_deepspeed_settings_muon_needs_are_filled_or_refused():
 def test_muon_run_learns_and_resumes_exactly(tmp_path, tiny_data, eager_muon):
     """6 steps without DeepSpeed; a second run resumed from step 3 repeats steps 4-6 to the last bit of fp32; an
     AdamW run cannot resume from Muon's state."""
-    from lmrecipe.train.loop import train
+    from lmrecipe.train.trainer import train
 
     common = [f"data.path={tiny_data}", *TINY_OVERRIDES, "optim.name=muon", "train.max_steps=6",
               "checkpoint.every_steps=3", "train.eval_every_steps=0", "optim.lr=3e-3", "optim.muon_lr=0.03"]

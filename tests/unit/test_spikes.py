@@ -21,7 +21,7 @@ from lmrecipe.data.format import TokenWindows
 from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step
 from lmrecipe.errors import UserError
 from lmrecipe.observe.host_syncs import HostSyncCounter
-from lmrecipe.train.spikes import SpikeDetector
+from lmrecipe.train.callbacks.spikes import SpikeDetector
 
 # ---------------------------------------------------------------------------------------------- unit
 
@@ -116,7 +116,7 @@ def test_detector_grad_norm_rule_and_window_round_trip():
 
 
 def test_detection_and_background_saves_add_no_host_sync_per_unlogged_step(tmp_path, tiny_data):
-    from lmrecipe.train.loop import train
+    from lmrecipe.train.trainer import train
 
     def syncs(max_steps: int) -> HostSyncCounter:
         cfg = load_config("recipes/tiny.yaml", [

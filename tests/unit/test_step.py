@@ -14,7 +14,7 @@ from lmrecipe.observe.host_syncs import HostSyncCounter
 
 def count_syncs(tiny_data, out_dir, max_steps: int, overrides: tuple[str, ...] = ()) -> HostSyncCounter:
     """Host syncs of a whole in-process ``train()`` whose only sync points are step 1 and the last step."""
-    from lmrecipe.train.loop import train
+    from lmrecipe.train.trainer import train
 
     cfg = load_config("recipes/tiny.yaml", [
         f"out_dir={out_dir}", f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={max_steps}",

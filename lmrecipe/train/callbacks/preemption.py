@@ -3,6 +3,7 @@
 SIGTERM, SIGUSR1 and a dead launcher ask the loop to save and exit with code 124 (a requeue resumes); Ctrl-C
 (SIGINT) asks the same and exits 130; a second Ctrl-C stops at once, without saving. A peer rank that dies
 (``kill -9``, a crash) breaks the next collective: :func:`lost_peer_error` turns that into one line naming it.
+The :class:`Preemption` callback does both for the trainer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from lmrecipe.checkpoint.storage import EXIT_PREEMPTED
 from lmrecipe.errors import EXIT_FAILURE, EXIT_INTERRUPTED, UserError, fail
+from lmrecipe.train.callback import Callback, Stop
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,30 @@ class PreemptionSignal:
             return False
         flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+class Preemption(Callback):
+    """At each step's save point, before the checkpoint's: a signal (on any rank) asks for a checkpoint and an exit
+    with the signal's code. When a collective breaks because a peer process died, names it (exit 1)."""
+
+    order = 40
+
+    def __init__(self, signal: PreemptionSignal, accelerator, checkpoints: Path):
+        self.signal = signal
+        self.accelerator = accelerator
+        self.checkpoints = checkpoints
+        self.peers = peer_processes(accelerator)  # every rank takes part, before any can be lost
+
+    def on_save(self, trainer) -> None:
+        if not self.signal.requested(self.accelerator, exchange=trainer.sync_point):
+            return
+        trainer.state.sync()  # the checkpoint records the skip counters
+        trainer.request_stop(Stop(
+            f"Stopped by {self.signal.name or 'a signal to another rank'} after step {trainer.state.step}; checkpoint "
+            "saved. Resume with checkpoint.resume=auto.", exit_code=self.signal.exit_code, save=True))
+
+    def on_error(self, trainer, err: BaseException) -> BaseException | None:
+        return lost_peer_error(err, self.peers, self.checkpoints)
 
 
 def peer_processes(accelerator) -> list[tuple[str, int]]:

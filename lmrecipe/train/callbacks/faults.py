@@ -6,7 +6,8 @@
   those steps' micro-batches (in the order without skips), so the fault follows the samples, as bad data does,
   wherever a rollback moves them; it logs each time it fires.
 
-Production code knows nothing of them: :func:`maybe_install_faults` is the only entry point.
+Production code knows nothing of them: the :class:`FaultInjection` callback, present only when one of them is set,
+is the only entry point.
 """
 
 from __future__ import annotations
@@ -17,11 +18,34 @@ from typing import Callable
 
 import torch
 
+from lmrecipe.train.callback import Callback
+
 logger = logging.getLogger(__name__)
 
 OOM_FAULT_ENV = "LMRECIPE_FAULT_OOM_AT_STEP"
 SPIKE_FAULT_ENV = "LMRECIPE_FAULT_SPIKE_STEPS"
 _SPIKE_LOGIT_SCALE = 1000.0
+
+
+class FaultInjection(Callback):
+    """Attaches the faults the environment asks for to the model when the run starts (after a resume)."""
+
+    order = 30
+
+    def __init__(self, batches, accelerator):
+        self.batches = batches
+        self.accelerator = accelerator
+
+    @classmethod
+    def from_environment(cls, batches, accelerator) -> FaultInjection | None:
+        """The callback when a fault variable is set, else None."""
+        if not any(os.environ.get(name, "").strip() for name in (OOM_FAULT_ENV, SPIKE_FAULT_ENV)):
+            return None
+        return cls(batches, accelerator)
+
+    def on_start(self, trainer) -> None:
+        maybe_install_faults(self.accelerator.unwrap_model(trainer.run.model), self.batches,
+                             lambda: trainer.running_step)
 
 
 def maybe_install_faults(model: torch.nn.Module, batches, current_step: Callable[[], int | None]) -> None:

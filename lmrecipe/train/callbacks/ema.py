@@ -45,19 +45,21 @@ import torch
 from lmrecipe.checkpoint.ema_files import COUNT_KEY, FORMAT, FULL_FILE, SavedEMA, has_ema, partition_file
 from lmrecipe.errors import fail
 from lmrecipe.model import bare_parameter_name
-from lmrecipe.train.features import LoopFeature
+from lmrecipe.train.callback import Callback, EvalResult
 
 logger = logging.getLogger(__name__)
 
-class WeightEMA(LoopFeature):
+class WeightEMA(Callback):
     """The fp32 moving average of the weights this rank owns; see the module docstring.
 
-    Every method runs on every rank (the ZeRO-3 swap re-gathers persistent parameters collectively). As a loop
-    feature it adds the averaged weights' validation loss to every evaluation (``val_loss_ema``), measured first, so
-    the trained weights' loss is measured after they were swapped back (a faulty restore would show as a difference
-    from the checkpoint's weights), and its shadow goes in every checkpoint (:meth:`save_files`).
+    Every method runs on every rank (the ZeRO-3 swap re-gathers persistent parameters collectively). As the trainer's
+    callback it updates after every step, adds the averaged weights' validation loss to every evaluation
+    (``val_loss_ema``), measured first, so the trained weights' loss is measured after they were swapped back (a
+    faulty restore would show as a difference from the checkpoint's weights), and its shadow goes in every
+    checkpoint (:meth:`save_files`).
     """
 
+    order = 80
     name = "ema"
 
     def __init__(self, model: torch.nn.Module, decay: float, *, zero3: bool, rank: int = 0, world_size: int = 1,
@@ -84,6 +86,8 @@ class WeightEMA(LoopFeature):
         first = self.shadow[0].device if self.shadow else torch.device("cpu")
         self.num_updates = torch.zeros((), dtype=torch.float64, device=device or first)
         """Applied updates ``k`` so far (a device tensor: counting skips on the host would be a sync)."""
+        self._val_loss: float | None = None
+        """The averaged weights' validation loss at the latest evaluation."""
 
     def _owned(self) -> list[torch.Tensor]:
         """This rank's weights: the ZeRO-3 partitions (fetched each time: DeepSpeed may move them), or the params."""
@@ -111,9 +115,16 @@ class WeightEMA(LoopFeature):
                 # lerp_ per tensor: _foreach_lerp_ turns a tensor weight into a host scalar (a device sync).
                 self.shadow[i].lerp_(owned[i] if dtype == torch.float32 else owned[i].float(), weight_here)
 
-    def eval_metrics(self, evaluate) -> dict[str, float]:
+    def after_step(self, trainer, result) -> None:
+        self.update(result.skipped)
+
+    def eval_figures(self, trainer, evaluate) -> dict[str, float]:
         with self.swapped_in():
-            return {"val_loss_ema": evaluate()}
+            self._val_loss = evaluate()
+        return {"val_loss_ema": self._val_loss}
+
+    def after_eval(self, trainer, result: EvalResult) -> None:
+        trainer.state.last_val_loss_ema = self._val_loss
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

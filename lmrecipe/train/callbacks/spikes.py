@@ -18,7 +18,7 @@ steps in between are trained and then discarded. Reading a flag every step would
 
 On a spike, at that sync point, every rank:
 
-1. waits for a checkpoint write in flight, then reloads the newest checkpoint (``accelerator.load_state``, as a
+1. waits for a checkpoint write in flight, then reloads the newest checkpoint (``Trainer.roll_back``, as a
    resume does). Checkpoints are saved at sync points after this check, so the newest one precedes every flagged
    step; the weights it holds were trained only on steps before the spike;
 2. adds the *data steps* (blocks of ``train.global_batch_size`` samples of the original order,
@@ -39,7 +39,7 @@ More than ``spike.max_rollbacks`` rollbacks stop the run with exit code 2. A spi
 cannot be rolled back: it is logged and recorded (``rolled_back_to`` null) and training goes on. The window of
 recent losses, the skipped data steps and the rollback count are this feature's own state, saved in each checkpoint
 (``extras.spikes`` of ``train_state.json``), so a resume judges steps exactly as the uninterrupted run would.
-Tests inject a spike that follows the samples with ``LMRECIPE_FAULT_SPIKE_STEPS`` (``lmrecipe/train/faults.py``).
+Tests inject a spike that follows the samples with ``LMRECIPE_FAULT_SPIKE_STEPS`` (``lmrecipe/train/callbacks/faults.py``).
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ import torch
 from lmrecipe.checkpoint.storage import complete_checkpoints, step_of_dir
 from lmrecipe.config import SpikeConfig
 from lmrecipe.data.order import data_step
-from lmrecipe.errors import fail
 from lmrecipe.fileio import write_text_atomic
-from lmrecipe.train.features import LoopFeature
+from lmrecipe.train.callback import Callback, Stop
 
 logger = logging.getLogger(__name__)
 
@@ -144,24 +143,26 @@ def _reason(row: dict) -> str:
     return "z-score above the threshold"
 
 
-class SpikeGuard(LoopFeature):
-    """Detection and rollback for the loop: :meth:`after_step` judges each step, :meth:`at_sync` rolls back through
-    the checkpointer and rewinds the reporter's history (both given by :meth:`connect`).
+class SpikeGuard(Callback):
+    """Detection and rollback for the trainer: :meth:`after_step` judges each step, :meth:`at_sync` rolls the run
+    back (:meth:`Trainer.roll_back`) to the checkpoint before a spike.
 
     Owns its state (the rule's window as of the last sync, the data steps skipped for good, the rollback count;
     :meth:`state_dict`), and keeps the data order in step with the skipped data steps, also with
     ``spike.enabled=false`` (a resumed run keeps skipping what an earlier session rolled back).
     """
 
+    order = 60
     name = "spikes"
 
-    def __init__(self, section: SpikeConfig, accelerator, out_dir: Path, *, batches, prefetcher, precision: str):
+    def __init__(self, section: SpikeConfig, accelerator, out_dir: Path, *, batches, prefetcher, precision: str,
+                 checkpoint_every_steps: int):
         self.section = section
-        self.checkpointer = self.reporter = None
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.batches = batches
         self.prefetcher = prefetcher
+        self.checkpoint_every_steps = checkpoint_every_steps
         self.detector = SpikeDetector(section, accelerator.device, grad_norm_must_be_finite=precision != "fp16")
         self.window: list | None = None
         """The rule's window of recent steps' ``[loss, grad_norm]`` as of the last sync point."""
@@ -171,12 +172,8 @@ class SpikeGuard(LoopFeature):
         self.rollbacks = 0
         """Rollbacks after loss spikes over the run."""
 
-    def connect(self, checkpointer, reporter) -> None:
-        """The checkpointer a rollback reloads from, and the reporter whose history it rewinds."""
-        self.checkpointer, self.reporter = checkpointer, reporter
-
-    def warn_if_nothing_to_roll_back(self, every_steps: int) -> None:
-        if self.section.enabled and every_steps == 0:
+    def on_start(self, trainer) -> None:
+        if self.section.enabled and self.checkpoint_every_steps == 0:
             logger.warning("spike.enabled=true with checkpoint.every_steps=0: no checkpoint precedes a spike, so spikes "
                            "are recorded in %s but cannot be rolled back.", SPIKES_FILE)
 
@@ -196,25 +193,24 @@ class SpikeGuard(LoopFeature):
         self.prefetcher.reset()
         self.detector.load(self.window)
 
-    def next_sample(self, step: int) -> int:
-        """The global sample index that optimizer step ``step`` (0-based) starts at, skipped data steps included."""
-        return data_step(step, self.skipped_batches) * self.batches.layout.global_batch_size
+    def outcome(self, trainer) -> dict:
+        return {"rollbacks": self.rollbacks, "skipped_batches": len(self.skipped_batches)}
 
-    def after_step(self, state, result) -> None:
+    def after_step(self, trainer, result) -> None:
         """Judge the optimizer step just run (``state.step``, 1-based), by its loss and gradient norm (device work only)."""
         if not self.section.enabled:
             return
         loss = result.loss
         if self.accelerator.num_processes > 1:
             loss = self.accelerator.reduce(loss.detach().float(), reduction="mean")
-        self.detector.observe(state.step, loss, result.grad_norm)
+        self.detector.observe(trainer.state.step, loss, result.grad_norm)
 
-    def at_sync(self, state, longest_skip_run: int) -> bool:
-        """Read the flags since the last sync point; on a spike, reload the checkpoint before it through the
-        checkpointer, rewind the reporter's history and return True (all ranks alike)."""
+    def at_sync(self, trainer, longest_skip_run: int) -> bool:
+        """Read the flags since the last sync point; on a spike, roll the run back to the checkpoint before it and
+        return True (all ranks alike)."""
         if not self.section.enabled:
             return False
-        checkpointer, reporter = self.checkpointer, self.reporter
+        state, checkpointer = trainer.state, trainer.checkpointer
         flagged, self.window = self.detector.collect(self._reduce_max if self.accelerator.num_processes > 1 else None)
         if not flagged:
             return False
@@ -230,24 +226,21 @@ class SpikeGuard(LoopFeature):
             return False
         if self.rollbacks >= self.section.max_rollbacks:
             self._append(record)
-            reporter.close(plot=True)
-            raise fail(
+            trainer.end_early(Stop(
                 f"Stopped at step {state.step}: a loss spike at step {first} ({flagged[0]['reason']}), after "
                 f"{self.rollbacks} rollbacks already (spike.max_rollbacks={self.section.max_rollbacks}); see "
                 f"{self.out_dir / SPIKES_FILE}. Try a lower optim.lr or a longer schedule.warmup_steps, check the data "
                 "the records name, or raise spike.max_rollbacks; then resume from the last checkpoint "
-                "(checkpoint.resume=auto)."
-            )
+                "(checkpoint.resume=auto).", error=True))
         positions = [data_step(row["step"] - 1, self.skipped_batches) for row in flagged]
         G = self.batches.layout.global_batch_size
         record["skipped"] = [{"step": row["step"], "data_step": d, "samples": [d * G, (d + 1) * G],
                               "windows": self.batches.data_step_samples(d)} for row, d in zip(flagged, positions)]
-        kept = (sorted(set(self.skipped_batches) | set(positions)), self.rollbacks + 1, state.wall_time_s)
-        checkpointer.restore(target, state)  # also reloads this guard's state as the checkpoint saved it
-        # This run's skips, rollback count and wall time, not the checkpoint's; the window is the checkpoint's.
-        self.skipped_batches, self.rollbacks, state.wall_time_s = kept
+        kept = (sorted(set(self.skipped_batches) | set(positions)), self.rollbacks + 1)
+        trainer.roll_back(target)  # also reloads this guard's state as the checkpoint saved it
+        # This run's skips and rollback count, not the checkpoint's; the window is the checkpoint's.
+        self.skipped_batches, self.rollbacks = kept
         self._apply()
-        reporter.rewind(state.step)
         record.update(rolled_back_to=state.step, checkpoint=str(target), rollback=self.rollbacks)
         self._append(record)
         logger.warning("Loss spike at step %d (%s, loss %.4g): rolled back to %s (step %d); the samples of %d step(s) "

@@ -1,62 +1,54 @@
 """Out-of-memory diagnosis: an OOM during a step ends the run with one message that says what to change.
 
-The loop runs each step inside :meth:`OOMGuard.step`. A ``torch.OutOfMemoryError`` (device memory) or a
-``MemoryError`` (host memory, e.g. under offload) becomes a :class:`UserError` (exit 2) naming the step, the
+A ``torch.OutOfMemoryError`` (device memory) or a ``MemoryError`` (host memory, e.g. under offload) in a step becomes a :class:`UserError` (exit 2) naming the step, the
 micro-batch, the estimate of :mod:`lmrecipe.memory` for this configuration next to the capacity (the GPU's total
 memory, or the host's RAM), and the ways out in order, each with its own estimate. Nothing is saved: the error
 leaves the loop before the step's checkpoint, so no partial checkpoint is written.
 
-Fault injection for tests: ``LMRECIPE_FAULT_OOM_AT_STEP=N`` (read once, when the guard is built) makes the
-model's forward raise ``torch.OutOfMemoryError`` during optimizer step N (1-based), as a real OOM would.
+Fault injection for tests: ``LMRECIPE_FAULT_OOM_AT_STEP=N`` (read once, when the run starts) makes the
+model's forward raise ``torch.OutOfMemoryError`` during optimizer step N (1-based), as a real OOM would
+(``lmrecipe/train/callbacks/faults.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import replace
-from typing import Iterator
 
 import torch
 
-from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS, Config
-from lmrecipe.distributed import Runtime, ZeroSetup
+from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS
+from lmrecipe.distributed import ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.memory import estimate, format_bytes, model_shape
+from lmrecipe.train.callback import Callback
+from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
 
-class OOMGuard:
-    def __init__(self, cfg: Config, runtime: Runtime, model):
-        """
-        Args:
-            cfg: the run's configuration (batch sizes, checkpointing, sequence length, attention kernel).
-            runtime: the run's topology (precision, batch layout, ZeRO setup).
-            model: the prepared model (its config gives the shape).
-        """
-        self.cfg = cfg
-        self.runtime = runtime
-        self.model = runtime.accelerator.unwrap_model(model)
-        self._step: int | None = None
 
-    def current_step(self) -> int | None:
-        """The optimizer step (1-based) running inside :meth:`step` now, or None."""
-        return self._step
+class OOMDiagnosis(Callback):
+    """An out-of-memory error inside a step (``trainer.running_step`` set) becomes the diagnosis of the module
+    docstring; every other error passes through."""
 
-    @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[None]:
-        """Run optimizer step ``step`` (1-based); an out-of-memory error in it becomes the diagnosis."""
-        self._step = step
-        try:
-            yield
-        except (torch.OutOfMemoryError, MemoryError) as err:
-            diagnosis = self.diagnose(step, err)
-            if self.runtime.accelerator.process_index != 0:  # the script prints rank 0's message only
-                logger.error("%s", diagnosis)
-            raise diagnosis from None
-        finally:
-            self._step = None
+    order = 20
+
+    def __init__(self, run: Run):
+        """``run``: the set-up run (its configuration's batch sizes, checkpointing, sequence length and attention
+        kernel; its topology; its model's shape)."""
+        self.cfg = run.cfg
+        self.runtime = run.runtime
+        self.model = run.accelerator.unwrap_model(run.model)
+
+    def on_error(self, trainer, err: BaseException) -> BaseException | None:
+        step = trainer.running_step
+        if step is None or not isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+            return None
+        diagnosis = self.diagnose(step, err)
+        if self.runtime.accelerator.process_index != 0:  # the script prints rank 0's message only
+            logger.error("%s", diagnosis)
+        return diagnosis
 
     def diagnose(self, step: int, err: BaseException) -> UserError:
         cfg, runtime = self.cfg, self.runtime

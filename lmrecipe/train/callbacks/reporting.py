@@ -1,0 +1,116 @@
+"""The run's records: ``config.yaml``, the start-up line, the live log, metrics and trackers, the plot, the report.
+
+The components are ``lmrecipe/observe/``'s (the :class:`Reporter`, the run report); this callback calls them at
+the loop's points.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lmrecipe.config import save_config
+from lmrecipe.loss import chunked_head
+from lmrecipe.observe.console import Reporter
+from lmrecipe.observe.run_report import write_run_end
+from lmrecipe.plan import predict_run
+from lmrecipe.train.callback import Callback, EvalResult, Stop
+from lmrecipe.train.setup import Run
+
+logger = logging.getLogger(__name__)
+
+
+class Reporting(Callback):
+    """Opens the records once the run has resumed, logs every step that stands, writes every evaluation's row,
+    rewinds the history on a rollback, and at the end closes the logs and writes ``final.json`` and ``report.md``
+    (main process)."""
+
+    order = 120
+
+    def __init__(self, run: Run, out_dir: Path, recipe: str | None = None):
+        self.run = run
+        self.out_dir = out_dir
+        self.recipe = recipe
+        self.reporter: Reporter | None = None
+
+    def on_start(self, trainer) -> None:
+        run = self.run
+        if run.accelerator.is_main_process:
+            save_config(run.cfg, self.out_dir / "config.yaml")
+        self.reporter = build_reporter(run, self.out_dir, trainer.state.step,
+                                       {"resumed_from": trainer.resumed_from, "recipe": self.recipe})
+        log_start(run)
+
+    def needs_sync(self, trainer, step: int) -> bool:
+        return self.reporter.should_log(step)
+
+    def on_step_end(self, trainer, result) -> None:
+        if trainer.state.step == 1 and self.run.cfg.train.compile:
+            logger.info("Step 1 took %.1f s, torch.compile's compilation included", trainer.step_time_s)
+        self.reporter.step_done(trainer.state, result.loss, result.lr, result.grad_norm, trainer.step_time_s,
+                                result.data_time_s)
+
+    def after_eval(self, trainer, result: EvalResult) -> None:
+        self.reporter.eval_done(trainer.state, result.val_loss, result.per_source, figures=result.figures)
+
+    def after_rollback(self, trainer) -> None:
+        self.reporter.rewind(trainer.state.step)
+
+    def on_stop(self, trainer, stop: Stop) -> None:
+        if stop.error or stop.exit_code is not None:  # the run ends here: the plot of what it trained
+            self.reporter.close(plot=True)
+
+    def on_end(self, trainer) -> None:
+        self.reporter.close(plot=True)
+        if self.run.accelerator.is_main_process:
+            write_run_end(self.out_dir, trainer.outcome(), self.run.cfg.logging.cost_per_device_hour,
+                          run_prediction(self.run, self.reporter.peak_tflops, self.out_dir))
+
+
+def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
+    cfg, runtime = run.cfg, run.runtime
+    return Reporter(cfg.logging, run.accelerator, out_dir, precision=runtime.precision, max_steps=cfg.train.max_steps,
+                    start_step=start_step, tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
+                    run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, run_meta={
+                        "n_params": run.n_params, "flops_per_token": run.flops_per_token,
+                        "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
+                        "n_train_windows": run.data.n_train_windows,
+                        **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta})
+
+
+def log_start(run: Run) -> None:
+    cfg, layout, sequence = run.cfg, run.runtime.layout, run.runtime.sequence
+    tp = run.runtime.tensor_parallel_size
+    ranks = f"{layout.world_size} processes"
+    if sequence is not None:
+        ranks = f"{layout.world_size} data-parallel groups of {sequence.size} ranks sharing each sequence"
+    elif tp > 1:
+        ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
+    logger.info(
+        "model %.2fM params | %s x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s%s",
+        run.n_params / 1e6, ranks, layout.micro_batch_size, layout.accum_steps, layout.global_batch_size,
+        cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
+        "" if (head := chunked_head(run.model)) is None else f" | loss in chunks of {head.chunk_tokens} tokens",
+    )
+    if cfg.schedule.warmup_steps > cfg.train.max_steps:
+        # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
+        logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
+                       "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
+                       run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
+
+
+def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:
+    """The planner's figures at this run's configuration, for the report (main process, after training)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # Training is over: detach transformers from a live ZeRO-3 config, or building the shape on the meta device
+    # would enter zero.Init and wait for the other ranks.
+    unset_hf_deepspeed_config()
+    accelerator, runtime = run.accelerator, run.runtime
+    device = accelerator.device
+    return predict_run(run.cfg, accelerator.unwrap_model(run.model).config, world_size=accelerator.num_processes,
+                       precision=runtime.precision, zero=runtime.zero, accum_steps=runtime.layout.accum_steps,
+                       flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
+                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None, out_dir=out_dir)

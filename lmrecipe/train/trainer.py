@@ -1,0 +1,245 @@
+"""The trainer: ``train_step`` to ``train.max_steps``, with everything else the loop does done by callbacks.
+
+``train`` takes the run folder's lock, builds the run, its checkpointer and its callbacks, and calls
+:meth:`Trainer.fit`. The hooks and their timeline are described in ``lmrecipe/train/callback.py``; the callbacks
+of a run, in the order they run at every hook (:attr:`Callback.order`):
+
+====  =====================  =============================================================================
+  10  StepProfiling          ``torch.profiler`` over ``profile.first_step``..; wraps the step first
+  20  OOMDiagnosis           an out-of-memory error in a step becomes one message naming the ways out
+  30  FaultInjection         tests' injected faults (``LMRECIPE_FAULT_*``), only when asked for
+  40  Preemption             a signal (or a lost launcher) stops the run after this step's checkpoint; a lost
+                             peer process is named
+  50  Checkpointing          resume at the start; save at the save point; wait for a background write at the end
+  60  SpikeGuard             a loss spike rolls the run back to the checkpoint before it
+  70  NonFiniteStop          too many non-finite updates in a row end the run (exit 2)
+  80  WeightEMA              the weight average, its validation loss, its checkpoint files
+  90  TaskEval               multiple-choice tasks scored at evaluations
+ 100  EarlyStopping          evaluations without improvement end the run
+ 110  ExportAtEnd            the Hugging Face export of the last (or best) checkpoint
+ 120  Reporting              config.yaml, the live log, metrics and trackers, the plot, the run's report
+ 130  Evaluation             the validation loss, after the step's log line
+====  =====================  =============================================================================
+
+A new feature is a new :class:`Callback` in ``lmrecipe/train/callbacks/``, added in :func:`build_callbacks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+from lmrecipe.checkpoint.checkpointer import Checkpointer
+from lmrecipe.data.order import data_step
+from lmrecipe.errors import fail
+from lmrecipe.fileio import removing_new_empty_dirs
+from lmrecipe.train.callback import Callback, Stop
+from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
+from lmrecipe.train.callbacks.ema import WeightEMA
+from lmrecipe.train.callbacks.evaluation import Evaluation
+from lmrecipe.train.callbacks.faults import FaultInjection
+from lmrecipe.train.callbacks.oom import OOMDiagnosis
+from lmrecipe.train.callbacks.preemption import Preemption, PreemptionSignal
+from lmrecipe.train.callbacks.profiling import StepProfiling
+from lmrecipe.train.callbacks.reporting import Reporting
+from lmrecipe.train.callbacks.spikes import SpikeGuard
+from lmrecipe.train.callbacks.stopping import EarlyStopping, NonFiniteStop
+from lmrecipe.train.callbacks.tasks import TaskEval
+from lmrecipe.train.lock import RunLock
+from lmrecipe.train.setup import Run, build_run
+from lmrecipe.train.state import TrainState
+from lmrecipe.train.step import SectionTimer, train_step
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Owns the run's loop and :class:`TrainState`; calls its callbacks at the points ``callback.py`` names.
+
+    ``checkpointer``: the run's checkpoint files (saved and read by the callbacks that decide when).
+    ``timer``: receives the sections of every ``train_step`` (benchmarks).
+    """
+
+    def __init__(self, run: Run, out_dir: Path, checkpointer: Checkpointer, callbacks: Sequence[Callback], *,
+                 timer: SectionTimer | None = None):
+        self.run = run
+        self.out_dir = out_dir
+        self.checkpointer = checkpointer
+        self.callbacks = sorted(callbacks, key=lambda callback: callback.order)  # stable: ties keep their order
+        names = [c.name for c in self.callbacks if c.name is not None]
+        if len(names) != len(set(names)):
+            raise ValueError(f"callbacks share a checkpoint name: {names}")
+        self.state = TrainState()
+        self.max_steps = run.cfg.train.max_steps
+        self.timer = timer
+        self.resumed_from: str | None = None
+        """The checkpoint the run resumed from (set by the checkpointing callback at the start)."""
+        self.running_step: int | None = None
+        """The optimizer step (1-based) inside ``train_step`` now; None between steps."""
+        self.sync_point = False
+        """Whether the step just run is a sync point (host reads allowed)."""
+        self.step_time_s = 0.0
+        """Seconds of the step just run, its callbacks up to the sync point included."""
+        self.stop: Stop | None = None
+        self._clock = time.perf_counter()
+
+    def stateful(self) -> dict[str, Callback]:
+        """The callbacks with state, by name: what every checkpoint saves and a resume restores."""
+        return {c.name: c for c in self.callbacks if c.name is not None}
+
+    def call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def figures(self, hook: str, *args) -> dict:
+        """The callbacks' dicts from ``hook``, merged in their order."""
+        merged: dict = {}
+        for callback in self.callbacks:
+            merged.update(getattr(callback, hook)(self, *args))
+        return merged
+
+    # ---- the loop
+
+    def fit(self) -> TrainState:
+        """Train to ``train.max_steps`` (or until a callback stops the run), then end the run."""
+        try:
+            self.start()
+            while self.state.step < self.max_steps and self.stop is None:
+                self.step()
+            self.call("on_end")
+        except BaseException as err:
+            replacement = next((r for c in self.callbacks if (r := c.on_error(self, err)) is not None), None)
+            if replacement is None:
+                raise
+            raise replacement from None
+        # Tear the process group down together: a rank that destroys its side while another still holds the group
+        # open has been seen to abort at exit (SIGABRT, "terminate called without an active exception").
+        self.run.accelerator.wait_for_everyone()
+        self.run.accelerator.end_training()
+        return self.state
+
+    def start(self) -> None:
+        self.call("on_start")
+        self._clock = time.perf_counter()
+
+    def step(self) -> None:
+        """One optimizer step, then what the callbacks do with it."""
+        step_start = time.perf_counter()
+        self.running_step = self.state.step + 1
+        self.call("before_step")
+        result = train_step(self.run, self.state.step, self.timer)
+        self.state.record_step(result.skipped, self.run.tokens_per_step)
+        self.running_step = None
+        self.call("after_step", result)
+        # Host reads happen only at sync points: a logged, evaluated or saved step.
+        self.sync_point = any(c.needs_sync(self, self.state.step) for c in self.callbacks)
+        if self.sync_point and self._at_sync(self.state.sync()):
+            return  # a callback moved the run back (a spike's rollback): go on from state.step
+        now = time.perf_counter()
+        self.step_time_s = now - step_start
+        self.state.wall_time_s += now - self._clock
+        self._clock = now
+        self.call("on_step_end", result)
+        self.call("on_save")
+        if self.stop is not None:
+            self.end_early(self.stop)
+
+    def _at_sync(self, longest_skip_run: int) -> bool:
+        """True when a callback moved the run back (the later callbacks' ``at_sync`` are not called)."""
+        return any(callback.at_sync(self, longest_skip_run) for callback in self.callbacks)
+
+    # ---- what callbacks ask of the trainer
+
+    def request_stop(self, stop: Stop) -> None:
+        """End the run after this step's save point. The first request stands, except that a preemption's replaces
+        it: a signalled process must save and leave with the signal's exit code."""
+        if self.stop is None or (stop.exit_code is not None and self.stop.exit_code is None):
+            self.stop = stop
+
+    def end_early(self, stop: Stop) -> None:
+        """Tell the callbacks, then end: exit code 2 for an error, the stop's own code, or on to ``on_end``."""
+        self.stop = stop
+        self.call("on_stop", stop)
+        if stop.error:
+            raise fail(stop.message)
+        logger.info("%s", stop.message)
+        if stop.exit_code is not None:
+            # The launcher SIGTERMs the other ranks once one exits: leave together, after rank 0's plot.
+            self.run.accelerator.wait_for_everyone()
+            raise SystemExit(stop.exit_code)
+
+    def roll_back(self, checkpoint: Path) -> None:
+        """Reload ``checkpoint`` of this run in-process (weights, optimizer, state, RNG, callbacks' state) and tell
+        the callbacks. The time spent training stays counted."""
+        wall_time_s = self.state.wall_time_s
+        self.checkpointer.restore(checkpoint, self.state)
+        self.state.wall_time_s = wall_time_s
+        self.call("after_rollback")
+
+    def outcome(self) -> dict:
+        """How the run ended, for ``final.json`` and ``run_meta.json``."""
+        state = self.state
+        return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < self.max_steps,
+                "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
+                "last_val_loss_ema": state.last_val_loss_ema, "wall_time_s": state.wall_time_s,
+                **self.figures("outcome")}
+
+
+def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: str | None = None) -> list[Callback]:
+    """The run's callbacks (their order is their own, see the module docstring)."""
+    cfg, acc = run.cfg, run.accelerator
+    callbacks: list[Callback] = [
+        StepProfiling(cfg.profile, out_dir, acc),
+        OOMDiagnosis(run),
+        Preemption(signal, acc, out_dir / "checkpoints"),
+        Checkpointing(),
+        ExportAtEnd(cfg.checkpoint, acc, out_dir, early_stopping=cfg.train.early_stopping_patience > 0),
+        SpikeGuard(cfg.spike, acc, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
+                   precision=run.runtime.precision, checkpoint_every_steps=cfg.checkpoint.every_steps),
+        NonFiniteStop(cfg.train.max_consecutive_skips),
+        EarlyStopping(cfg.train),
+        Reporting(run, out_dir, recipe),
+        Evaluation(run),
+    ]
+    if cfg.train.ema_decay > 0:
+        callbacks.append(WeightEMA(run.model, cfg.train.ema_decay, zero3=run.runtime.zero.stage == 3,
+                                   rank=acc.process_index, world_size=acc.num_processes, is_main=acc.is_main_process,
+                                   device=acc.device))
+    if cfg.eval.tasks:
+        callbacks.append(TaskEval(cfg.eval, cfg.train, run))
+    if (faults := FaultInjection.from_environment(run.train_batches, acc)) is not None:
+        callbacks.append(faults)
+    return callbacks
+
+
+def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = None, recipe: str | None = None,
+                  timer: SectionTimer | None = None) -> Trainer:
+    callbacks = sorted(build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe), key=lambda c: c.order)
+    stateful = {c.name: c for c in callbacks if c.name is not None}
+    batches = run.train_batches
+    checkpointer = build_checkpointer(run, out_dir, stateful,
+                                      next_sample=lambda step: data_step(step, batches.skipped) * batches.layout.global_batch_size)
+    return Trainer(run, out_dir, checkpointer, callbacks, timer=timer)
+
+
+def train(cfg, recipe: str | None = None) -> TrainState:
+    """Train ``cfg`` to ``train.max_steps`` (resuming as ``checkpoint.resume`` says); one run per ``out_dir``.
+
+    ``recipe``: the recipe file ``cfg`` was loaded from, which the run report compares the configuration with.
+    """
+    out_dir = Path(cfg.out_dir)
+    with removing_new_empty_dirs(out_dir, out_dir / "checkpoints"):  # a failed start leaves no empty folders
+        run = build_run(cfg, out_dir)
+        lock = RunLock(out_dir)
+        if run.accelerator.is_main_process:
+            lock.acquire()  # before anything in out_dir is cleaned up or written
+        run.accelerator.wait_for_everyone()
+        signal = PreemptionSignal()
+        try:
+            return build_trainer(run, out_dir, signal, recipe).fit()
+        finally:
+            signal.close()
+            run.prefetcher.close()
+            lock.release()
