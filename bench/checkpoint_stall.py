@@ -58,7 +58,7 @@ def main() -> int:
 
     import logging
 
-    from lmrecipe.train.loop import build_checkpointer
+    from lmrecipe.train.callbacks.checkpointing import build_checkpointer
     from lmrecipe.train.setup import build_run
     from lmrecipe.train.state import TrainState
     from lmrecipe.train.step import train_step

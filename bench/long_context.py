@@ -127,7 +127,7 @@ def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
     from lmrecipe.model import build_hf_config
 
     vocab = cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"])
-    shape = model_shape(build_hf_config(cfg, vocab))
+    shape = model_shape(build_hf_config(cfg.model, vocab, cfg.data.seq_len))
     full, checkpointed = estimate_activations(
         shape, cfg.train.micro_batch_size, cfg.data.seq_len, "fp32", cfg.model.attn_implementation,
         cfg.train.chunk_tokens(vocab), cfg.distributed.sequence_parallel_size)

@@ -11,7 +11,7 @@
 
    - **before**: the conversion as the code at ``--baseline`` does it (``lmrecipe/checkpoint/portable.py`` read
      with ``git show``): the main process alone consolidates each whole state and writes one file per state.
-   - **after**: this tree's conversion as a resume on 2 processes runs it (``Checkpointer._convert``): two
+   - **after**: this tree's conversion as a resume on 2 processes runs it (``lmrecipe/checkpoint/resume.py``): two
      processes each open the shards, plan the same split (``plan_shards``) and stream their share
      (``write_share``); then the indexes and ``portable.json`` (``finish``).
 
@@ -120,7 +120,7 @@ def baseline_module(rev: str):
 
 def worker_convert(args) -> None:
     """One process of a side: ``before`` converts everything; ``after`` writes rank ``--rank``'s share."""
-    from lmrecipe.checkpoint import portable
+    from lmrecipe.checkpoint import portable, readers
     from lmrecipe.distributed import Layout
 
     before = baseline_module(args.baseline) if args.side == "before" else None
@@ -135,7 +135,7 @@ def worker_convert(args) -> None:
         before.convert(Path(args.checkpoint), Path(args.out), deepspeed_dir=ds_dir, param_names=[],
                        source_layout=Layout(WORLD, True, 2), source_sha256="0" * 64)
     else:
-        source = portable.open_source(Path(args.checkpoint), deepspeed_dir=ds_dir, param_names=[])
+        source = readers.open_source(Path(args.checkpoint), deepspeed_dir=ds_dir, param_names=[])
         plan = portable.plan_shards(source.shapes, WORLD)
         portable.write_share(source, plan, Path(args.out), args.rank)
         source.close()
@@ -150,7 +150,7 @@ def worker_convert(args) -> None:
 
 def run_side(side: str, args, out: Path) -> dict:
     """One side in fresh processes; returns its wall time and each process's memory."""
-    from lmrecipe.checkpoint import portable
+    from lmrecipe.checkpoint import portable, readers
     from lmrecipe.distributed import Layout
 
     base = [sys.executable, SCRIPT, "--worker", "convert", "--side", side, "--checkpoint", str(args.checkpoint),
@@ -171,7 +171,7 @@ def run_side(side: str, args, out: Path) -> dict:
             results.append(json.loads(lines[-1][len(C.RESULT_PREFIX):]))
     wall, finish_s = time.perf_counter() - start, 0.0
     if side == "after":  # rank 0 writes the indexes once both ranks are done (its source is open: not timed here)
-        source = portable.open_source(args.checkpoint, deepspeed_dir=args.checkpoint / "pytorch_model", param_names=[])
+        source = readers.open_source(args.checkpoint, deepspeed_dir=args.checkpoint / "pytorch_model", param_names=[])
         finish_start = time.perf_counter()
         portable.finish(out, portable.plan_shards(source.shapes, WORLD), source.steps,
                         source_layout=Layout(WORLD, True, 2), source_sha256="0" * 64)
@@ -227,7 +227,7 @@ def main() -> int:
     report = C.Report("portable_memory", "cpu", args.output)
     from deepspeed.utils import zero_to_fp32  # noqa: F401  (the driver's own imports stay out of the timed sides)
 
-    from lmrecipe.checkpoint import portable  # noqa: F401
+    from lmrecipe.checkpoint import portable, readers  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="bench_portable_", dir=args.tmp) as tmp:
         args.checkpoint = Path(tmp) / "checkpoint"
         start = time.perf_counter()

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from lmrecipe.config import Config, load_config, resolve_deepspeed_config
+from lmrecipe.config import DataConfig, DistributedConfig, ModelConfig, Workload, load_config, resolve_deepspeed_config
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import load_meta
 from lmrecipe.distributed import ZeroSetup, load_deepspeed_config, resolve_precision
@@ -118,10 +118,10 @@ def _child_env() -> dict:
     return env
 
 
-def _launch(cfg: Config, script_args: list[str], num_processes: int) -> list[str]:
+def _launch(distributed: DistributedConfig, script_args: list[str], num_processes: int) -> list[str]:
     if num_processes == 1:
         return [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), *script_args]
-    return accelerate_launch_cmd(cfg, script_args, num_processes, _free_port())
+    return accelerate_launch_cmd(distributed, script_args, num_processes, _free_port())
 
 
 def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps: int, num_processes: int,
@@ -152,7 +152,8 @@ def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps:
         logger.info("[%d/%d] %s: training %d steps on %d processes (log: %s)", i, len(runs), label, steps, num_processes, log_path)
         start = time.perf_counter()
         with open(log_path, "w") as log:
-            proc = subprocess.run(_launch(cfg, args, num_processes), stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+            proc = subprocess.run(_launch(cfg.distributed, args, num_processes), stdout=log, stderr=subprocess.STDOUT,
+                                  env=_child_env())
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
@@ -160,7 +161,7 @@ def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps:
                          i, len(runs), label, proc.returncode, seconds, log_path, tail)
             results.append(ConfigResult(label, f"failed (exit {proc.returncode})", seconds=seconds))
             continue
-        result = collect_result(label, cfg, run_dir, seconds)
+        result = collect_result(label, cfg.workload(), run_dir, seconds)
         results.append(result)
         logger.info("[%d/%d] %s: done in %.0f s | %s tok/s | final loss %s | model states %s per rank (estimate %s)",
                     i, len(runs), label, seconds, _fmt(result.tokens_per_sec, ",.0f"), _fmt(result.final_loss, ".4f"),
@@ -173,7 +174,7 @@ def _mb(value: float | None) -> str:
     return "n/a" if value is None else format_bytes(value * 1e6)
 
 
-def collect_result(label: str, cfg: Config, run_dir: Path, seconds: float) -> ConfigResult:
+def collect_result(label: str, work: Workload, run_dir: Path, seconds: float) -> ConfigResult:
     """Read one finished run folder back into a result row."""
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     meta = json.loads((run_dir / "run_meta.json").read_text())
@@ -186,7 +187,7 @@ def collect_result(label: str, cfg: Config, run_dir: Path, seconds: float) -> Co
     states_mb = largest["total"] / 1e6 if largest else None
     offloaded_mb = largest["by_device"].get("cpu", 0) / 1e6 if largest and on_gpu else None
 
-    estimated = estimate_for_run(cfg, meta)
+    estimated = estimate_for_run(work, meta)
     estimated_mb = estimated.model_states / 1e6
     return ConfigResult(
         config=label, status="ok",
@@ -202,20 +203,20 @@ def collect_result(label: str, cfg: Config, run_dir: Path, seconds: float) -> Co
     )
 
 
-def estimate_for_run(cfg: Config, meta: dict) -> MemoryEstimate:
+def estimate_for_run(work: Workload, meta: dict) -> MemoryEstimate:
     """lmrecipe.memory's estimate for the topology and precision the run actually had."""
-    shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg)))
-    precision = meta.get("precision") or resolve_precision(cfg.train.precision)
-    return estimate_config(cfg, shape, cfg.distributed.deepspeed_config_path(), int(meta["world_size"]), 1, precision)
+    shape = model_shape(build_hf_config(work.model, recipe_vocab_size(work.model, work.data), work.data.seq_len))
+    precision = meta.get("precision") or resolve_precision(work.train.precision)
+    return estimate_config(work, shape, work.distributed.deepspeed_config_path(), int(meta["world_size"]), 1, precision)
 
 
-def recipe_vocab_size(cfg: Config, override: int | None = None) -> int:
+def recipe_vocab_size(model: ModelConfig, data: DataConfig, override: int | None = None) -> int:
     """``override`` if given, else model.vocab_size, else the vocabulary of the recipe's data folder."""
     if override is not None:
         return override
-    if cfg.model.vocab_size is not None:
-        return cfg.model.vocab_size
-    folder = cfg.data.source_list()[0].path  # the sources of a mixture share one tokenizer
+    if model.vocab_size is not None:
+        return model.vocab_size
+    folder = data.source_list()[0].path  # the sources of a mixture share one tokenizer
     if (Path(folder) / "meta.json").is_file():
         return int(load_meta(folder)["vocab_size"])
     raise fail(
@@ -224,24 +225,25 @@ def recipe_vocab_size(cfg: Config, override: int | None = None) -> int:
     )
 
 
-def estimate_config(cfg: Config, shape: ModelShape, ds_path: str | Path | None, world_size: int, num_nodes: int,
+def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | None, world_size: int, num_nodes: int,
                     precision: str) -> MemoryEstimate:
-    """Per-rank memory of the recipe under one DeepSpeed config (None = no DeepSpeed)."""
+    """Per-rank memory of the recipe's workload (``Config.workload()``) under one DeepSpeed config (None = no
+    DeepSpeed)."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
-    sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
+    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
     for key, size in (("sequence_parallel_size", sp), ("tensor_parallel_size", tp)):
         if world_size % size:
             raise fail(f"distributed.{key}={size} does not divide the world size {world_size}.")
-    layout = BatchLayout.from_config(cfg.train, world_size // (sp * tp))
-    ds = load_deepspeed_config(ds_path, cfg, layout, precision) if ds_path else None
+    layout = BatchLayout.from_config(work.train, world_size // (sp * tp))
+    ds = load_deepspeed_config(ds_path, work.optim, work.distributed, layout, precision) if ds_path else None
     return estimate(
         shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
-        accum_steps=layout.accum_steps, micro_batch_size=cfg.train.micro_batch_size,
-        seq_len=cfg.data.seq_len, gradient_checkpointing=cfg.train.gradient_checkpointing,
-        attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
-        loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
-        optimizer=cfg.optim.name, tensor_parallel_size=tp,
+        accum_steps=layout.accum_steps, micro_batch_size=work.train.micro_batch_size,
+        seq_len=work.data.seq_len, gradient_checkpointing=work.train.gradient_checkpointing,
+        attn_implementation=work.model.attn_implementation, ema=work.train.ema_decay > 0,
+        loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
+        optimizer=work.optim.name, tensor_parallel_size=tp,
     )
 
 

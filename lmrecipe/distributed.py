@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lmrecipe.config import Config
+from lmrecipe.config import Config, DistributedConfig, OptimConfig
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 
@@ -140,8 +140,10 @@ class Layout:
         return (saved.deepspeed or self.deepspeed) and self.changes_from(saved) != []
 
 
-def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, precision: str) -> dict:
-    """Read a ds_configs JSON and fill the values the recipe owns, so none is left to guesswork."""
+def load_deepspeed_config(path: str | Path, optim: OptimConfig, distributed: DistributedConfig, layout: BatchLayout,
+                          precision: str) -> dict:
+    """Read a ds_configs JSON and fill the values the recipe owns (``optim.grad_clip``, the batch ``layout``, the
+    parallel splits), so none is left to guesswork."""
     try:
         ds = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
@@ -161,15 +163,15 @@ def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, pr
     ds["train_micro_batch_size_per_gpu"] = layout.micro_batch_size
     ds["gradient_accumulation_steps"] = layout.accum_steps
     # DeepSpeed counts every rank in its batch check, the tensor-parallel ranks (which read the same samples) too.
-    ds["train_batch_size"] = layout.global_batch_size * cfg.distributed.tensor_parallel_size
-    ds["gradient_clipping"] = cfg.optim.grad_clip
-    if cfg.distributed.sequence_parallel_size > 1:
+    ds["train_batch_size"] = layout.global_batch_size * distributed.tensor_parallel_size
+    ds["gradient_clipping"] = optim.grad_clip
+    if distributed.sequence_parallel_size > 1:
         # Read where DeepSpeed has no process-group object yet (ZeRO-3's zero.Init while the model is built): its
         # batch check divides the process count by it.
-        ds["sequence_parallel_size"] = cfg.distributed.sequence_parallel_size
-    if cfg.distributed.tensor_parallel_size > 1:
-        ds["tensor_parallel"] = {"autotp_size": cfg.distributed.tensor_parallel_size}
-    _fit_optimizer(ds, cfg, path)
+        ds["sequence_parallel_size"] = distributed.sequence_parallel_size
+    if distributed.tensor_parallel_size > 1:
+        ds["tensor_parallel"] = {"autotp_size": distributed.tensor_parallel_size}
+    _fit_optimizer(ds, optim.name, path)
     # fp8: bf16 master path (DeepSpeed's bf16 optimizer), float8 only inside the converted linear layers.
     ds.setdefault("bf16", {})["enabled"] = precision in ("bf16", "fp8")
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
@@ -183,20 +185,12 @@ def load_deepspeed_config(path: str | Path, cfg: Config, layout: BatchLayout, pr
     return ds
 
 
-def _fit_optimizer(ds: dict, cfg: Config, path: str | Path) -> None:
-    """What ``optim.name=muon`` needs of the ZeRO settings: ZeRO-3 reduces Muon's gradients whole, so its
-    reduce-scatter is turned off (DeepSpeed refuses the two together); optimizer offload and gradient clipping
-    are refused."""
-    if cfg.optim.name != "muon":
+def _fit_optimizer(ds: dict, optimizer: str, path: str | Path) -> None:
+    """What ``optim.name=muon`` needs of the ZeRO settings in the file: ZeRO-3 reduces Muon's gradients whole, so its
+    reduce-scatter is turned off (DeepSpeed refuses the two together); optimizer offload is refused. (Clipping under
+    DeepSpeed is refused by the recipe's rules: ``lmrecipe/config/rules.py``.)"""
+    if optimizer != "muon":
         return
-    if cfg.optim.grad_clip > 0:
-        # Measured: the engine's norm (about 30 on a 1M-parameter model, against 1.1 for the raw gradients) is taken
-        # after the matrices' gradients were replaced by their orthogonalised updates.
-        raise fail(f"""
-            optim.name=muon with optim.grad_clip={cfg.optim.grad_clip} under DeepSpeed: DeepSpeed's ZeRO writes
-            Muon's orthogonalised update into the gradient before it clips, so the clip would scale Muon's step
-            down by the norm of those updates, not bound the gradients. Set optim.grad_clip=0 (Muon normalises its
-            own update), or train without DeepSpeed, where the raw gradients are clipped.""")
     zero = ds.setdefault("zero_optimization", {})
     if zero.get("offload_optimizer", {}).get("device", "none") not in (None, "none"):
         raise fail(f"""
@@ -271,14 +265,14 @@ def build_runtime(cfg: Config) -> Runtime:
     world_size = world_size_from_env()
     ds_path = cfg.distributed.deepspeed_config_path()
     sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
-    check_sequence_parallel_topology(sp, world_size, ds_path is not None)
-    check_tensor_parallel_topology(tp, world_size, ds_path is not None)
+    check_sequence_parallel_topology(sp, world_size)
+    check_tensor_parallel_topology(tp, world_size)
     # Data-parallel ranks: the ranks of one sequence- or tensor-parallel group read the same samples.
     shared = sp * tp
     layout = BatchLayout.from_config(cfg.train, world_size // shared)  # fails before any process group exists
     ds_config, plugin = None, None
     if ds_path is not None:
-        ds_config = load_deepspeed_config(ds_path, cfg, layout, precision)
+        ds_config = load_deepspeed_config(ds_path, cfg.optim, cfg.distributed, layout, precision)
         check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds_config), ds_path)
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
@@ -333,14 +327,9 @@ class SequenceParallel:
         return inputs[:, local], targets[:, local], kwargs
 
 
-def check_sequence_parallel_topology(sp: int, world_size: int, deepspeed: bool) -> None:
-    """What ``distributed.sequence_parallel_size`` needs of the launch, checked before any process group exists."""
-    if sp == 1:
-        return
-    if not deepspeed:
-        raise fail(f"""
-            distributed.sequence_parallel_size={sp} runs through DeepSpeed (Ulysses): choose a DeepSpeed config,
-            e.g. distributed.deepspeed_config=zero1 (any ZeRO stage works), or set distributed.sequence_parallel_size=1.""")
+def check_sequence_parallel_topology(sp: int, world_size: int) -> None:
+    """What ``distributed.sequence_parallel_size`` needs of the launch, checked before any process group exists (what
+    it needs of the recipe: ``lmrecipe/config/rules.py``)."""
     if world_size % sp:
         raise fail(f"""
             distributed.sequence_parallel_size={sp} does not divide the {world_size} processes: each group of {sp}
@@ -348,14 +337,9 @@ def check_sequence_parallel_topology(sp: int, world_size: int, deepspeed: bool) 
             {world_size}.""")
 
 
-def check_tensor_parallel_topology(tp: int, world_size: int, deepspeed: bool) -> None:
-    """What ``distributed.tensor_parallel_size`` needs of the launch, checked before any process group exists."""
-    if tp == 1:
-        return
-    if not deepspeed:
-        raise fail(f"""
-            distributed.tensor_parallel_size={tp} runs through DeepSpeed AutoTP: choose a DeepSpeed config with ZeRO
-            0-2, e.g. distributed.deepspeed_config=zero1, or set distributed.tensor_parallel_size=1.""")
+def check_tensor_parallel_topology(tp: int, world_size: int) -> None:
+    """What ``distributed.tensor_parallel_size`` needs of the launch, checked before any process group exists (what
+    it needs of the recipe: ``lmrecipe/config/rules.py``)."""
     if world_size % tp:
         raise fail(f"""
             distributed.tensor_parallel_size={tp} does not divide the {world_size} processes: each group of {tp}
@@ -364,6 +348,7 @@ def check_tensor_parallel_topology(tp: int, world_size: int, deepspeed: bool) ->
 
 
 def check_tensor_parallel_stage(tp: int, zero: ZeroSetup, path: Path) -> None:
+    """AutoTP trains under ZeRO stages 0-2: the stage is read from the DeepSpeed JSON, so it is checked here."""
     if tp > 1 and zero.stage == 3:
         raise fail(f"""
             distributed.tensor_parallel_size={tp} cannot run under ZeRO-3 ({path}): DeepSpeed AutoTP training
@@ -371,9 +356,10 @@ def check_tensor_parallel_stage(tp: int, zero: ZeroSetup, path: Path) -> None:
             weights that ZeRO-3 would partition), or set distributed.tensor_parallel_size=1.""")
 
 
-def check_tensor_parallel_model(cfg: Config, hf_config) -> None:
-    """What ``distributed.tensor_parallel_size`` needs of the model: every split matrix divides evenly."""
-    tp = cfg.distributed.tensor_parallel_size
+def check_tensor_parallel_model(tp: int, hf_config) -> None:
+    """What ``distributed.tensor_parallel_size`` (``tp``) needs of the built model's config: every split matrix divides
+    evenly. The rule ``tensor_parallel_divides_model`` refuses a recipe's own shape at load; this check covers a model
+    continued from ``model.init_from``, whose shape is its checkpoint's."""
     if tp == 1:
         return
     heads = hf_config.num_attention_heads
@@ -386,9 +372,10 @@ def check_tensor_parallel_model(cfg: Config, hf_config) -> None:
             of every split matrix. Choose a tensor_parallel_size that divides all three.""")
 
 
-def check_sequence_parallel_model(cfg: Config, hf_config, attn_implementation: str) -> None:
-    """What ``distributed.sequence_parallel_size`` needs of the model and the windows (exit 2 naming the fix)."""
-    sp = cfg.distributed.sequence_parallel_size
+def check_sequence_parallel_model(sp: int, hf_config) -> None:
+    """What ``distributed.sequence_parallel_size`` (``sp``) needs of the built model's config (exit 2 naming the fix).
+    The rules ``sequence_parallel_*`` refuse a recipe's own shape, windows and attention at load; this check covers a
+    model continued from ``model.init_from``, whose heads are its checkpoint's."""
     if sp == 1:
         return
     heads = hf_config.num_attention_heads
@@ -398,15 +385,6 @@ def check_sequence_parallel_model(cfg: Config, hf_config, attn_implementation: s
             distributed.sequence_parallel_size={sp} must divide the attention heads (model.num_heads={heads}) and
             divide or be a multiple of the key/value heads ({kv_heads}): the all-to-all splits heads over the group.
             Choose a sequence_parallel_size that does.""")
-    if cfg.data.seq_len % sp:
-        raise fail(f"""
-            data.seq_len={cfg.data.seq_len} is not divisible by distributed.sequence_parallel_size={sp}: every rank
-            of a group holds an equal share of each window. Choose a seq_len that is a multiple of {sp}.""")
-    if attn_implementation in ("eager", "flex_attention"):
-        raise fail(f"""
-            model.attn_implementation={attn_implementation} cannot run under sequence parallelism (eager needs the
-            full 4D mask, and DeepSpeed's Ulysses wrapper drops it). Use model.attn_implementation=sdpa or
-            flash_attention_2, or set distributed.sequence_parallel_size=1.""")
 
 
 def _sequence_parallelism(sp: int, world_size: int, seq_len: int):

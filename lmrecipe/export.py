@@ -8,8 +8,8 @@ Weights always come from a checkpoint on disk, never from a live engine, so one 
 training and ``tools/export_hf.py``: DeepSpeed ZeRO-1/2/3 shards are consolidated offline by DeepSpeed's own
 ``get_fp32_state_dict_from_zero_checkpoint`` (the fp32 master weights; it works for any rank count and whether
 or not ZeRO-3 gathered 16-bit weights at save time); checkpoints without DeepSpeed hold ``model.safetensors``.
-``weights="ema"`` takes the weight EMA saved beside them instead (``lmrecipe/ema.py``; ZeRO-3 partitions are
-consolidated the same way, offline).
+``weights="ema"`` takes the weight EMA saved beside them instead (``lmrecipe/checkpoint/ema_files.py``; ZeRO-3
+partitions are consolidated the same way, offline).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.checkpoint.ema_files import read_ema_state_dict
-from lmrecipe.checkpoint.portable import open_source
+from lmrecipe.checkpoint.readers import open_source
 from lmrecipe.checkpoint.storage import (
     DS_TAG,
     HF_DIR,

@@ -10,25 +10,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lmrecipe.config import Config
+from lmrecipe.config import DistributedConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def launcher_flags(cfg: Config) -> list[str]:
+def launcher_flags(distributed: DistributedConfig) -> list[str]:
     """Launcher flags for the recipe: DeepSpeed's ``standard`` multinode launcher, or ``--multi_gpu``.
 
     ``standard`` runs one ``torch.distributed.run`` per node (no ssh/pdsh), which is what ``srun`` needs.
     A recipe without DeepSpeed must not get ``--use_deepspeed``: Accelerate would then build a default
     ZeRO-2 plugin from the launcher's environment and silently train under it.
     """
-    if cfg.distributed.deepspeed_config is not None:
+    if distributed.deepspeed_config is not None:
         return ["--use_deepspeed", "--deepspeed_multinode_launcher", "standard"]
     return ["--multi_gpu"]
 
 
 def accelerate_launch_cmd(
-    cfg: Config,
+    distributed: DistributedConfig,
     script_args: list[str],
     num_processes: int,
     main_process_port: int,
@@ -51,6 +51,6 @@ def accelerate_launch_cmd(
         "--num_processes", str(num_processes),
         "--mixed_precision", "no",
         "--dynamo_backend", "no",
-        *launcher_flags(cfg),
+        *launcher_flags(distributed),
         str(REPO_ROOT / "train.py"), *script_args,
     ]

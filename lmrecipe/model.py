@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lmrecipe.attention import DocumentAttention, build_document_attention
-from lmrecipe.config import Config
+from lmrecipe.config import DataConfig, ModelConfig, TrainConfig
 from lmrecipe.errors import fail
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,11 @@ def bare_parameter_name(name: str) -> str:
     return name
 
 
-def build_hf_config(cfg: Config, vocab_size: int):
-    """The ``transformers`` config of the model: from ``model.init_from`` or built from the recipe."""
+def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
+    """The ``transformers`` config of the model: from ``model.init_from`` or built from the recipe's ``model``
+    section (``seq_len``, ``data.seq_len``: the position limit when ``model.max_position_embeddings`` is null)."""
     from transformers import AutoConfig
 
-    m = cfg.model
     if m.init_from is not None:
         if not (Path(m.init_from) / "config.json").is_file():
             raise fail(
@@ -54,7 +54,7 @@ def build_hf_config(cfg: Config, vocab_size: int):
             num_key_value_heads=m.kv_heads(),
             intermediate_size=m.mlp_size(),
             vocab_size=vocab_size,
-            max_position_embeddings=m.max_position_embeddings or cfg.data.seq_len,
+            max_position_embeddings=m.max_position_embeddings or seq_len,
             rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_embeddings,
             initializer_range=m.init_std,
@@ -87,32 +87,32 @@ def training_attention(name: str) -> str:
     return CAUSAL_SDPA
 
 
-def build_attention(cfg: Config, hf_config) -> DocumentAttention | None:
+def build_attention(model: ModelConfig, data: DataConfig, hf_config) -> DocumentAttention | None:
     """The document-masking attention of ``data.document_masking`` (``lmrecipe/attention.py``), or None when off
     (plain causal windows). A model or attention implementation that cannot mask is refused here, at start-up."""
-    if not cfg.data.document_masking:
+    if not data.document_masking:
         return None
-    return build_document_attention(cfg.model.attn_implementation, hf_config)
+    return build_document_attention(model.attn_implementation, hf_config)
 
 
-def build_model(cfg: Config, hf_config, attention: DocumentAttention | None = None) -> nn.Module:
-    """Create (or load) the model. Call after the Accelerator exists, so ZeRO-3 partitions at construction.
+def build_model(m: ModelConfig, train: TrainConfig, hf_config, attention: DocumentAttention | None = None) -> nn.Module:
+    """Create (or load) the model of the ``model`` section, initialised from ``train.seed``, with ``train``'s
+    activation checkpointing. Call after the Accelerator exists, so ZeRO-3 partitions at construction.
 
     ``attention``: the document-masking attention (:func:`build_attention`); every forward then needs its
     ``forward_kwargs``. None builds the plain causal attention of :func:`training_attention`.
     """
     from transformers import AutoModelForCausalLM
 
-    m = cfg.model
     attention = attention.name if attention is not None else training_attention(m.attn_implementation)
     if m.init_from is not None:
         model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
-        init_weights_(model, std=m.init_std, seed=cfg.train.seed)
+        init_weights_(model, std=m.init_std, seed=train.seed)
     model.config.use_cache = False
-    if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg.train.checkpointing_reentrant})
+    if train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": train.checkpointing_reentrant})
     return model
 
 

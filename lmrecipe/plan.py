@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from lmrecipe.config import Config, load_config, resolve_deepspeed_config, save_config
+from lmrecipe.config import Config, ModelConfig, Workload, load_config, resolve_deepspeed_config, save_config
 from lmrecipe.distributed import ZeroSetup
 from lmrecipe.errors import fail
 from lmrecipe.memory import ModelShape, estimate, model_shape, read_measured
@@ -227,8 +227,8 @@ def shapes_near(n_params: float, vocab_size: int, count: int = 3) -> list[LlamaS
     return sorted(chosen, key=lambda s: s.n_params)
 
 
-def shape_from_config(cfg: Config, vocab_size: int) -> LlamaShape:
-    m = cfg.model
+def shape_from_config(m: ModelConfig, vocab_size: int) -> LlamaShape:
+    """The recipe's own model (its ``model`` section) as a Llama shape."""
     return LlamaShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.kv_heads(),
                       intermediate_size=m.mlp_size(), vocab_size=vocab_size, tie_embeddings=m.tie_embeddings)
 
@@ -330,12 +330,13 @@ def stage_setup(stage: int) -> ZeroSetup:
 
 
 def estimate_device_bytes(shape: ModelShape, stage: int, devices: int, precision: str, micro_batch_size: int,
-                          seq_len: int, gradient_checkpointing: bool, cfg: Config, accum_steps: int) -> float:
-    """Per-device memory of one configuration (lmrecipe.memory.estimate's ``device_total``)."""
+                          seq_len: int, gradient_checkpointing: bool, work: Workload, accum_steps: int) -> float:
+    """Per-device memory of one configuration (lmrecipe.memory.estimate's ``device_total``); ``work`` gives the base
+    recipe's attention, weight EMA, chunked loss and optimizer."""
     est = estimate(shape, stage_setup(stage), devices, 1, precision, accum_steps=accum_steps, micro_batch_size=micro_batch_size,
                    seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
-                   attn_implementation=cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
-                   loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size), optimizer=cfg.optim.name)
+                   attn_implementation=work.model.attn_implementation, ema=work.train.ema_decay > 0,
+                   loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size), optimizer=work.optim.name)
     return est.device_total
 
 
@@ -351,7 +352,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
         d_opt = i.tokens if i.tokens is not None else k * n_opt
         compute = 6.0 * n_opt * d_opt
     if i.model_from_recipe:
-        shapes = [shape_from_config(i.base, i.vocab_size)]
+        shapes = [shape_from_config(i.base.model, i.vocab_size)]
     else:
         shapes = shapes_near(n_opt, i.vocab_size)
     capacity = i.memory_gb * 1e9 * (1.0 - i.reserve)
@@ -359,7 +360,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     for micro_batch, checkpointing in memory_settings(i):
         accum = batch_and_steps(replace(i, micro_batch_size=micro_batch), 1.0)[0] // (micro_batch * i.devices)
         candidates = [Candidate(s, stage, estimate_device_bytes(s.memory_shape(), stage, i.devices, i.precision,
-                                                                micro_batch, i.seq_len, checkpointing, i.base, accum),
+                                                                micro_batch, i.seq_len, checkpointing, i.base.workload(),
+                                                                accum),
                                 capacity)
                       for s in shapes for stage in STAGES]
         fitting = [c for c in candidates if c.fits]
@@ -533,24 +535,24 @@ def plan_summary(plan: Plan) -> dict:
 # A finished run's prediction
 
 
-def predict_run(cfg: Config, hf_config, *, world_size: int, precision: str, zero: ZeroSetup, accum_steps: int,
+def predict_run(work: Workload, hf_config, *, world_size: int, precision: str, zero: ZeroSetup, accum_steps: int,
                 flops_per_token: float, peak_tflops: float, device_name: str | None,
                 out_dir: str | Path | None = None) -> dict:
-    """What the planner predicts for this run's own configuration, for ``report.md``: tokens/s (all devices), MFU,
-    the step time (one optimizer step), the per-process peak memory (GB = 1e9 bytes) and the model states; with
+    """What the planner predicts for this run's own workload (``Config.workload()``), for ``report.md``: tokens/s (all
+    devices), MFU, the step time (one optimizer step), the per-process peak memory (GB = 1e9 bytes) and the model states; with
     ``out_dir``, the model states measured by ``logging.measure_model_states`` (largest rank) beside them."""
     device = device_for_name(device_name)
     tokens_per_sec = device.mfu * peak_tflops * 1e12 * world_size / flops_per_token
     shape = model_shape(hf_config)
-    est = estimate(shape, zero, world_size, 1, precision, accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len,
-                   cfg.train.gradient_checkpointing, cfg.model.attn_implementation, ema=cfg.train.ema_decay > 0,
-                   loss_chunk_tokens=cfg.train.chunk_tokens(shape.vocab_size),
-                   sequence_parallel_size=cfg.distributed.sequence_parallel_size, optimizer=cfg.optim.name,
-                   tensor_parallel_size=cfg.distributed.tensor_parallel_size)
+    est = estimate(shape, zero, world_size, 1, precision, accum_steps, work.train.micro_batch_size, work.data.seq_len,
+                   work.train.gradient_checkpointing, work.model.attn_implementation, ema=work.train.ema_decay > 0,
+                   loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size),
+                   sequence_parallel_size=work.distributed.sequence_parallel_size, optimizer=work.optim.name,
+                   tensor_parallel_size=work.distributed.tensor_parallel_size)
     measured = read_measured(out_dir) if out_dir is not None else []
     return {
         "tokens_per_sec": tokens_per_sec, "mfu": device.mfu, "mfu_source": device.mfu_source,
-        "step_time_s": cfg.train.global_batch_size * cfg.data.seq_len / tokens_per_sec,
+        "step_time_s": work.train.global_batch_size * work.data.seq_len / tokens_per_sec,
         "peak_mem_gb": est.device_total / 1e9, "model_states_gb": est.model_states / 1e9,
         "model_states_measured_gb": max(m["total"] for m in measured) / 1e9 if measured else None,
     }

@@ -60,12 +60,12 @@ def main() -> int:
     data_parallel = args.world_size // (cfg.distributed.sequence_parallel_size * cfg.distributed.tensor_parallel_size)
     accum_steps = BatchLayout.from_config(cfg.train, data_parallel).accum_steps  # fails early if the batch does not split
     precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
-    shape = model_shape(build_hf_config(cfg, recipe_vocab_size(cfg, args.vocab_size)))
+    shape = model_shape(build_hf_config(cfg.model, recipe_vocab_size(cfg.model, cfg.data, args.vocab_size), cfg.data.seq_len))
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     # A +option suffix (zero2+muon, zero3+sp2, zero2+tp2) estimates the recipe with that option's overrides.
-    rows = [(config_label(name), estimate_config(load_config(args.recipe, [*args.overrides, *config_overrides(name)]),
-                                                 shape, ds_config_path(name), args.world_size, args.nodes, precision))
-            for name in names]
+    workloads = [load_config(args.recipe, [*args.overrides, *config_overrides(name)]).workload() for name in names]
+    rows = [(config_label(name), estimate_config(work, shape, ds_config_path(name), args.world_size, args.nodes, precision))
+            for name, work in zip(names, workloads, strict=True)]
 
     setup = {
         "n_params": shape.n_params, "largest_layer_params": shape.largest_layer_params,

@@ -24,7 +24,7 @@ def main() -> int:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args()
-    print(" ".join(launcher_flags(load_config(args.recipe, args.overrides))))
+    print(" ".join(launcher_flags(load_config(args.recipe, args.overrides).distributed)))
     return 0
 
 

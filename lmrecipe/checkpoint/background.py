@@ -9,7 +9,7 @@ loop then goes on while :func:`write_accelerator_state` hands the copies to Acce
 
 :class:`BackgroundWriter` runs one such write at a time on a worker thread; its error, if any, comes back to the
 caller at the next :meth:`BackgroundWriter.wait`. Publishing (the ``train_state.json`` manifest, the rename and
-the ``latest`` pointer) stays with ``lmrecipe/checkpoint.py``.
+the ``latest`` pointer) stays with the store (``storage.py``).
 
 Under DeepSpeed, ``save_state`` runs the engine's ``save_checkpoint``, a collective (ZeRO-3 gathers, every rank
 takes part) whose files go through the engine's checkpoint engine. :func:`deepspeed_writes_captured` swaps that

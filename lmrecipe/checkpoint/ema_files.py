@@ -2,7 +2,7 @@
 
 ``ema.safetensors`` (full tensors by parameter name, written by the main process) or, under ZeRO-3,
 ``ema/rank_NNNNN.safetensors`` (each rank's partition of every parameter, with the full shapes in the metadata);
-the update count is stored under :data:`COUNT_KEY`. See ``lmrecipe/train/ema.py`` for the average itself.
+the update count is stored under :data:`COUNT_KEY`. See ``lmrecipe/train/callbacks/ema.py`` for the average itself.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ Layout of ``out_dir/checkpoints/``::
 A checkpoint folder holds what ``accelerator.save_state`` writes (DeepSpeed's per-rank ZeRO shards under
 ``pytorch_model/``, or ``model.safetensors`` + ``optimizer.bin`` without DeepSpeed) and:
 
-- ``rng/rank_NNNNN.safetensors``: the torch (CPU and CUDA), numpy and ``random`` RNG state of every rank;
+- ``rng/rank_NNNNN.safetensors``: the torch (CPU and CUDA), numpy and ``random`` RNG state of every rank (``rng.py``);
 - ``hf/``: the transformers ``config.json``, the tokenizer files and the data's ``meta.json``, so an export
   or an evaluation needs neither the recipe's data folder nor ``model.init_from``;
 - ``probe.safetensors``: logits of the training-time model on a fixed input, to check exports against;
 - with ``train.ema_decay`` > 0, the weight EMA (``ema.safetensors``, or ``ema/rank_NNNNN.safetensors`` under
-  ZeRO-3; see ``lmrecipe/train/ema.py``), written through the loop features' ``extras``;
+  ZeRO-3; see ``lmrecipe/train/callbacks/ema.py``), written through the trainer's callbacks' ``extras``;
 - ``train_state.json``: step, tokens seen, data position, best validation loss, the schedule's values, the
   resolved config, the topology, a manifest of every file with its size, and the sha256 of every file up to
   ``CHECKSUM_MAX_BYTES``. Written last.
@@ -25,12 +25,12 @@ at any moment leaves the previous checkpoint and the pointer intact; leftovers a
 The checkpoint folder must be on a filesystem every rank sees (a shared filesystem on multi-node jobs).
 
 Background writes (``checkpoint.background_save``): at the step, every rank copies its state to CPU memory
-(``lmrecipe/background_save.py``; under DeepSpeed, after the collective part of its save) and returns to training; a worker thread writes the copy into
-``.tmp_step_N`` and then a marker ``.rank_NNNNN.done``. The main process's worker waits for every rank's marker
-(the barrier of a synchronous save, without stopping the loop), removes the markers and publishes as above. So
-the order of the commit (files, ``train_state.json`` last, rename, ``latest``) is the same, and a ``kill -9``
-during a background write leaves the previous checkpoint complete. One write is in flight at most: the next
-save, a rollback, a preemption and the end of the run wait for it (:meth:`Checkpointer.wait`).
+(``background.py``; under DeepSpeed, after the collective part of its save) and returns to training; a worker
+thread writes the copy into ``.tmp_step_N`` and then a marker ``.rank_NNNNN.done``. The main process's worker
+waits for every rank's marker (the barrier of a synchronous save, without stopping the loop), removes the markers
+and publishes as above. So the order of the commit (files, ``train_state.json`` last, rename, ``latest``) is the
+same, and a ``kill -9`` during a background write leaves the previous checkpoint complete. One write is in flight
+at most: the next save, a rollback, a preemption and the end of the run wait for it (:meth:`CheckpointStore.wait`).
 
 Safe loading: our own state is JSON and safetensors. Without DeepSpeed, Accelerate reads ``optimizer.bin``
 (and its own ``random_states_*.pkl``, which we then override) with ``torch.load(weights_only=True)``, which
@@ -46,7 +46,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import shutil
 import threading
@@ -55,7 +54,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from lmrecipe.checkpoint.background import (
@@ -75,9 +73,9 @@ from lmrecipe.fileio import fsync_dir, write_text_atomic
 logger = logging.getLogger(__name__)
 
 #: Exit code of every training process after a SIGTERM/SIGUSR1 stop with a checkpoint saved (after Ctrl-C: 130,
-#: ``lmrecipe.errors.EXIT_INTERRUPTED``); a requeued job resumes with the default ``checkpoint.resume=auto``. Launchers (torchrun, accelerate launch) report any
-#: failed worker as exit 1 (slurm/launch.sh restores 124), so the main process also writes
-#: ``out_dir/preempted.json`` ({"step", "checkpoint"}); the next run removes it when it starts.
+#: ``lmrecipe.errors.EXIT_INTERRUPTED``); a requeued job resumes with the default ``checkpoint.resume=auto``.
+#: Launchers (torchrun, accelerate launch) report any failed worker as exit 1 (slurm/launch.sh restores 124), so the
+#: main process also writes ``out_dir/preempted.json`` ({"step", "checkpoint"}); the next run removes it when it starts.
 EXIT_PREEMPTED = 124
 PREEMPTED_MARKER = "preempted.json"
 
@@ -289,46 +287,6 @@ def _follow_latest(root: Path) -> Path:
     return target
 
 
-# --------------------------------------------------------------------------------------------------
-# RNG state in a safe format (one safetensors file per rank)
-
-
-def rng_state_tensors() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """This process's RNG states as tensors + string metadata (exactly restorable, no pickle)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, py_state, gauss_next = random.getstate()
-    tensors = {
-        "torch_cpu": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
-        "python_state": torch.tensor(py_state, dtype=torch.int64),
-    }
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = state
-    metadata = {
-        "numpy_kind": kind, "numpy_pos": str(pos), "numpy_has_gauss": str(has_gauss),
-        "numpy_cached_gaussian": float(cached).hex(), "python_version": str(version),
-        "python_gauss_next": "none" if gauss_next is None else float(gauss_next).hex(),
-    }
-    return tensors, metadata
-
-
-def set_rng_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    np.random.set_state((
-        metadata["numpy_kind"], tensors["numpy_keys"].numpy().astype(np.uint32), int(metadata["numpy_pos"]),
-        int(metadata["numpy_has_gauss"]), float.fromhex(metadata["numpy_cached_gaussian"]),
-    ))
-    gauss = metadata["python_gauss_next"]
-    random.setstate((
-        int(metadata["python_version"]), tuple(int(v) for v in tensors["python_state"].tolist()),
-        None if gauss == "none" else float.fromhex(gauss),
-    ))
-    cuda = [tensors[f"cuda_{i}"] for i in range(sum(k.startswith("cuda_") for k in tensors))]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def _remove_tree(path: Path) -> None:
     """Delete a checkpoint folder (so that no half-deleted folder ever carries a checkpoint's name) and the
     topology-free form cached beside it."""
@@ -342,8 +300,8 @@ def _remove_tree(path: Path) -> None:
 
 class CheckpointStore:
     """The checkpoint folder's files: write a checkpoint (in this thread or on a worker thread), publish it
-    atomically, point ``latest`` at it, prune; the disk-full diagnosis. What to save and when is the policy's
-    (``lmrecipe/checkpoint/policy.py``).
+    atomically, point ``latest`` at it, prune; the disk-full diagnosis. What to save and when is decided in
+    ``saving.py``.
 
     Every rank writes its files into ``.tmp_step_N``; the main process publishes once every rank is done (after a
     barrier, or, for a background write, once every rank's marker ``.rank_NNNNN.done`` is there).

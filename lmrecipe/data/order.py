@@ -11,7 +11,7 @@ bijection of ``[0, n_windows)`` computed per position, in constant time and memo
 Version 1, a ``numpy`` permutation materialised per epoch (memory and time linear in the windows: 58 GB per rank at
 15T tokens), is kept for runs whose checkpoints were written with it; they continue in it.
 
-Skipped batches. A run that rolled back from a loss spike (``lmrecipe/train/spikes.py``) never trains on the samples
+Skipped batches. A run that rolled back from a loss spike (``lmrecipe/train/callbacks/spikes.py``) never trains on the samples
 of the offending steps again: it lists their *data steps* (blocks ``[d*G, (d+1)*G)`` of the order above) as skipped,
 and optimizer step ``s`` then reads the ``s``-th data step that is not skipped (:func:`data_step`). Without skips
 the two are equal; with them the order stays a pure function of (step, skipped list), so a resume is still exact.

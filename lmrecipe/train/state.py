@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 class TrainState:
     """The core of what a resume needs besides weights and optimizer state; saved as JSON in each checkpoint.
 
-    The loop features keep their own state (the spike rule's window, early stopping's counter, the weight EMA),
+    The trainer's callbacks keep their own state (the spike rule's window, early stopping's counter, the weight EMA),
     which the checkpoint saves beside this one by name.
 
     Skipped updates are counted on the device as steps go (reading a flag would stall a GPU every step) and

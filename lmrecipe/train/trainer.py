@@ -215,8 +215,10 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
 
 
 def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = None, recipe: str | None = None,
-                  timer: SectionTimer | None = None) -> Trainer:
-    callbacks = sorted(build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe), key=lambda c: c.order)
+                  timer: SectionTimer | None = None, extra: Sequence[Callback] = ()) -> Trainer:
+    """The trainer of ``run`` with the run's callbacks, and ``extra`` ones (saved by name like the others)."""
+    callbacks = sorted([*build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe), *extra],
+                       key=lambda c: c.order)
     stateful = {c.name: c for c in callbacks if c.name is not None}
     batches = run.train_batches
     checkpointer = build_checkpointer(run, out_dir, stateful,

@@ -102,7 +102,7 @@ def test_report_sets_the_plan_against_the_measurement(profiled_run):
     # The planner's CPU MFU (0.4) of the peak the run itself measured, at the run's FLOPs per token.
     tokens_per_sec = 0.4 * meta["peak_tflops_per_device"] * 1e12 / meta["flops_per_token"]
     step_time_s = cfg.train.global_batch_size * cfg.data.seq_len / tokens_per_sec
-    shape = shape_from_config(cfg, int(load_meta(cfg.data.path)["vocab_size"])).memory_shape()  # = model_shape's
+    shape = shape_from_config(cfg.model, int(load_meta(cfg.data.path)["vocab_size"])).memory_shape()  # = model_shape's
     peak_gb = estimate(shape, ZeroSetup(), 1, 1, "fp32", meta["accum_steps"], cfg.train.micro_batch_size,
                        cfg.data.seq_len, False).device_total / 1e9
     measured = {key: sum(r[key] for r in steady) / len(steady) for key in ("tokens_per_sec", "mfu", "step_time_s")}

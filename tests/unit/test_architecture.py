@@ -1,46 +1,58 @@
 """The package's layering, as drawn in README.md ("Architecture"): a module imports only from lower layers.
 
-The package is a tree: top-level modules and folders (``data/``, ``checkpoint/``, ``observe/``, ``train/``), each
-folder with its own order of modules. An import between two modules is judged where their paths part: at the top
-level by :data:`LAYERS`, inside a folder by that folder's entry in :data:`INNER`. The imported side must be in a
-strictly lower layer. Imports are read from the source (function-level ones included), so a lazy import that bends
-the layering fails here as surely as a top-level one. Strict layering also rules out import cycles.
+The drawing is the one source: :func:`read_layers` parses it. The package is a tree: top-level modules and folders
+(``data/``, ``checkpoint/``, ``train/``, ...), each folder with its own order of modules. An import between two
+modules is judged where their paths part: at the top level by :data:`LAYERS`, inside a folder by that folder's entry
+in :data:`INNER`. The imported side must be in a strictly lower layer. Imports are read from the source
+(function-level ones included), so a lazy import that bends the layering fails here as surely as a top-level one.
+Strict layering also rules out import cycles.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "lmrecipe"
+DRAWING = ROOT / "README.md"
+"""The file whose ``## Architecture`` section holds the drawing (its first fenced block)."""
 
-# Lower number = lower layer. Keep in step with the README's Architecture section.
-LAYERS = {
-    # foundation: no knowledge of training
-    "errors": 0, "fileio": 0, "determinism": 0,
-    "cli": 1, "config": 1,
-    # components: each one concern, unaware of the loop
-    "data": 2, "attention": 2, "optim": 2, "observe": 2, "launch": 2,
-    "model": 3, "distributed": 3, "loss": 3,
-    "checkpoint": 4, "memory": 4, "tasks": 4,
-    "export": 5, "plan": 5,
-    "evaluate": 6, "harness": 6,
-    # orchestration: the loop and the comparison driver
-    "train": 7, "compare": 7,
-}
-INNER = {
-    "data": {"documents": 0, "stream": 1, "order": 1, "format": 2, "prepare": 3, "batches": 3, "sources": 4},
-    "data.prepare": {"read": 0, "tokenize": 0, "write": 0, "shards": 1, "pipeline": 2},
-    "checkpoint": {"background": 0, "ema_files": 0, "compat": 0, "tp_split": 0, "portable": 1, "storage": 2,
-                   "policy": 3},
-    "observe": {"device": 0, "host_syncs": 0, "plots": 0, "profiler": 0, "trackers": 0, "metrics_log": 1, "run_meta": 1,
-                "run_report": 2, "console": 3},
-    "train": {"state": 0, "lock": 0, "preemption": 0, "oom": 0, "faults": 0, "features": 0,
-              "ema": 1, "task_eval": 1, "setup": 2, "step": 3, "spikes": 3, "loop": 4},
-}
+_LINE = re.compile(r"^(?P<indent> *)(?P<layer>\d+) (?P<names>[a-z_]+/?(?:, [a-z_]+/?)*)(?: {2,}.*)?$")
+
+
+def read_layers(text: str) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """(top-level layers, each folder's layers) from the drawing: ``LAYER NAME[, NAME...]  what they hold`` per line;
+    a folder (``name/``) is followed by its own modules, indented deeper."""
+    section = text.split("## Architecture", 1)[1]
+    block = section.split("```", 2)[1].split("\n", 1)[1]
+    top: dict[str, int] = {}
+    inner: dict[str, dict[str, int]] = {}
+    folders: list[tuple[int, str]] = []  # (indent, dotted folder) of the folders the next lines may belong to
+    for number, line in enumerate(block.splitlines(), 1):
+        if not line.strip():
+            continue
+        match = _LINE.match(line)
+        assert match, f"line {number} of the Architecture drawing is not 'LAYER NAME[, NAME...]  text': {line!r}"
+        indent = len(match["indent"])
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        parent = folders[-1][1] if folders else None
+        table = top if parent is None else inner.setdefault(parent, {})
+        for name in match["names"].split(", "):
+            bare = name.rstrip("/")
+            assert bare not in table, f"{bare!r} is drawn twice in {parent or 'the package'}"
+            table[bare] = int(match["layer"])
+            if name.endswith("/"):
+                folders.append((indent, bare if parent is None else f"{parent}.{bare}"))
+    return top, inner
+
+
+LAYERS, INNER = read_layers(DRAWING.read_text())
+"""Lower number = lower layer."""
 
 
 def module_names() -> list[str]:
@@ -91,7 +103,7 @@ def violation(source: str, target: str) -> str | None:
     table = LAYERS if depth == 0 else INNER.get(".".join(src[:depth]))
     where = "the package" if depth == 0 else ".".join(src[:depth]) + "/"
     if table is None or src[depth] not in table or dst[depth] not in table:
-        return f"{src[depth]!r} or {dst[depth]!r} has no layer in {where}: add it to the test and the README"
+        return f"{src[depth]!r} or {dst[depth]!r} has no layer in {where}: draw it in the README's Architecture"
     if table[dst[depth]] >= table[src[depth]]:
         return (f"{src[depth]!r} (layer {table[src[depth]]} of {where}) imports {dst[depth]!r} "
                 f"(layer {table[dst[depth]]}), which is not below it")
@@ -106,8 +118,9 @@ def test_every_module_and_folder_has_a_layer():
             table = LAYERS if depth == 0 else INNER.get(".".join(parts[:depth]), {})
             if parts[depth] not in table:
                 missing.append(".".join(parts[: depth + 1]))
-    assert not sorted(set(missing)), f"place {sorted(set(missing))} in LAYERS/INNER (and the README's Architecture)"
-    assert [name for name in LAYERS if not _is_module(name)] == [], "LAYERS names a module that no longer exists"
+    assert not sorted(set(missing)), f"draw {sorted(set(missing))} in the README's Architecture drawing"
+    drawn = list(LAYERS) + [f"{folder}.{name}" for folder, table in INNER.items() for name in table]
+    assert [name for name in drawn if not _is_module(name)] == [], "the drawing names a module that no longer exists"
 
 
 @pytest.mark.parametrize("module", module_names())
@@ -168,3 +181,27 @@ def test_unit_tests_start_no_process_and_no_test_module_imports_another():
                 offenders.append(f"{path.relative_to(tests)} imports a process launcher")
     assert sorted(p.parent.name for p in tests.rglob("test_*.py")) and not offenders, offenders
     assert {p.parent.name for p in tests.rglob("test_*.py")} == {"unit", "integration"}
+
+
+def test_the_drawing_reader_nests_folders_by_indentation():
+    text = ("## Architecture\n\n```\n2 data/, cli   text\n    1 prepare/\n        0 read, write\n    0 documents\n"
+            "0 errors  text  with  spaces\n```\n")
+    top, inner = read_layers(text)
+    assert top == {"data": 2, "cli": 2, "errors": 0}
+    assert inner == {"data": {"prepare": 1, "documents": 0}, "data.prepare": {"read": 0, "write": 0}}
+    with pytest.raises(AssertionError, match="not 'LAYER NAME"):
+        read_layers("## Architecture\n```\n2 data/ text with one space\n```\n")
+
+
+MAX_CLASS_LINES = 250
+"""A class longer than this usually holds two jobs: name them and split."""
+
+
+def test_no_class_holds_more_than_a_screenful_of_jobs():
+    long = []
+    for module in module_names():
+        path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long

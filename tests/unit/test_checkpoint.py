@@ -1,23 +1,23 @@
-"""Checkpoints: exact resume (no DeepSpeed, ZeRO-2, ZeRO-3), kill -9 during a save (synchronous or in the background),
-background writes equal to synchronous ones, preemption, retention, bad input."""
+"""Checkpoints in one process: RNG round trips, retention, ``checkpoint.resume=auto``, the state record, the extras
+saved and restored by name, and a save -> resume round trip through the checkpointer with a stand-in accelerator."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from lmrecipe.checkpoint.rng import rng_state_tensors, set_rng_state
 from lmrecipe.checkpoint.storage import (
     LATEST,
     STATE_FILE,
     find_resume_checkpoint,
     prune_checkpoints,
-    rng_state_tensors,
-    set_rng_state,
     step_dir_name,
 )
 from lmrecipe.errors import UserError
@@ -68,3 +68,202 @@ def test_resume_auto_follows_latest_or_the_newest_complete_folder(tmp_path):
     (tmp_path / LATEST).write_text(step_dir_name(99) + "\n")
     with pytest.raises(UserError, match=r"latest points to 'step_00000099', which is not a checkpoint folder"):
         find_resume_checkpoint("auto", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- the checkpointer's parts
+
+
+def test_each_rank_restores_its_own_rng_file_and_a_rank_the_checkpoint_lacks_keeps_its_streams(tmp_path):
+    from lmrecipe.checkpoint.rng import restore_rng, rng_file, save_rng
+
+    (tmp_path / "rng").mkdir()
+    torch.manual_seed(1)
+    save_rng(tmp_path, rank=1)
+    expected = torch.rand(4)
+    torch.manual_seed(2)
+    save_rng(tmp_path, rank=0)  # another rank's streams, in its own file
+    restore_rng(tmp_path, rank=1, saved_world_size=2)
+    assert torch.equal(torch.rand(4), expected) and rng_file(tmp_path, 1).is_file()
+    torch.manual_seed(3)
+    fresh = torch.rand(4)
+    torch.manual_seed(3)
+    restore_rng(tmp_path, rank=2, saved_world_size=2)  # a third process resuming a 2-process run
+    assert torch.equal(torch.rand(4), fresh)
+
+
+class FakeConfig:
+    """The part of a transformers config the checkpoint reads."""
+
+    def to_dict(self) -> dict:
+        return {"model_type": "fake", "vocab_size": 32, "hidden_size": 8}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def to_json_file(self, path: Path) -> None:
+        Path(path).write_text(self.to_json_string())
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = FakeConfig()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, input_ids):
+        return SimpleNamespace(logits=self.head(self.embed(input_ids)))
+
+
+class FakeAccelerator:
+    """One process without DeepSpeed; its own state is the model's weights in ``model.safetensors``."""
+
+    is_main_process, num_processes, process_index, device = True, 1, 0, torch.device("cpu")
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+    def unwrap_model(self, model):
+        return model
+
+    def save_state(self, folder: str) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.model.state_dict(), Path(folder) / "model.safetensors")
+
+    def load_state(self, folder: str, load_kwargs=None) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(Path(folder) / "model.safetensors"))
+
+
+class FakeData:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.train_batches = SimpleNamespace(order_version=2)
+
+    def probe_ids(self, n_tokens: int) -> torch.Tensor:
+        return torch.arange(n_tokens).reshape(1, n_tokens)
+
+    def signature(self) -> dict:
+        return {"vocab_size": 32, "tokenizer_sha256": "t" * 64, "order_version": 2}
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.folder / "tokenizer.json"]
+
+
+class Counter:
+    """A loop feature with JSON state and a tensor file: what the weight EMA and the spike guard hand the checkpoint."""
+
+    def __init__(self, name: str, count: int = 0):
+        self.name, self.count, self.loaded = name, count, "not called"
+        self.weights = torch.full((3,), float(count))
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.loaded = state
+        self.count = (state or {}).get("count", -1)
+
+    def save_files(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"weights": self.weights}, folder / f"{self.name}.safetensors")
+
+    def load_files(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.weights = load_file(folder / f"{self.name}.safetensors")["weights"]
+
+
+class FilesOnly(Counter):
+    """A feature whose state is all in its files (as the weight EMA): nothing of it goes in ``train_state.json``."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def tmp_checkpointer(tmp_path: Path, model: torch.nn.Module, extras, *, resume: str = "auto"):
+    from lmrecipe.checkpoint.checkpointer import Checkpointer
+    from lmrecipe.checkpoint.record import RunFacts
+    from lmrecipe.config import CheckpointConfig
+    from lmrecipe.distributed import ZeroSetup
+
+    (tmp_path / "tokenizer").mkdir(exist_ok=True)
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    facts = RunFacts(samples_per_step=4, max_steps=10, publish_timeout_s=10, run_config={"optim": {"name": "adamw"}})
+    return Checkpointer(CheckpointConfig(every_steps=2, keep_last=2, resume=resume), facts, FakeAccelerator(model),
+                        tmp_path / "run", zero=ZeroSetup(), data=FakeData(tmp_path / "tokenizer"),
+                        lr_schedule=lambda step: 0.5 / (step + 1), extras=extras)
+
+
+def trained_state(step: int):
+    from lmrecipe.train.state import TrainState
+
+    state = TrainState(step=step, tokens_seen=64 * step, skipped_steps=1)
+    state.record_eval(2.5)
+    return state
+
+
+def test_the_state_record_holds_the_state_extras_layout_data_position_and_schedule(tmp_path):
+    model = TinyLM()
+    checkpointer = tmp_checkpointer(tmp_path, model, [Counter("counter", 7), FilesOnly("ema", 3)])
+    state = trained_state(4)
+    assert not checkpointer.due(3) and checkpointer.due(4) and checkpointer.due(10)
+    path = checkpointer.maybe_save(model, state)
+    assert path == tmp_path / "run" / "checkpoints" / step_dir_name(4) and checkpointer.latest == path
+    saved = json.loads((path / STATE_FILE).read_text())
+    assert saved["state"] == state.state_dict()
+    assert saved["extras"] == {"counter": {"count": 7}}  # an empty state is not written
+    assert saved["topology"] == {"world_size": 1, "deepspeed": False, "zero_stage": 0, "offload_optimizer": False,
+                                 "offload_param": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1}
+    assert saved["config"] == {"optim": {"name": "adamw"}} and saved["hf_config"] == FakeConfig().to_dict()
+    assert saved["val_loss"] == 2.5  # evaluated at this step
+    assert saved["data"] == {"next_sample": 16, **FakeData(tmp_path).signature()}
+    assert saved["schedule"] == {"last_lr": 0.5 / 4, "next_lr": 0.5 / 5}
+    assert {"rng/rank_00000.safetensors", "probe.safetensors", "hf/config.json", "hf/tokenizer.json",
+            "counter.safetensors", "ema.safetensors", "model.safetensors"} <= set(saved["manifest"])
+    state.step = 6  # evaluated at step 4 only
+    assert json.loads((checkpointer.maybe_save(model, state) / STATE_FILE).read_text())["val_loss"] is None
+
+
+def test_a_resume_restores_weights_state_rng_and_every_extra_by_name(tmp_path):
+    from lmrecipe.train.state import TrainState
+
+    model = TinyLM()
+    saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = trained_state(4)
+    tmp_checkpointer(tmp_path, model, [Counter("counter", 7), Counter("other", 5)]).maybe_save(model, state)
+    after_save = torch.rand(4)
+    torch.nn.init.zeros_(model.head.weight)
+    counter, other = Counter("counter"), Counter("other")
+    checkpointer = tmp_checkpointer(tmp_path, model, [counter, other])
+    resumed = TrainState()
+    path = checkpointer.maybe_resume(model, None, resumed)
+    assert path == str(tmp_path / "run" / "checkpoints" / step_dir_name(4)) and checkpointer.resumed_from == Path(path)
+    assert torch.equal(torch.rand(4), after_save)  # every rank's RNG as saved
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved_weights.items())
+    assert resumed.state_dict() == state.state_dict()
+    assert (counter.count, other.count) == (7, 5) and torch.equal(counter.weights, torch.full((3,), 7.0))
+    with pytest.raises(RuntimeError, match="refusing to overwrite"):
+        checkpointer.maybe_save(model, resumed)
+
+
+def test_a_feature_the_checkpoint_holds_nothing_for_gets_none_and_a_checkpoint_before_extras_its_flat_state(tmp_path):
+    from lmrecipe.checkpoint.record import StateRecord
+
+    newcomer = Counter("newcomer")
+    Counter("newcomer", 9).save_files(tmp_path)
+    record = StateRecord(None, None, zero=None, data=None, lr_schedule=None, extras=[newcomer])
+    record.restore_extras(tmp_path, {"state": {"step": 4}, "extras": {"counter": {"count": 7}}})
+    assert newcomer.loaded is None and newcomer.count == -1
+    assert torch.equal(newcomer.weights, torch.full((3,), 9.0))  # its files are loaded all the same
+    flat = {"step": 4, "count": 3}
+    record.restore_extras(tmp_path, {"state": flat})  # written before extras existed
+    assert newcomer.loaded == flat and newcomer.count == 3
+    with pytest.raises(ValueError, match="named 'newcomer'"):
+        StateRecord(None, None, zero=None, data=None, lr_schedule=None, extras=[newcomer, Counter("newcomer")])

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import typing
+from pathlib import Path
+
 import pytest
 import yaml
-from helpers import ROOT
+from helpers import ROOT, TINY_OVERRIDES
 
-from lmrecipe.config import Config, config_from_dict, load_config, save_config
+from lmrecipe.config import RULES, Config, check_rules, config_from_dict, load_config, save_config
+from lmrecipe.config import loader as config_loader
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import UserError
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+TINY = ROOT / "recipes" / "tiny.yaml"
 
 
 def test_recipes_exist():
@@ -99,3 +106,289 @@ def test_trackers_are_a_list_of_known_names_and_the_old_key_says_what_replaced_i
         load_config(ROOT / "recipes" / "tiny.yaml", ["logging.trackers=[weights_and_biases]"])
     with pytest.raises(UserError, match=r"replaced by logging.trackers, a list: logging.trackers=\[wandb\]"):
         load_config(ROOT / "recipes" / "tiny.yaml", ["logging.tracker=wandb"])
+
+
+# --- Recipe inheritance (base:)
+
+
+def _write(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_a_recipe_overrides_its_base_key_by_key_and_replaces_lists(tmp_path):
+    _write(tmp_path / "base.yaml", "model:\n  hidden_size: 128\n  num_layers: 4\noptim:\n  lr: 1.0e-3\n  min_lr: 1.0e-4\n"
+                                   "train:\n  max_steps: 50\nlogging:\n  trackers: [wandb, tensorboard]\n")
+    child = _write(tmp_path / "child.yaml", "base: base.yaml\nmodel:\n  num_layers: 2\noptim:\n  lr: 2.0e-3\n"
+                                           "logging:\n  trackers: [mlflow]\n")
+    cfg = load_config(child)
+    assert (cfg.model.hidden_size, cfg.model.num_layers) == (128, 2)  # one key of the section from each
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.train.max_steps) == (2e-3, 1e-4, 50)
+    assert cfg.logging.trackers == ["mlflow"]  # a list is a value: replaced, not appended to
+    assert cfg.model.intermediate_size == Config().model.intermediate_size  # neither sets it: the default
+    assert load_config(child, ["model.num_layers=3"]).model.num_layers == 3  # the command line over both
+    save_config(cfg, tmp_path / "resolved.yaml")
+    resolved = yaml.safe_load((tmp_path / "resolved.yaml").read_text())
+    assert "base" not in resolved and load_config(tmp_path / "resolved.yaml") == cfg  # the resolved file stands alone
+
+
+def test_bases_chain_each_relative_to_its_own_folder(tmp_path):
+    _write(tmp_path / "bases" / "root.yaml", "train:\n  max_steps: 10\n  seed: 7\nout_dir: runs/root\n")
+    _write(tmp_path / "bases" / "mid.yaml", "base: root.yaml\ntrain:\n  max_steps: 20\n")
+    child = _write(tmp_path / "recipes" / "child.yaml", "base: ../bases/mid.yaml\nout_dir: runs/child\n")
+    cfg = load_config(child)
+    assert (cfg.train.seed, cfg.train.max_steps, cfg.out_dir) == (7, 20, "runs/child")
+
+
+def test_a_base_is_a_layer_for_the_choice_of_data(tmp_path):
+    _write(tmp_path / "base.yaml", "data:\n  path: data/one\n")
+    child = _write(tmp_path / "child.yaml", "base: base.yaml\ndata:\n  sources: [{path: data/a}, {path: data/b}]\n")
+    cfg = load_config(child)
+    assert cfg.data.path is None and [s.path for s in cfg.data.sources] == ["data/a", "data/b"]
+
+
+def test_a_cycle_of_bases_is_refused(tmp_path):
+    a = _write(tmp_path / "a.yaml", "base: b.yaml\n")
+    _write(tmp_path / "b.yaml", "base: a.yaml\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match="form a cycle") as err:
+        load_config(a)
+    assert f"{a} -> {tmp_path / 'b.yaml'} -> {tmp_path / 'a.yaml'}" in str(err.value) and err.value.exit_code == 2
+    itself = _write(tmp_path / "self.yaml", "base: self.yaml\n")
+    with pytest.raises(UserError, match="form a cycle"):
+        load_config(itself)
+
+
+def test_a_missing_base_names_the_recipe_and_where_it_looked(tmp_path):
+    child = _write(tmp_path / "child.yaml", "base: llama_2b.yaml\n")
+    with pytest.raises(UserError) as err:
+        load_config(child)
+    message = str(err.value)
+    assert f"names base '{tmp_path / 'llama_2b.yaml'}', which does not exist" in message
+    assert f"relative to the recipe's folder ({tmp_path}/)" in message
+    _write(child, "base: [a.yaml]\n")
+    with pytest.raises(UserError, match="name another recipe YAML"):
+        load_config(child)
+
+
+def test_a_problem_in_a_base_names_that_file(tmp_path):
+    _write(tmp_path / "base.yaml", "optim:\n  lrr: 1.0\n")
+    child = _write(tmp_path / "child.yaml", "base: base.yaml\nbsae: x\n")
+    with pytest.raises(UserError) as err:
+        load_config(child)
+    assert f"In {tmp_path / 'base.yaml'} (a base of {child}): Unknown config key optim.lrr. Did you mean optim.lr?" in (
+        str(err.value))
+    assert "Unknown config key bsae. Did you mean base?" in str(err.value)
+
+
+# --- Every problem at once
+
+
+def test_every_unknown_key_and_wrong_type_is_reported_in_one_message(tmp_path):
+    recipe = _write(tmp_path / "r.yaml", "optim:\n  lrr: 1\ntrian:\n  max_steps: 3\ntrain:\n  max_steps: many\n"
+                                         "data:\n  path: null\n  sources: [{pth: data/a}, {path: data/b, wieght: 2}]\n")
+    with pytest.raises(UserError) as err:
+        load_config(recipe, ["model.hiden_size=64", "optim.lr=fast", "train.seed=1"])
+    message = str(err.value)
+    assert err.value.exit_code == 2 and message.startswith("7 problems in the configuration:")
+    for expected in ("Unknown config key optim.lrr. Did you mean optim.lr?", "Unknown config key trian. Did you mean train?",
+                     "train.max_steps='many' must be an integer",
+                     "Unknown config key data.sources[0].pth. Did you mean data.sources[0].path?",
+                     "Unknown config key data.sources[1].wieght. Did you mean data.sources[1].weight?",
+                     "Unknown config key model.hiden_size. Did you mean model.hidden_size?",
+                     "optim.lr='fast' must be a number"):
+        assert f"\n- {expected}" in message, expected
+
+
+def test_one_problem_reads_as_before():
+    with pytest.raises(UserError) as err:
+        load_config(TINY, ["optim.lrr=1"])
+    assert str(err.value).startswith("Unknown config key optim.lrr. Did you mean optim.lr? Valid keys here: optim.name")
+
+
+def test_every_out_of_range_value_is_reported_in_one_message():
+    with pytest.raises(UserError) as err:
+        load_config(TINY, ["train.max_steps=0", "optim.beta2=1.5", "spike.min_history=1"])
+    message = str(err.value)
+    assert message.startswith("3 problems in the configuration:")
+    assert all(part in message for part in ("train.max_steps=0 must be positive", "optim.beta2=1.5 must be in [0, 1)",
+                                            "spike.min_history=1 must be at least 2"))
+
+
+def test_bad_yaml_names_the_file_line_and_column(tmp_path):
+    recipe = _write(tmp_path / "bad.yaml", "optim:\n  lr: [1,\n  min_lr: 2\n")
+    with pytest.raises(UserError, match="is not valid YAML") as err:
+        load_config(recipe)
+    assert f'in "{recipe}", line 2, column 7' in str(err.value) and err.value.exit_code == 2
+
+
+# --- The rules table: each row fires, with its message
+
+ZERO1 = "distributed.deepspeed_config=zero1"
+SP2, TP2 = "distributed.sequence_parallel_size=2", "distributed.tensor_parallel_size=2"
+TRIGGERS = {
+    # rule name: (overrides on the tiny recipe, a fragment of the message)
+    "heads_divide_hidden_size": (["model.num_heads=3"], "model.hidden_size=64 must be divisible by model.num_heads=3."),
+    "kv_heads_divide_heads": (["model.num_kv_heads=3"], "model.num_kv_heads=3 must be a positive divisor of model.num_heads=4"),
+    "window_within_positions": (["model.max_position_embeddings=16"],
+                                "data.seq_len=32 exceeds the model's max_position_embeddings=16. Lower data.seq_len"),
+    "some_data": (["data.path=null"], "No training data: set data.path to a prepared folder"),
+    "min_lr_within_lr": (["optim.min_lr=0.01"], "optim.min_lr=0.01 must not exceed optim.lr=0.002."),
+    "whole_micro_batches": (["train.micro_batch_size=3"],
+                            "train.global_batch_size=8 must be a multiple of train.micro_batch_size=3."),
+    "muon_under_deepspeed_without_clipping": (["optim.name=muon", ZERO1], "Set optim.grad_clip=0"),
+    "early_stopping_checkpoints_every_evaluation": (["train.early_stopping_patience=2", "checkpoint.every_steps=0"],
+                                                    "must be a positive multiple of checkpoint.every_steps=0. Set "
+                                                    "checkpoint.every_steps=100"),
+    "tasks_with_the_validation": (["eval.tasks=[next_line]", "eval.every_steps=150"],
+                                  "eval.every_steps=150 must be a multiple of train.eval_every_steps=100: the tasks are "
+                                  "scored with the validation. Set eval.every_steps=100, or null"),
+    "ema_export_needs_ema": (["checkpoint.export_weights=ema"], "checkpoint.export_weights=ema needs a weight EMA"),
+    "spike_history_within_window": (["spike.window=10", "spike.min_history=20"],
+                                    "spike.min_history=20 exceeds spike.window=10"),
+    "profile_steps_in_order": (["profile.first_step=5", "profile.last_step=3"], "need 1 <= first_step <= last_step"),
+    "profile_within_the_run": (["profile.first_step=400"], "profile.last_step=400 is beyond train.max_steps=300"),
+    "sequence_parallel_needs_deepspeed": ([SP2], "runs through DeepSpeed (Ulysses): choose a DeepSpeed config"),
+    "sequence_parallel_divides_heads": (["distributed.sequence_parallel_size=3", ZERO1, "data.seq_len=48"],
+                                        "distributed.sequence_parallel_size=3 must divide the attention heads"),
+    "sequence_parallel_divides_window": ([SP2, ZERO1, "data.seq_len=33"],
+                                         "Choose a seq_len that is a multiple of 2."),
+    "sequence_parallel_attention": ([SP2, ZERO1, "model.attn_implementation=eager"],
+                                    "Use model.attn_implementation=sdpa or flash_attention_2"),
+    "sequence_parallel_without_tasks": ([SP2, ZERO1, "eval.tasks=[next_line]"],
+                                        "is not supported with distributed.sequence_parallel_size=2"),
+    "tensor_parallel_needs_deepspeed": ([TP2], "runs through DeepSpeed AutoTP: choose a DeepSpeed config with ZeRO 0-2"),
+    "tensor_parallel_divides_model": ([TP2, ZERO1, "model.intermediate_size=129"],
+                                      "and model.intermediate_size=129: each rank holds an equal share"),
+    "tensor_parallel_without_sequence_parallel": ([TP2, SP2, ZERO1], "Choose one of the two splits"),
+    "tensor_parallel_without_ema": ([TP2, ZERO1, "train.ema_decay=0.99"], "with train.ema_decay=0.99 in this recipe"),
+    "tensor_parallel_without_tasks": ([TP2, ZERO1, "eval.tasks=[next_line]"], "Choose eval.tasks=[] and score the export"),
+    "tensor_parallel_without_muon": ([TP2, ZERO1, "optim.name=muon", "optim.grad_clip=0"], "Choose optim.name=adamw"),
+    "tensor_parallel_without_fp8": ([TP2, ZERO1, "train.precision=fp8"], "Choose train.precision=bf16"),
+    "tensor_parallel_without_compile": ([TP2, ZERO1, "train.compile=true"],
+                                        "cannot be combined with train.compile=true in this recipe. Choose "
+                                        "train.compile=false, or set distributed.tensor_parallel_size=1."),
+}
+
+
+def _unchecked(monkeypatch, overrides: list[str]) -> Config:
+    """The tiny recipe with ``overrides``, every section valid, its rules not checked."""
+    with monkeypatch.context() as patch:
+        patch.setattr(config_loader, "check_rules", lambda cfg: None)
+        return load_config(TINY, [*TINY_OVERRIDES, *overrides])
+
+
+def _broken(cfg: Config) -> list[str]:
+    return [rule.name for rule in RULES if rule.applies(cfg)]
+
+
+def test_every_rule_has_a_trigger_and_a_unique_name():
+    names = [rule.name for rule in RULES]
+    assert len(set(names)) == len(names)
+    assert set(names) == {*TRIGGERS, "one_data_choice"}  # one_data_choice: test_both_data_choices_are_refused
+    assert _broken(load_config(TINY, TINY_OVERRIDES)) == []
+
+
+@pytest.mark.parametrize("name", list(TRIGGERS))
+def test_each_rule_fires_alone_with_its_message(name, monkeypatch):
+    overrides, fragment = TRIGGERS[name]
+    cfg = _unchecked(monkeypatch, overrides)
+    assert _broken(cfg) == [name]
+    with pytest.raises(UserError) as err:
+        check_rules(cfg)
+    assert fragment in str(err.value) and err.value.exit_code == 2
+    with pytest.raises(UserError) as loaded:
+        load_config(TINY, [*TINY_OVERRIDES, *overrides])
+    assert str(loaded.value) == str(err.value)
+
+
+def test_both_data_choices_are_refused():
+    data = load_config(TINY, TINY_OVERRIDES).to_dict()
+    data["data"]["sources"] = [{"path": "data/code"}]
+    with pytest.raises(UserError, match="data.path='data/stdlib' and data.sources are both set.* set data.path=null"):
+        config_from_dict(data)
+
+
+def test_every_broken_rule_is_reported_at_once():
+    with pytest.raises(UserError) as err:
+        load_config(TINY, [*TINY_OVERRIDES, TP2, "train.compile=true", "train.precision=fp8", "optim.min_lr=1"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "4 settings of this recipe cannot be combined:" and len(lines) == 5
+    assert [line.split(" ")[1] for line in lines[1:]] == [
+        "optim.min_lr=1.0", "distributed.tensor_parallel_size=2", "distributed.tensor_parallel_size=2",
+        "distributed.tensor_parallel_size=2"]
+
+
+# --- Components take their own section
+
+WHOLE_CONFIG_LIMIT = 10
+"""Functions and constructors in lmrecipe/ that may take the whole Config (top-level builders, the config's own)."""
+
+
+def _names_config(annotation: ast.expr | None) -> bool:
+    """Whether an annotation is ``Config``, optionally with None (``Config | None``, ``Optional[Config]``); a
+    ``Callable[[Config], bool]`` is a function, not a Config."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    if isinstance(annotation, ast.Name):
+        return annotation.id == "Config"
+    if isinstance(annotation, ast.BinOp):  # X | Y
+        return _names_config(annotation.left) or _names_config(annotation.right)
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value).split(".")[-1] in ("Optional", "Union"):
+        items = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+        return any(_names_config(item) for item in items)
+    return False
+
+
+def whole_config_parameters(package: Path = ROOT / "lmrecipe") -> list[str]:
+    """``file:line name`` of every function with a parameter annotated ``Config`` and every dataclass field of that
+    type (a constructor parameter)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(_names_config(p.annotation) for p in params):
+                    found.append(f"{where}:{node.lineno} {node.name}")
+            elif isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                found += [f"{where}:{item.lineno} {node.name}.{item.target.id}" for item in node.body
+                          if isinstance(item, ast.AnnAssign) and _names_config(item.annotation)]
+    return found
+
+
+def test_few_functions_take_the_whole_config():
+    found = whole_config_parameters()
+    assert len(found) <= WHOLE_CONFIG_LIMIT, f"{len(found)} take the whole Config:\n" + "\n".join(found)
+
+
+def test_the_counter_sees_functions_methods_and_dataclass_fields(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text(
+        "@dataclass\nclass Run:\n    cfg: Config\n    step: int\n\n"
+        "class Loop:\n    def __init__(self, cfg: 'Config | None'):\n        pass\n\n"
+        "def build(train: TrainConfig, rule: Callable[[Config], bool], *, cfg: Optional[Config] = None):\n    pass\n")
+    assert set(whole_config_parameters(tmp_path / "pkg")) == {"pkg/a.py:3 Run.cfg", "pkg/a.py:7 __init__", "pkg/a.py:10 build"}
+    assert _names_config(ast.parse("x: Optional[Config]").body[0].annotation)
+    for other in ("TrainConfig", "Callable[[Config], bool]", "list[Config]"):
+        assert not _names_config(ast.parse(f"x: {other}").body[0].annotation), other
+
+
+def test_every_config_field_has_a_docstring():
+    undocumented = []
+
+    def visit(cls: type) -> None:
+        source = ast.parse(__import__("inspect").getsource(cls)).body[0]
+        body = source.body
+        for i, item in enumerate(body):
+            if isinstance(item, ast.AnnAssign):
+                following = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+                    undocumented.append(f"{cls.__name__}.{item.target.id}")
+        for hint in typing.get_type_hints(cls).values():
+            for inner in (hint, *typing.get_args(hint)):
+                if dataclasses.is_dataclass(inner):
+                    visit(inner)
+
+    visit(Config)
+    assert not undocumented, undocumented

@@ -86,7 +86,7 @@ def test_the_feistel_order_looks_random_and_costs_nothing_per_window():
 
 
 def test_a_checkpoint_of_the_earlier_order_continues_in_it(tiny_data):
-    from lmrecipe.checkpoint.policy import continue_sample_order
+    from lmrecipe.checkpoint.resume import continue_sample_order
 
     windows = TokenWindows(tiny_data, "train", 16)
     layout = BatchLayout(global_batch_size=8, micro_batch_size=4, world_size=1, rank=0)

@@ -35,7 +35,7 @@ TOPOLOGIES = [(1, 1), (8, 1), (16, 2), (64, 8)]
 def shape_of(hidden, layers, heads, kv_heads, mlp, vocab):
     cfg = load_config(None, [f"model.hidden_size={hidden}", f"model.num_layers={layers}", f"model.num_heads={heads}",
                              f"model.num_kv_heads={kv_heads}", f"model.intermediate_size={mlp}", "data.seq_len=2048"])
-    return model_shape(build_hf_config(cfg, vocab))
+    return model_shape(build_hf_config(cfg.model, vocab, cfg.data.seq_len))
 
 
 def ds_setup(name: str) -> ZeroSetup:

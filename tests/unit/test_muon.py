@@ -58,14 +58,16 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(eager_muon):
 
 def _ds(name: str, *overrides: str) -> dict:
     cfg = load_config(None, ["optim.name=muon", "optim.grad_clip=0", *overrides])
-    return load_deepspeed_config(f"ds_configs/{name}.json", cfg, BatchLayout.from_config(cfg.train, 1), "fp32")
+    return load_deepspeed_config(f"ds_configs/{name}.json", cfg.optim, cfg.distributed, BatchLayout.from_config(cfg.train, 1),
+                                 "fp32")
 
 
 def test_deepspeed_settings_muon_needs_are_filled_or_refused():
     assert _ds("zero3")["zero_optimization"]["reduce_scatter"] is False  # DeepSpeed refuses Muon with it
     assert _ds("zero2")["zero_optimization"]["reduce_scatter"] is True  # ZeRO-1/2 take Muon with it
     with pytest.raises(UserError, match="optim.grad_clip=0"):
-        _ds("zero2", "optim.grad_clip=1.0")
+        load_config(None, ["optim.name=muon", "optim.grad_clip=1.0", "distributed.deepspeed_config=zero2"])
+    load_config(None, ["optim.name=muon", "optim.grad_clip=1.0"])  # clipped as it should be without DeepSpeed
     with pytest.raises(UserError, match="offload"):
         _ds("zero2_offload")
     with pytest.raises(UserError, match="optim.name"):
@@ -104,7 +106,7 @@ def test_memory_estimate_counts_one_moment_for_muon_matrices():
     from lmrecipe.model import build_hf_config
 
     cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128"])
-    shape = model_shape(build_hf_config(cfg, 384))
+    shape = model_shape(build_hf_config(cfg.model, 384, cfg.data.seq_len))
     # 2 layers x (4 attention projections of 64x64 + 3 MLP matrices of 64x128); not the embeddings or the head
     assert shape.muon_params == 2 * (4 * 64 * 64 + 3 * 64 * 128)
     for setup, ranks in ((ZeroSetup(), 1), (ZeroSetup(stage=2, deepspeed=True), 4), (ZeroSetup(stage=3, deepspeed=True), 4)):

@@ -62,8 +62,8 @@ def test_the_family_at_width_4096_is_llama_3_8b():
 def test_shape_arithmetic_matches_the_transformers_model(tied):
     cfg = load_config(ROOT / "recipes" / "tiny.yaml", ["model.hidden_size=256", "model.num_kv_heads=2",
                                                        f"model.tie_embeddings={str(tied).lower()}"])
-    mine = shape_from_config(cfg, 1000).memory_shape()
-    real = model_shape(build_hf_config(cfg, 1000))
+    mine = shape_from_config(cfg.model, 1000).memory_shape()
+    real = model_shape(build_hf_config(cfg.model, 1000, cfg.data.seq_len))
     assert sorted(mine.param_sizes) == sorted(real.param_sizes)
     assert mine == replace(real, param_sizes=mine.param_sizes)
 
@@ -135,7 +135,7 @@ def test_written_recipe_loads_and_is_the_chosen_configuration(tmp_path, capsys):
     assert cfg.train.max_steps == plan["max_steps"] and cfg.train.global_batch_size == plan["global_batch_size"]
     assert cfg.distributed.deepspeed_config == f"zero{plan['chosen']['stage']}"
     assert cfg.train.precision == "bf16" and cfg.logging.cost_per_device_hour == 3.0 and cfg.out_dir == "runs/planned"
-    assert shape_from_config(cfg, 32000).n_params == plan["chosen"]["n_params"]
+    assert shape_from_config(cfg.model, 32000).n_params == plan["chosen"]["n_params"]
     assert [p.name for p in tmp_path.iterdir()] == ["planned.yaml"]  # no temporary file left
 
 
@@ -150,10 +150,10 @@ def test_from_run_takes_the_mean_mfu_of_the_logged_intervals_after_the_first(tmp
 
 def test_run_prediction_by_hand(tmp_path):
     cfg = load_config(ROOT / "recipes" / "tiny.yaml")
-    hf = build_hf_config(cfg, 8192)
+    hf = build_hf_config(cfg.model, 8192, cfg.data.seq_len)
     fpt = 12_196_608.0  # the tiny recipe's flops_per_token at vocabulary 8,192
     (tmp_path / "memory_rank0.json").write_text(json.dumps({"total": 47_200_000}))
-    out = predict_run(cfg, hf, world_size=2, precision="fp32", zero=ZeroSetup(), accum_steps=1, flops_per_token=fpt,
+    out = predict_run(cfg.workload(), hf, world_size=2, precision="fp32", zero=ZeroSetup(), accum_steps=1, flops_per_token=fpt,
                       peak_tflops=0.08, device_name=None, out_dir=tmp_path)
     assert out["mfu"] == DEVICES["cpu"].mfu == 0.4
     assert out["tokens_per_sec"] == pytest.approx(0.4 * 0.08e12 * 2 / fpt, rel=1e-12)
@@ -161,6 +161,6 @@ def test_run_prediction_by_hand(tmp_path):
     expected = estimate(model_shape(hf), ZeroSetup(), 2, 1, "fp32", 1, 8, 128, False)
     assert out["peak_mem_gb"] == pytest.approx(expected.device_total / 1e9, rel=1e-12)
     assert out["model_states_gb"] == pytest.approx(expected.model_states / 1e9) and out["model_states_measured_gb"] == 0.0472
-    h100 = predict_run(cfg, hf, world_size=1, precision="bf16", zero=ZeroSetup(), accum_steps=2, flops_per_token=fpt,
+    h100 = predict_run(cfg.workload(), hf, world_size=1, precision="bf16", zero=ZeroSetup(), accum_steps=2, flops_per_token=fpt,
                        peak_tflops=989.0, device_name="NVIDIA H100 80GB HBM3")
     assert h100["mfu"] == 0.4 and h100["model_states_measured_gb"] is None and "Llama 3" in h100["mfu_source"]

@@ -92,10 +92,10 @@ def test_every_rank_streams_its_share_of_the_portable_form_into_bounded_files(tm
         PortableState,
         cached_portable,
         finish,
-        open_source,
         plan_shards,
         write_share,
     )
+    from lmrecipe.checkpoint.readers import open_source
 
     model, optimizer = plain_checkpoint(tmp_path / "step")
     source = open_source(tmp_path / "step", deepspeed_dir=None,
@@ -150,7 +150,7 @@ def test_a_cache_in_the_earlier_one_file_per_state_form_is_converted_again(tmp_p
 def test_pages_of_a_memory_mapped_shard_leave_the_resident_set_once_read(tmp_path):
     import torch
 
-    from lmrecipe.checkpoint.portable import _load_mapped, _PageRelease
+    from lmrecipe.checkpoint.readers import _load_mapped, _PageRelease
 
     def resident_file_mb() -> float:
         status = Path("/proc/self/status").read_text()
@@ -170,15 +170,15 @@ def test_pages_of_a_memory_mapped_shard_leave_the_resident_set_once_read(tmp_pat
 def test_a_range_across_partitions_is_copied_chunk_by_chunk_exactly(monkeypatch):
     import torch
 
-    from lmrecipe.checkpoint import portable
+    from lmrecipe.checkpoint import readers
     from lmrecipe.errors import UserError
 
-    monkeypatch.setattr(portable, "_CHUNK_VALUES", 3)
+    monkeypatch.setattr(readers, "_CHUNK_VALUES", 3)
     pieces = [torch.arange(0.0, 7.0), torch.arange(7.0, 9.0), torch.arange(9.0, 20.0)]  # ranks' partitions
     released = []
     out = torch.empty(12)
-    portable._copy_range(pieces, 5, out, released.append)
+    readers._copy_range(pieces, 5, out, released.append)
     assert torch.equal(out, torch.arange(5.0, 17.0))
     assert max(t.numel() for t in released) <= 3 and sum(t.numel() for t in released) == 12
     with pytest.raises(UserError, match="incomplete"):
-        portable._copy_range(pieces, 15, torch.empty(6), released.append)  # past the end of the shards
+        readers._copy_range(pieces, 15, torch.empty(6), released.append)  # past the end of the shards

@@ -44,15 +44,21 @@ def test_the_loss_divisor_follows_how_deepspeed_reduces_each_stage():
     assert divisor({"stage": 3}) == 1 and divisor({"stage": 3, "reduce_scatter": False}) == 2
 
 
-@pytest.mark.parametrize("sp, world, deepspeed, fix", [
-    (2, 2, False, "distributed.deepspeed_config=zero1"),
-    (2, 3, True, "Launch a multiple of 2 processes"),
-])
-def test_launches_that_cannot_share_windows_are_refused(sp, world, deepspeed, fix):
-    with pytest.raises(UserError, match=fix):
-        check_sequence_parallel_topology(sp, world, deepspeed)
-    check_sequence_parallel_topology(1, 3, False)
-    check_sequence_parallel_topology(2, 4, True)
+ZERO1 = "distributed.deepspeed_config=zero1"
+
+
+def test_sequence_parallelism_without_deepspeed_is_refused_when_the_recipe_loads():
+    sp2 = [*TINY_OVERRIDES, "distributed.sequence_parallel_size=2"]
+    with pytest.raises(UserError, match="distributed.deepspeed_config=zero1"):
+        load_config(ROOT / "recipes" / "tiny.yaml", sp2)
+    load_config(ROOT / "recipes" / "tiny.yaml", [*sp2, ZERO1])
+
+
+def test_launches_that_cannot_share_windows_are_refused():
+    with pytest.raises(UserError, match="Launch a multiple of 2 processes"):
+        check_sequence_parallel_topology(2, 3)
+    check_sequence_parallel_topology(1, 3)
+    check_sequence_parallel_topology(2, 4)
 
 
 @pytest.mark.parametrize("overrides, fix", [
@@ -61,9 +67,15 @@ def test_launches_that_cannot_share_windows_are_refused(sp, world, deepspeed, fi
     (["distributed.sequence_parallel_size=2", "model.attn_implementation=eager"], "attn_implementation=sdpa"),
 ])
 def test_models_and_windows_that_cannot_be_split_are_refused(overrides, fix):
-    cfg = load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, *overrides])
     with pytest.raises(UserError, match=fix):
-        check_sequence_parallel_model(cfg, build_hf_config(cfg, 384), cfg.model.attn_implementation)
+        load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, ZERO1, *overrides])
+
+
+def test_a_continued_model_whose_heads_do_not_split_is_refused_once_its_config_is_read():
+    cfg = load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, "model.num_heads=4"])
+    with pytest.raises(UserError, match="must divide the attention heads"):
+        check_sequence_parallel_model(3, build_hf_config(cfg.model, 384, cfg.data.seq_len))
+    check_sequence_parallel_model(2, build_hf_config(cfg.model, 384, cfg.data.seq_len))
 
 
 def test_a_change_of_sequence_parallel_size_is_a_layout_change():
@@ -89,8 +101,8 @@ def test_the_long_context_recipe_fits_eight_80gb_gpus_by_the_estimate():
     def device_total(*overrides: str) -> float:
         cfg = load_config(ROOT / "recipes" / "llama3_8b_long.yaml", ["model.init_from=null", "model.vocab_size=128256",
                                                                    *overrides])
-        shape = model_shape(build_hf_config(cfg, 128_256))
-        return estimate_config(cfg, shape, "ds_configs/zero3.json", 8, 1, "bf16").device_total
+        shape = model_shape(build_hf_config(cfg.model, 128_256, cfg.data.seq_len))
+        return estimate_config(cfg.workload(), shape, "ds_configs/zero3.json", 8, 1, "bf16").device_total
 
     recipe = device_total()
     assert recipe < 80e9 * 0.5  # headroom for what the estimate leaves out (allocator, communication buffers)

@@ -26,6 +26,7 @@ from lmrecipe.model import build_hf_config
 
 TINY = ROOT / "recipes" / "tiny.yaml"
 TP2 = "distributed.tensor_parallel_size=2"
+ZERO1 = "distributed.deepspeed_config=zero1"
 
 
 @pytest.mark.parametrize("override, fix", [
@@ -37,21 +38,24 @@ TP2 = "distributed.tensor_parallel_size=2"
     ("train.compile=true", "train.compile=false"),
 ])
 def test_settings_tensor_parallelism_does_not_support_are_refused(override, fix):
+    deepspeed = [ZERO1, "optim.grad_clip=0"]  # Muon under DeepSpeed trains unclipped
     with pytest.raises(UserError, match=fix) as err:
-        load_config(TINY, [*TINY_OVERRIDES, TP2, override])
+        load_config(TINY, [*TINY_OVERRIDES, *deepspeed, TP2, override])
     assert "distributed.tensor_parallel_size=1" in str(err.value)
-    load_config(TINY, [*TINY_OVERRIDES, override])  # each is fine on its own
+    load_config(TINY, [*TINY_OVERRIDES, *deepspeed, override])  # each is fine on its own
 
 
-@pytest.mark.parametrize("tp, world, deepspeed, fix", [
-    (2, 2, False, "distributed.deepspeed_config=zero1"),
-    (2, 3, True, "Launch a multiple of 2 processes"),
-])
-def test_launches_that_cannot_split_the_model_are_refused(tp, world, deepspeed, fix):
-    with pytest.raises(UserError, match=fix):
-        check_tensor_parallel_topology(tp, world, deepspeed)
-    check_tensor_parallel_topology(1, 3, False)
-    check_tensor_parallel_topology(2, 4, True)
+def test_tensor_parallelism_without_deepspeed_is_refused_when_the_recipe_loads():
+    with pytest.raises(UserError, match="runs through DeepSpeed AutoTP: choose a DeepSpeed config with ZeRO 0-2"):
+        load_config(TINY, [*TINY_OVERRIDES, TP2])
+    load_config(TINY, [*TINY_OVERRIDES, TP2, ZERO1])
+
+
+def test_launches_that_cannot_split_the_model_are_refused():
+    with pytest.raises(UserError, match="Launch a multiple of 2 processes"):
+        check_tensor_parallel_topology(2, 3)
+    check_tensor_parallel_topology(1, 3)
+    check_tensor_parallel_topology(2, 4)
 
 
 def test_zero3_is_refused_and_stages_up_to_2_are_not():
@@ -67,21 +71,26 @@ def test_zero3_is_refused_and_stages_up_to_2_are_not():
     ["distributed.tensor_parallel_size=2", "model.intermediate_size=129"],
 ])
 def test_models_whose_matrices_do_not_split_evenly_are_refused(overrides):
-    cfg = load_config(TINY, [*TINY_OVERRIDES, *overrides])
     with pytest.raises(UserError, match="must divide the attention heads"):
-        check_tensor_parallel_model(cfg, build_hf_config(cfg, 384))
-    good = load_config(TINY, [*TINY_OVERRIDES, TP2])
-    check_tensor_parallel_model(good, build_hf_config(good, 384))
+        load_config(TINY, [*TINY_OVERRIDES, ZERO1, *overrides])
+    # A model continued from model.init_from has its checkpoint's shape, checked once its config.json is read.
+    tp = int(overrides[0].partition("=")[2])
+    shape = load_config(TINY, [*TINY_OVERRIDES, *overrides[1:]])
+    with pytest.raises(UserError, match="must divide the attention heads"):
+        check_tensor_parallel_model(tp, build_hf_config(shape.model, 384, shape.data.seq_len))
+    good = load_config(TINY, [*TINY_OVERRIDES, ZERO1, TP2])
+    check_tensor_parallel_model(2, build_hf_config(good.model, 384, good.data.seq_len))
 
 
 def test_the_deepspeed_config_turns_on_autotp_and_counts_every_rank_in_its_batch_check():
-    cfg = load_config(TINY, [*TINY_OVERRIDES, TP2])  # global batch 8, micro-batch 4
+    cfg = load_config(TINY, [*TINY_OVERRIDES, ZERO1, TP2])  # global batch 8, micro-batch 4
     layout = BatchLayout.from_config(cfg.train, 2)  # 4 processes: 2 data-parallel ranks
-    ds = load_deepspeed_config("ds_configs/zero1.json", cfg, layout, "fp32")
+    ds = load_deepspeed_config("ds_configs/zero1.json", cfg.optim, cfg.distributed, layout, "fp32")
     assert ds["tensor_parallel"] == {"autotp_size": 2}
     # DeepSpeed checks train_batch = micro x accumulation x all ranks; the two ranks of a group read the same samples.
     assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
-    assert "tensor_parallel" not in load_deepspeed_config("ds_configs/zero1.json", load_config(TINY, TINY_OVERRIDES),
+    plain = load_config(TINY, TINY_OVERRIDES)
+    assert "tensor_parallel" not in load_deepspeed_config("ds_configs/zero1.json", plain.optim, plain.distributed,
                                                           layout, "fp32")
 
 
@@ -108,7 +117,7 @@ def test_slices_merge_into_the_whole_and_each_rank_takes_its_own_back():
 
 def test_the_estimate_splits_the_matrices_and_the_activations_between_them():
     cfg = load_config(ROOT / "recipes" / "llama_1b.yaml", ["model.init_from=null", "model.vocab_size=32000"])
-    shape = model_shape(build_hf_config(cfg, 32_000))
+    shape = model_shape(build_hf_config(cfg.model, 32_000, cfg.data.seq_len))
     linear = shape.tp_split_params
     embedding = shape.vocab_size * shape.hidden_size
     norms = (2 * shape.num_layers + 1) * shape.hidden_size
@@ -117,7 +126,7 @@ def test_the_estimate_splits_the_matrices_and_the_activations_between_them():
     def estimate(*overrides: str):
         run = load_config(ROOT / "recipes" / "llama_1b.yaml", ["model.init_from=null", "model.vocab_size=32000",
                                                                "train.global_batch_size=64", *overrides])
-        return estimate_config(run, shape, "ds_configs/zero2.json", 8, 1, "bf16")
+        return estimate_config(run.workload(), shape, "ds_configs/zero2.json", 8, 1, "bf16")
 
     plain, tp2 = estimate(), estimate(TP2)
     # bf16 ZeRO-2: 2 bytes of weights whole, the other 18 over the data-parallel ranks (4 of them under tp=2).

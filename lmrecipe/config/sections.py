@@ -1,31 +1,24 @@
-"""The one typed configuration of a run.
+"""The sections of a run's configuration: one dataclass each, every field documented with its units.
 
-Precedence: dataclass defaults < one recipe YAML < ``key=value`` overrides (dotted keys, e.g.
-``optim.lr=3e-4``). Unknown keys, wrong types and out-of-range values raise :class:`UserError` naming
-the key and what is allowed. Derived values (accumulation steps, ...) are methods, never mutated fields.
+Each section's ``validate`` checks its fields one at a time (ranges, names); a refusal that depends on two or more
+fields lives in ``rules.py``. Derived values (accumulation steps, ...) are methods, never mutated fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import os
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
-
 from lmrecipe.errors import UserError, fail
-from lmrecipe.fileio import write_text_atomic
 
 Precision = Literal["auto", "bf16", "fp16", "fp32", "fp8"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 
 _FIXED = {"fixed_on_resume": True}
@@ -69,10 +62,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         _positive(self, "hidden_size", "num_layers", "num_heads")
-        if self.hidden_size % self.num_heads:
-            raise fail(f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}.")
         kv = self.kv_heads()
-        if kv <= 0 or self.num_heads % kv:
+        if kv <= 0:
             raise fail(f"model.num_kv_heads={kv} must be a positive divisor of model.num_heads={self.num_heads}.")
         for key in ("intermediate_size", "vocab_size", "max_position_embeddings"):
             value = getattr(self, key)
@@ -126,14 +117,6 @@ class DataConfig:
 
     def validate(self) -> None:
         _positive(self, "seq_len", "val_windows")
-        if self.sources and self.path is not None:
-            raise fail(
-                f"data.path={self.path!r} and data.sources are both set: train either on one folder (data.path) or on a "
-                "mixture (data.sources). Remove one of them, or set data.path=null to use the mixture."
-            )
-        if not self.sources and not self.path:
-            raise fail("No training data: set data.path to a prepared folder, or data.sources to a list of them "
-                       "(e.g. data.sources='[{path: data/code, weight: 0.7}, {path: data/prose, weight: 0.3}]').")
         names: dict[str, int] = {}
         for i, source in enumerate(self.sources):
             where = f"data.sources[{i}]"
@@ -198,8 +181,6 @@ class OptimConfig:
         _non_negative(self, "min_lr", "weight_decay", "grad_clip")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise fail(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1) (0.95 is Muon's usual value).")
-        if self.min_lr > self.lr:
-            raise fail(f"optim.min_lr={self.min_lr} must not exceed optim.lr={self.lr}.")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise fail(f"optim.{key}={getattr(self, key)} must be in [0, 1).")
@@ -258,7 +239,7 @@ class TrainConfig:
     ema_decay: float = 0.0
     """Decay per applied optimizer step of an exponential moving average of the weights (bias-corrected, fp32; an
     average over about ``1 / (1 - ema_decay)`` steps, e.g. 0.999: 1,000 steps), evaluated as ``val_loss_ema`` and
-    saved in checkpoints (``lmrecipe/ema.py``); 0 = off. In [0, 1)."""
+    saved in checkpoints (``lmrecipe/train/callbacks/ema.py``); 0 = off. In [0, 1)."""
 
     def chunk_tokens(self, vocab_size: int) -> int:
         """Tokens per chunk of the chunked loss for a vocabulary of ``vocab_size``; 0 = the full-logits path."""
@@ -274,11 +255,6 @@ class TrainConfig:
         if not 0.0 <= self.ema_decay < 1.0:
             raise fail(f"train.ema_decay={self.ema_decay} must be in [0, 1): e.g. 0.999 averages over about 1,000 "
                        "optimizer steps; 0 turns the weight EMA off.")
-        if self.global_batch_size % self.micro_batch_size:
-            raise fail(
-                f"train.global_batch_size={self.global_batch_size} must be a multiple of "
-                f"train.micro_batch_size={self.micro_batch_size}."
-            )
 
 
 @dataclass
@@ -343,7 +319,7 @@ class CheckpointConfig:
 
 @dataclass
 class SpikeConfig:
-    """Loss-spike detection and rollback (``lmrecipe/spikes.py``): off by default."""
+    """Loss-spike detection and rollback (``lmrecipe/train/callbacks/spikes.py``): off by default."""
 
     enabled: bool = False
     """Watch every step's loss (mean over ranks) and gradient norm; on a spike, reload the last checkpoint, skip the
@@ -362,9 +338,6 @@ class SpikeConfig:
 
     def validate(self) -> None:
         _positive(self, "window", "min_history", "z_threshold", "max_rollbacks")
-        if self.min_history > self.window:
-            raise fail(f"spike.min_history={self.min_history} exceeds spike.window={self.window}: the window never "
-                       "holds that many steps. Lower spike.min_history or raise spike.window.")
         if self.min_history < 2:
             raise fail(f"spike.min_history={self.min_history} must be at least 2 (a standard deviation needs two steps).")
         if self.grad_norm_z_threshold is not None and self.grad_norm_z_threshold <= 0:
@@ -372,8 +345,6 @@ class SpikeConfig:
 
 
 TrackerName = Literal["wandb", "tensorboard", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"]
-RENAMED = {"logging.tracker": "logging.trackers, a list: logging.trackers=[wandb] or [wandb,tensorboard]"}
-"""Keys of earlier versions and what replaced them."""
 
 
 @dataclass
@@ -431,6 +402,10 @@ class DistributedConfig:
         """The DeepSpeed JSON file, or None: see :func:`resolve_deepspeed_config`."""
         return resolve_deepspeed_config(self.deepspeed_config)
 
+    def uses_deepspeed(self) -> bool:
+        """Whether the run trains under DeepSpeed (``deepspeed_config`` names a file), without reading the file."""
+        return self.deepspeed_config not in (None, "none", "null")
+
 
 @dataclass
 class ProfileConfig:
@@ -442,10 +417,7 @@ class ProfileConfig:
     """Processes that profile: every rank, or the main process only."""
 
     def validate(self) -> None:
-        if self.first_step is None:
-            return
-        last = self.last()
-        if self.first_step < 1 or last < self.first_step:
+        if self.first_step is not None and self.first_step < 1:
             raise fail(f"profile.first_step={self.first_step}, profile.last_step={self.last_step}: need "
                        "1 <= first_step <= last_step (optimizer steps, 1-based).")
 
@@ -453,80 +425,65 @@ class ProfileConfig:
         return self.first_step if self.last_step is None else self.last_step
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What each rank computes and holds, as a view of the sections that fix it: the model, the windows, the batch,
+    the optimizer and the parallel splits. Memory estimates and throughput predictions take this, not a Config."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    optim: OptimConfig
+    distributed: DistributedConfig
+
+
 @dataclass
 class Config:
     out_dir: str = "runs/default"
     """Run folder: resolved config, metrics, checkpoints, export and plots."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The architecture and its initialisation, or the checkpoint to continue from."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The prepared token folders and the training window (tokens)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and its hyperparameters."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The learning-rate schedule (optimizer steps)."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Length (optimizer steps), batch sizes (sequences), precision and the loop's features."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Multiple-choice tasks scored during training."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are saved and kept, resuming, and the end-of-run export."""
     spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Loss-spike detection and rollback."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics, experiment trackers and cost figures."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """DeepSpeed, timeouts and the sequence / tensor parallel splits (ranks)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Optimizer steps run under ``torch.profiler``."""
 
     def validate(self) -> None:
+        """Every section's own checks; UserError listing all that fail (the cross-field rules: ``rules.py``)."""
+        problems = []
+        if not self.out_dir:
+            problems.append("out_dir must be a non-empty folder path.")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if dataclasses.is_dataclass(value):
-                value.validate()
-        if not self.out_dir:
-            raise fail("out_dir must be a non-empty folder path.")
-        if self.profile.first_step is not None and self.profile.last() > self.train.max_steps:
-            raise fail(f"profile.last_step={self.profile.last()} is beyond train.max_steps={self.train.max_steps}: "
-                       "the profile would never be written. Choose steps within the run.")
-        train, every_save = self.train, self.checkpoint.every_steps
-        if self.checkpoint.export_weights == "ema" and train.ema_decay == 0:
-            raise fail("checkpoint.export_weights=ema needs a weight EMA: set train.ema_decay (e.g. 0.999), or "
-                       "checkpoint.export_weights=raw.")
-        self._validate_eval()
-        self._validate_tensor_parallel()
-        if train.early_stopping_patience and (train.eval_every_steps == 0 or every_save == 0
-                                              or train.eval_every_steps % every_save):
-            raise fail(
-                f"train.early_stopping_patience={train.early_stopping_patience} needs a checkpoint at every evaluation "
-                f"(the export is taken from the best one): train.eval_every_steps={train.eval_every_steps} must be a "
-                f"positive multiple of checkpoint.every_steps={every_save}. Set checkpoint.every_steps="
-                f"{train.eval_every_steps or 100} (and train.eval_every_steps to the same if it is 0)."
-            )
-
-    def _validate_eval(self) -> None:
-        section, every_eval = self.eval, self.train.eval_every_steps
-        if section.tasks and self.distributed.sequence_parallel_size > 1:
-            raise fail(f"eval.tasks={section.tasks} is not supported with distributed.sequence_parallel_size="
-                       f"{self.distributed.sequence_parallel_size}: score the tasks on the export with eval.py --tasks, "
-                       "or set eval.tasks=[].")
-        if section.tasks and section.every_steps is not None and every_eval and section.every_steps % every_eval:
-            raise fail(f"eval.every_steps={section.every_steps} must be a multiple of train.eval_every_steps="
-                       f"{every_eval}: the tasks are scored with the validation. Set eval.every_steps="
-                       f"{max(every_eval, section.every_steps // every_eval * every_eval)}, or null for every validation.")
-
-    def _validate_tensor_parallel(self) -> None:
-        tp = self.distributed.tensor_parallel_size
-        if tp == 1:
-            return
-        unsupported = [
-            (self.distributed.sequence_parallel_size > 1,
-             f"distributed.sequence_parallel_size={self.distributed.sequence_parallel_size}", "one of the two splits"),
-            (self.train.ema_decay > 0, f"train.ema_decay={self.train.ema_decay}",
-             "train.ema_decay=0 (the EMA would average each rank's slice, not the model)"),
-            (bool(self.eval.tasks), f"eval.tasks={self.eval.tasks}", "eval.tasks=[] and score the export with eval.py "
-             "--tasks"),
-            (self.optim.name == "muon", "optim.name=muon", "optim.name=adamw"),
-            (self.train.precision == "fp8", "train.precision=fp8", "train.precision=bf16"),
-            (self.train.compile, "train.compile=true", "train.compile=false"),
-        ]
-        for refused, setting, fix in unsupported:
-            if refused:
-                raise fail(f"distributed.tensor_parallel_size={tp} cannot be combined with {setting} in this recipe. "
-                           f"Choose {fix}, or set distributed.tensor_parallel_size=1.")
+                try:
+                    value.validate()
+                except UserError as err:
+                    problems.append(str(err))
+        if problems:
+            raise fail_all(problems)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def workload(self) -> Workload:
+        return Workload(self.model, self.data, self.train, self.optim, self.distributed)
 
 
 def due_at(step: int, every_steps: int, last_step: int) -> bool:
@@ -596,203 +553,13 @@ def parse_shard_size(size: str | int) -> int:
     return value
 
 
-# --------------------------------------------------------------------------------------------------
-# Loading and merging
-
-
-def load_config(recipe_path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults < recipe YAML < ``key=value`` overrides, type-checked and validated."""
-    cfg = Config()
-    if recipe_path is not None:
-        path = Path(recipe_path)
-        if path.is_dir():
-            raise fail(f"Recipe {str(path)!r} is a folder, not a file. Pass a YAML file such as recipes/tiny.yaml.")
-        if not path.is_file():
-            raise fail(f"Recipe {str(path)!r} does not exist. Pass a YAML file such as recipes/tiny.yaml.")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
-            raise fail(f"Recipe {str(path)!r} is not valid YAML: {err}") from None
-        if data is None:  # an empty file would train the full default model without a word
-            raise fail(f"Recipe {str(path)!r} is empty. Write its sections (model:, data:, train:, ...) or start from "
-                       "a recipe such as recipes/tiny.yaml.")
-        if not isinstance(data, dict):
-            raise fail(f"Recipe {str(path)!r} must hold a mapping of sections (model:, data:, ...).")
-        _merge(cfg, data, prefix="")
-        section = data.get("data")
-        _choose_data(cfg, set(section) if isinstance(section, dict) else set(), f"recipe {path}")
-    cli_keys = set()
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise fail(f"Override {item!r} must look like key=value, e.g. optim.lr=3e-4.")
-        _set_dotted(cfg, key.strip(), raw.strip(), from_cli=True)
-        cli_keys.add(key.strip())
-    _choose_data(cfg, {k.partition(".")[2] for k in cli_keys if k.startswith("data.")}, "command line")
-    cfg.validate()
-    return cfg
-
-
-def _choose_data(cfg: Config, keys: set[str], layer: str) -> None:
-    """``data.path`` and ``data.sources`` are one choice: the layer that sets one clears the other."""
-    data = cfg.data
-    if "sources" in keys and "path" in keys and data.sources and data.path is not None:
-        raise fail(f"The {layer} sets both data.path and data.sources: keep one (a single folder, or the mixture).")
-    if "sources" in keys and data.sources and "path" not in keys:
-        data.path = None
-    elif "path" in keys and data.path is not None and "sources" not in keys:
-        data.sources = []
-
-
-def config_from_dict(data: dict) -> Config:
-    """Rebuild a Config from ``to_dict()`` output (e.g. a resolved config saved in a run folder)."""
-    cfg = Config()
-    _merge(cfg, data, prefix="")
-    cfg.validate()
-    return cfg
-
-
-def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML, atomically."""
-    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def _merge(obj: Any, data: dict, prefix: str) -> None:
-    for key, value in data.items():
-        _set_value(obj, str(key), value, prefix, from_cli=False)
-
-
-def _set_dotted(cfg: Config, dotted: str, raw: str, from_cli: bool) -> None:
-    parts = dotted.split(".")
-    obj: Any = cfg
-    prefix = ""
-    for part in parts[:-1]:
-        _check_key(obj, part, prefix)
-        obj = getattr(obj, part)
-        if not dataclasses.is_dataclass(obj):
-            raise fail(f"{prefix}{part} is a value, not a section: write {prefix}{part}=VALUE.")
-        prefix += part + "."
-    _set_value(obj, parts[-1], raw, prefix, from_cli=from_cli)
-
-
-def _check_key(obj: Any, key: str, prefix: str) -> None:
-    _check_name(key, [f.name for f in dataclasses.fields(obj)], prefix)
-
-
-def _check_name(key: str, names: list[str], prefix: str) -> None:
-    """UserError unless ``key`` is one of ``names``: names the closest valid key and lists them all (``prefix``ed)."""
-    if key not in names:
-        if prefix + key in RENAMED:
-            raise fail(f"{prefix}{key} was replaced by {RENAMED[prefix + key]}.")
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = f" Did you mean {prefix}{close[0]}?" if close else ""
-        raise fail(f"Unknown config key {prefix}{key}.{hint} Valid keys here: {', '.join(prefix + n for n in names)}.")
-
-
-def _set_value(obj: Any, key: str, value: Any, prefix: str, from_cli: bool) -> None:
-    _check_key(obj, key, prefix)
-    current = getattr(obj, key)
-    full = prefix + key
-    if dataclasses.is_dataclass(current):
-        if from_cli:
-            raise fail(f"{full} is a section; set one of its keys, e.g. {full}.<key>=VALUE.")
-        if not isinstance(value, dict):
-            raise fail(f"{full} must be a mapping of keys, got {value!r}.")
-        _merge(current, value, prefix=full + ".")
-        return
-    hint = typing.get_type_hints(type(obj))[key]
-    setattr(obj, key, _coerce(full, value, hint, from_cli))
-
-
-def _coerce(key: str, value: Any, hint: Any, from_cli: bool) -> Any:
-    """Return ``value`` as type ``hint`` or raise a UserError naming the key and the allowed values."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0], from_cli)
-    if origin is Literal:
-        if isinstance(value, str) and value in args:
-            return value
-        raise fail(f"{key}={value!r} is not allowed. Choose one of: {', '.join(map(str, args))}.")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise fail(f"{key}={value!r} must be a boolean (true or false).")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise fail(f"{key}={value!r} must be an integer.")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise fail(f"{key}={value!r} must be a number.")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        if from_cli or isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise fail(f"{key}={value!r} must be a string.")
-    if origin is list:
-        if isinstance(value, str) and from_cli:
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as err:
-                raise fail(f"{key}={value!r} is not valid YAML ({err}).") from None
-        if value is None:
-            value = []
-        if isinstance(value, str):
-            value = [value]  # one item
-        if not isinstance(value, list):
-            raise fail(f"{key}={value!r} must be a list, e.g. {key}='[{{path: data/code, weight: 0.7}}]'.")
-        return [_coerce(f"{key}[{i}]", item, args[0], from_cli=False) for i, item in enumerate(value)]
-    if dataclasses.is_dataclass(hint):
-        return _record(key, value, hint)
-    if hint is dict or origin is dict:
-        if isinstance(value, str) and from_cli:
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                value = None
-        if isinstance(value, dict):
-            return value
-        raise fail(f"{key}={value!r} must be a mapping, e.g. {key}='{{rms_norm_eps: 1e-5}}'.")
-    raise UserError(f"{key}: unsupported config type {hint!r}.")
-
-
-def _record(key: str, value: Any, cls: type) -> Any:
-    """A list item such as a :class:`DataSource` from a mapping, with the same strict key and type checks."""
-    if isinstance(value, cls):
-        return value
-    names = [f.name for f in dataclasses.fields(cls)]
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if not isinstance(value, dict):
-        raise fail(f"{key}={value!r} must be a mapping with keys {', '.join(names)} (required: {', '.join(required)}).")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, item in value.items():
-        name = str(name)
-        _check_name(name, names, f"{key}.")
-        kwargs[name] = _coerce(f"{key}.{name}", item, hints[name], from_cli=False)
-    missing = [name for name in required if name not in kwargs]
-    if missing:
-        raise fail(f"{key} lacks {', '.join(missing)}: write e.g. {{path: data/code, weight: 0.7}}.")
-    return cls(**kwargs)
+def fail_all(problems: list[str], heading: str = "problems in the configuration") -> UserError:
+    """One UserError for every problem found: the message itself when there is one, else a numbered heading and a
+    line per problem (each keeps its own key, choices and fix)."""
+    if len(problems) == 1:
+        return fail(problems[0])
+    lines = "\n".join(f"- {problem}" for problem in problems)
+    return UserError(f"{len(problems)} {heading}:\n{lines}")
 
 
 def _positive(section: Any, *keys: str) -> None:

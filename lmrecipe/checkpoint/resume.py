@@ -1,0 +1,218 @@
+"""Resuming a run from a checkpoint, and rolling back to one: weights, optimizer, training state, RNG and extras.
+
+A resume takes the checkpoint ``checkpoint.resume`` names and stops (UserError) when it cannot continue as this
+run: a step past ``train.max_steps``, a change of what the weights, optimizer state or data position depend on
+(``compat.py``), another optimizer. A checkpoint saved on another layout (process count under DeepSpeed, ZeRO
+stage, offload, DeepSpeed or not, sequence or tensor parallelism) is converted once to its topology-free form
+(``portable.py``), every rank writing its share, and loaded by parameter name; the form is cached beside the
+checkpoint (never modified), or in this run's ``checkpoints/`` when the checkpoint's folder is read-only. A
+rollback loads the same way without the compatibility check. Every function is called on every rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import pickle
+import time
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from lmrecipe.checkpoint.compat import check_resume_compatible
+from lmrecipe.checkpoint.portable import (
+    cached_portable,
+    finish,
+    load_portable,
+    plan_shards,
+    portable_dir,
+    stale_form,
+    state_sha256,
+    write_share,
+)
+from lmrecipe.checkpoint.readers import open_source
+from lmrecipe.checkpoint.record import LoopState, RunFacts, StateRecord
+from lmrecipe.checkpoint.rng import restore_rng
+from lmrecipe.checkpoint.storage import DS_TAG, STATE_FILE, find_resume_checkpoint, read_checkpoint, use_earlier
+from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
+from lmrecipe.data.sources import TrainingData
+from lmrecipe.distributed import Layout
+from lmrecipe.errors import UserError, fail
+from lmrecipe.fileio import install_dir, remove_path, temp_dir_for
+from lmrecipe.optim import optimizer_param_names
+
+logger = logging.getLogger(__name__)
+
+
+def continue_sample_order(batches, saved: dict) -> None:
+    """A checkpoint written with an earlier sample order (no ``order_version``: version 1) continues in it."""
+    version = int(saved.get("data", {}).get("order_version", 1))
+    if version != batches.order_version:
+        logger.info("The checkpoint was written with sample order version %d; this run continues in it (new runs use "
+                    "version %d, constant in memory).", version, batches.order_version)
+        batches.use_order_version(version)
+
+
+class Resumer:
+    """Loads checkpoints into this run: the resume at its start and the rollbacks during it."""
+
+    def __init__(self, accelerator, facts: RunFacts, record: StateRecord, *, resume: str, root: Path,
+                 data: TrainingData):
+        """``resume``: ``checkpoint.resume``; ``root``: this run's ``checkpoints/`` folder."""
+        self.accelerator = accelerator
+        self.facts = facts
+        self.record = record
+        self.resume = resume
+        self.root = root
+        self.data = data
+        self.model = self.optimizer = None
+
+    def maybe_resume(self, model, optimizer, state: LoopState) -> Path | None:
+        """Restore the checkpoint ``checkpoint.resume`` names into ``model``, ``optimizer`` and ``state``; return it,
+        or None when there is none. ``model`` and ``optimizer`` are also what a later :meth:`restore` reloads."""
+        self.model, self.optimizer = model, optimizer
+        path = find_resume_checkpoint(self.resume, self.root)
+        if path is None:
+            return None
+        saved = read_checkpoint(path)
+        max_steps = self.facts.max_steps
+        if saved["state"]["step"] > max_steps:  # the loop would not run, and the end of the run would re-export
+            raise fail(f"{path} is at step {saved['state']['step']}, past train.max_steps={max_steps}: there is "
+                       "nothing to train. Raise train.max_steps to train on, pass checkpoint.resume=PATH of an earlier "
+                       "checkpoint, or export this one with tools/export_hf.py.")
+        check_resume_compatible(saved, path, run_config=self.facts.run_config,
+                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
+                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule)
+        continue_sample_order(self.data.train_batches, saved)
+        self._load(path, saved, state)
+        changes = self.record.layout().changes_from(Layout.from_topology(saved["topology"]))
+        if changes:
+            logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
+                        "step counts were loaded by parameter name; the data continues at sample %d.", path, state.step,
+                        state.tokens_seen, "; ".join(changes), saved["data"]["next_sample"])
+        else:
+            logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
+        return path
+
+    def restore(self, path: Path, state: LoopState) -> None:
+        """Reload a checkpoint of this run in-process (a rollback), as a resume loads it, without the compatibility
+        check (the checkpoint is this run's, or the one it resumed from, possibly on another layout)."""
+        self._load(path, read_checkpoint(path), state)
+        logger.info("Reloaded %s (step %d)", path, state.step)
+
+    def _load(self, path: Path, saved: dict, state: LoopState) -> None:
+        """Weights, optimizer, training state, this rank's RNG and the extras, from checkpoint ``path``."""
+        saved_layout = Layout.from_topology(saved["topology"])
+        converted = self.record.layout().needs_conversion_from(saved_layout)
+        self._check_optimizer(path, saved, saved_layout, converted)
+        try:
+            if converted:
+                folder = portable_form(self.accelerator, path, saved, self.model, self.root)
+                load_portable(folder, self.model, self.optimizer, deepspeed=self.record.zero.deepspeed,
+                              step=saved["state"]["step"], samples_per_step=self.facts.samples_per_step,
+                              tensor_parallel=self.record.tensor_parallel(self.model))
+            else:
+                # load_kwargs: the non-DeepSpeed optimizer and RNG pickles are read with the tensors-only unpickler.
+                self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+        except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as err:
+            # The manifest checked names, sizes and safetensors headers; a file damaged inside fails only here.
+            raise fail(f"Loading checkpoint {path} failed: {type(err).__name__}: {str(err)[:300]}. A file of it is "
+                       f"damaged, or was written by different code. {use_earlier(path)}") from None
+        state.load_state_dict(saved["state"])
+        restore_rng(path, self.accelerator.process_index, saved_layout.world_size)
+        self.record.restore_extras(path, saved)
+
+    def _check_optimizer(self, path: Path, saved: dict, saved_layout: Layout, converted: bool) -> None:
+        """Stop when the checkpoint's optimizer state cannot be loaded into this run's optimizer."""
+        optimizer_name = saved["config"]["optim"].get("name", "adamw")  # checkpoints from before optim.name: AdamW
+        ours = self.facts.run_config["optim"]["name"]
+        if optimizer_name != ours:
+            raise fail(f"{path} holds {optimizer_name} optimizer state; this run trains with optim.name={ours}. Resume "
+                       f"with optim.name={optimizer_name}, or start a new run from its weights: python "
+                       f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
+        if optimizer_name != "adamw" and converted:
+            # The topology-free form holds AdamW's moments only.
+            raise fail(f"{path} holds {optimizer_name} optimizer state saved on another layout "
+                       f"({'; '.join(self.record.layout().changes_from(saved_layout))}), which cannot be converted. "
+                       "Resume on the checkpoint's layout, or start a new run from its weights: python "
+                       f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Converting a checkpoint to its topology-free form (every rank its share)
+
+
+def portable_form(accelerator, path: Path, saved: dict, model, root: Path) -> Path:
+    """The topology-free form of checkpoint ``path`` (``saved``: its ``train_state.json``), cached beside it
+    (``step_XXXXXXXX.portable``) or else in ``root``: reused when cached, else converted once, every rank writing
+    its share of the parameters."""
+    from accelerate.utils import broadcast_object_list
+
+    digest = state_sha256(path, STATE_FILE)
+    outcome = [None, None, None]  # (folder, the temporary folder to fill or None when cached, error)
+    if accelerator.is_main_process:
+        outcome = _portable_target(path, digest, root)
+    broadcast_object_list(outcome)
+    folder, building, error = outcome
+    if error is not None:
+        raise fail(error)
+    if building is not None:
+        _convert(accelerator, path, saved, model, Path(building), Path(folder), digest)
+    return Path(folder)
+
+
+def _portable_target(path: Path, digest: str, root: Path) -> list:
+    """Main process: [cache folder, temporary folder to build it in (None: cached), error]."""
+    error = None
+    for dest in dict.fromkeys((portable_dir(path), portable_dir(path, root))):
+        if cached_portable(dest, digest):
+            logger.info("Using the topology-free form of %s cached in %s", path, dest)
+            return [str(dest), None, None]
+        if stale_form(dest):
+            logger.info("%s holds the topology-free form of earlier code (format 1); converting %s again", dest, path)
+        try:
+            return [str(dest), str(temp_dir_for(dest)), None]
+        except OSError as err:  # read-only checkpoint storage: try the run's own folder
+            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            error = f"Cannot write the topology-free form of {path} to {dest}: {err}."
+    return [None, None, error]
+
+
+def _convert(accelerator, path: Path, saved: dict, model, tmp: Path, dest: Path, digest: str) -> None:
+    """Every rank writes its files of the topology-free form into ``tmp``; then the main process writes the indexes
+    and renames ``tmp`` to ``dest``. A failure on any rank stops every rank with its message."""
+    from accelerate.utils import gather_object
+
+    acc = accelerator
+    start = time.perf_counter()
+    saved_layout = Layout.from_topology(saved["topology"])
+    names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
+    source = plan = error = None
+    try:
+        source = open_source(path, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None, param_names=names,
+                             tensor_parallel=(saved_layout.tensor_parallel_size, saved.get(TP_RECORD, {})))
+        plan = plan_shards(source.shapes, acc.num_processes)
+        write_share(source, plan, tmp, acc.process_index, progress=acc.is_main_process)
+    except UserError as err:
+        error = str(err)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
+        error = (f"Converting checkpoint {path} to its topology-free form failed: {type(err).__name__}: "
+                 f"{str(err)[:300]}. A file of it is damaged, or was written by different code, or {tmp.parent} "
+                 f"is full. {use_earlier(path)}")
+    errors = [e for e in gather_object([error]) if e is not None]
+    try:
+        if not errors and acc.is_main_process:
+            finish(tmp, plan, source.steps, source_layout=saved_layout, source_sha256=digest)
+            install_dir(tmp, dest, overwrite=True)
+            logger.info("Converted %s to its topology-free form %s on %d processes (%d parameters, %.1f MB, %.1f s)",
+                        path, dest, acc.num_processes, len(plan.shapes),
+                        sum(f.stat().st_size for f in dest.iterdir()) / 1e6, time.perf_counter() - start)
+    finally:
+        if source is not None:
+            source.close()
+        if errors and acc.is_main_process:
+            remove_path(tmp)
+    if errors:
+        raise fail(errors[0])
+    acc.wait_for_everyone()

@@ -1,0 +1,230 @@
+"""Every refusal of a combination of settings that the configuration alone decides: one row per rule.
+
+A row names the rule, says when it is broken (``applies``), what is wrong (``message``) and how to fix it (``fix``);
+:func:`check_rules` reports every broken row at once (exit code 2). A refusal of one field on its own (a range, a name)
+is that section's ``validate`` (``sections.py``). What only the launch knows stays where it is known:
+the process count, the GPU, the installed libraries (``lmrecipe/distributed.py``: ``build_runtime``,
+``check_*_topology``), what a DeepSpeed JSON file says (its ZeRO stage and offload: ``check_tensor_parallel_stage``,
+``load_deepspeed_config``), and the shape of a model continued from ``model.init_from`` (its own ``config.json``:
+``check_*_model``, and the position limit in ``train/setup.py``).
+
+What each parallel split supports, at a glance (the rows below are the contract):
+
+- Tensor parallelism (``distributed.tensor_parallel_size`` > 1, DeepSpeed AutoTP): needs a DeepSpeed config of ZeRO
+  stage 0-2 (ZeRO-3 is refused once the JSON is read); the split must divide the attention heads, the key/value heads
+  and the MLP width; not with sequence parallelism, a weight EMA, ``eval.tasks``, Muon, fp8 or ``train.compile``.
+- Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage);
+  the split must divide the attention heads, divide or be a multiple of the key/value heads, and divide
+  ``data.seq_len``; needs an attention that takes no 4D mask (not ``eager``); not with ``eval.tasks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Callable, Union
+
+from lmrecipe.config.sections import Config, fail_all
+
+Text = Union[str, Callable[[Config], str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refused combination: ``applies(cfg)`` is true when ``cfg`` breaks it."""
+
+    name: str
+    """Names the rule in tests and in this table (``tensor_parallel_without_fp8``)."""
+    applies: Callable[[Config], bool]
+    """True when the config breaks the rule; it may assume every section passed its own ``validate``."""
+    message: Text
+    """What is wrong, naming the keys and their values."""
+    fix: Text = ""
+    """What to set instead (may be empty when the message says it)."""
+
+    def text(self, cfg: Config) -> str:
+        """The message and the fix for ``cfg``, as the user reads them."""
+        parts = [part(cfg) if callable(part) else part for part in (self.message, self.fix)]
+        return " ".join(part for part in parts if part)
+
+
+SizedText = Union[str, Callable[[int, Config], str]]
+
+
+def _split_rule(key: str, name: str, applies: Callable[[int, Config], bool], message: SizedText, fix: SizedText) -> Rule:
+    """A rule of a parallel split that is on (``distributed.<key>`` > 1), named ``<split>_<name>``: ``applies``,
+    ``message`` and ``fix`` take the split's size first, then the config."""
+    size = attrgetter(f"distributed.{key}")
+
+    def sized(text: SizedText) -> Text:
+        return text if isinstance(text, str) else lambda c: text(size(c), c)
+
+    return Rule(f"{key.removesuffix('_size')}_{name}", lambda c: size(c) > 1 and applies(size(c), c), sized(message),
+                sized(fix))
+
+
+def _sequence_parallel(name: str, applies: Callable[[int, Config], bool], message: SizedText, fix: SizedText) -> Rule:
+    return _split_rule("sequence_parallel_size", name, applies, message, fix)
+
+
+def _tensor_parallel(name: str, applies: Callable[[int, Config], bool], message: SizedText, fix: SizedText) -> Rule:
+    return _split_rule("tensor_parallel_size", name, applies, message, fix)
+
+
+def _tp_refuses(name: str, applies: Callable[[Config], bool], setting: Callable[[Config], str], fix: str) -> Rule:
+    """A setting that tensor parallelism does not support."""
+    return _tensor_parallel(
+        name, lambda tp, c: applies(c),
+        lambda tp, c: f"distributed.tensor_parallel_size={tp} cannot be combined with {setting(c)} in this recipe.",
+        f"Choose {fix}, or set distributed.tensor_parallel_size=1.")
+
+
+def _multiple_below(value: int, unit: int) -> int:
+    """The largest multiple of ``unit`` not above ``value``, at least ``unit``."""
+    return max(unit, value // unit * unit)
+
+
+RULES: tuple[Rule, ...] = (
+    # --- The model's shape
+    Rule("heads_divide_hidden_size",
+         lambda c: c.model.hidden_size % c.model.num_heads != 0,
+         lambda c: f"model.hidden_size={c.model.hidden_size} must be divisible by model.num_heads={c.model.num_heads}."),
+    Rule("kv_heads_divide_heads",
+         lambda c: c.model.num_heads % c.model.kv_heads() != 0,
+         lambda c: f"model.num_kv_heads={c.model.kv_heads()} must be a positive divisor of model.num_heads="
+                   f"{c.model.num_heads}."),
+    Rule("window_within_positions",
+         lambda c: (c.model.init_from is None and c.model.max_position_embeddings is not None
+                    and c.data.seq_len > c.model.max_position_embeddings),
+         lambda c: f"data.seq_len={c.data.seq_len} exceeds the model's max_position_embeddings="
+                   f"{c.model.max_position_embeddings}.",
+         "Lower data.seq_len or raise model.max_position_embeddings."),
+
+    # --- The data
+    Rule("one_data_choice",
+         lambda c: bool(c.data.sources) and c.data.path is not None,
+         lambda c: f"data.path={c.data.path!r} and data.sources are both set: train either on one folder (data.path) "
+                   "or on a mixture (data.sources).",
+         "Remove one of them, or set data.path=null to use the mixture."),
+    Rule("some_data",
+         lambda c: not c.data.sources and not c.data.path,
+         "No training data:",
+         "set data.path to a prepared folder, or data.sources to a list of them "
+         "(e.g. data.sources='[{path: data/code, weight: 0.7}, {path: data/prose, weight: 0.3}]')."),
+
+    # --- Optimizer, batch and schedule
+    Rule("min_lr_within_lr",
+         lambda c: c.optim.min_lr > c.optim.lr,
+         lambda c: f"optim.min_lr={c.optim.min_lr} must not exceed optim.lr={c.optim.lr}."),
+    Rule("whole_micro_batches",
+         lambda c: c.train.global_batch_size % c.train.micro_batch_size != 0,
+         lambda c: f"train.global_batch_size={c.train.global_batch_size} must be a multiple of "
+                   f"train.micro_batch_size={c.train.micro_batch_size}."),
+    Rule("muon_under_deepspeed_without_clipping",
+         lambda c: c.optim.name == "muon" and c.optim.grad_clip > 0 and c.distributed.uses_deepspeed(),
+         lambda c: f"optim.name=muon with optim.grad_clip={c.optim.grad_clip} under DeepSpeed: DeepSpeed's ZeRO writes "
+                   "Muon's orthogonalised update into the gradient before it clips, so the clip would scale Muon's "
+                   "step down by the norm of those updates, not bound the gradients.",
+         "Set optim.grad_clip=0 (Muon normalises its own update), or train without DeepSpeed, where the raw gradients "
+         "are clipped."),
+
+    # --- Evaluation, checkpoints, spikes, profiling
+    Rule("early_stopping_checkpoints_every_evaluation",
+         lambda c: bool(c.train.early_stopping_patience) and (
+             c.train.eval_every_steps == 0 or c.checkpoint.every_steps == 0
+             or c.train.eval_every_steps % c.checkpoint.every_steps != 0),
+         lambda c: f"train.early_stopping_patience={c.train.early_stopping_patience} needs a checkpoint at every "
+                   f"evaluation (the export is taken from the best one): train.eval_every_steps="
+                   f"{c.train.eval_every_steps} must be a positive multiple of checkpoint.every_steps="
+                   f"{c.checkpoint.every_steps}.",
+         lambda c: f"Set checkpoint.every_steps={c.train.eval_every_steps or 100} (and train.eval_every_steps to the "
+                   "same if it is 0)."),
+    Rule("tasks_with_the_validation",
+         lambda c: (bool(c.eval.tasks) and c.eval.every_steps is not None and c.train.eval_every_steps > 0
+                    and c.eval.every_steps % c.train.eval_every_steps != 0),
+         lambda c: f"eval.every_steps={c.eval.every_steps} must be a multiple of train.eval_every_steps="
+                   f"{c.train.eval_every_steps}: the tasks are scored with the validation.",
+         lambda c: f"Set eval.every_steps={_multiple_below(c.eval.every_steps, c.train.eval_every_steps)}, or null for "
+                   "every validation."),
+    Rule("ema_export_needs_ema",
+         lambda c: c.checkpoint.export_weights == "ema" and c.train.ema_decay == 0,
+         "checkpoint.export_weights=ema needs a weight EMA:",
+         "set train.ema_decay (e.g. 0.999), or checkpoint.export_weights=raw."),
+    Rule("spike_history_within_window",
+         lambda c: c.spike.min_history > c.spike.window,
+         lambda c: f"spike.min_history={c.spike.min_history} exceeds spike.window={c.spike.window}: the window never "
+                   "holds that many steps.",
+         "Lower spike.min_history or raise spike.window."),
+    Rule("profile_steps_in_order",
+         lambda c: c.profile.first_step is not None and c.profile.last() < c.profile.first_step,
+         lambda c: f"profile.first_step={c.profile.first_step}, profile.last_step={c.profile.last_step}: need "
+                   "1 <= first_step <= last_step (optimizer steps, 1-based)."),
+    Rule("profile_within_the_run",
+         lambda c: c.profile.first_step is not None and c.profile.last() > c.train.max_steps,
+         lambda c: f"profile.last_step={c.profile.last()} is beyond train.max_steps={c.train.max_steps}: the profile "
+                   "would never be written.",
+         "Choose steps within the run."),
+
+    # --- Sequence parallelism (Ulysses through DeepSpeed)
+    _sequence_parallel(
+        "needs_deepspeed", lambda sp, c: not c.distributed.uses_deepspeed(),
+        lambda sp, c: f"distributed.sequence_parallel_size={sp} runs through DeepSpeed (Ulysses):",
+        "choose a DeepSpeed config, e.g. distributed.deepspeed_config=zero1 (any ZeRO stage works), or set "
+        "distributed.sequence_parallel_size=1."),
+    _sequence_parallel(
+        "divides_heads",  # a model from init_from: its checkpoint's heads, checked by distributed.check_*_model
+        lambda sp, c: c.model.init_from is None and (
+            c.model.num_heads % sp != 0 or (c.model.kv_heads() % sp != 0 and sp % c.model.kv_heads() != 0)),
+        lambda sp, c: f"distributed.sequence_parallel_size={sp} must divide the attention heads (model.num_heads="
+                      f"{c.model.num_heads}) and divide or be a multiple of the key/value heads ({c.model.kv_heads()}): "
+                      "the all-to-all splits heads over the group.",
+        "Choose a sequence_parallel_size that does."),
+    _sequence_parallel(
+        "divides_window", lambda sp, c: c.data.seq_len % sp != 0,
+        lambda sp, c: f"data.seq_len={c.data.seq_len} is not divisible by distributed.sequence_parallel_size={sp}: "
+                      "every rank of a group holds an equal share of each window.",
+        lambda sp, c: f"Choose a seq_len that is a multiple of {sp}."),
+    _sequence_parallel(
+        "attention", lambda sp, c: c.model.attn_implementation == "eager",
+        "model.attn_implementation=eager cannot run under sequence parallelism (eager needs the full 4D mask, and "
+        "DeepSpeed's Ulysses wrapper drops it).",
+        "Use model.attn_implementation=sdpa or flash_attention_2, or set distributed.sequence_parallel_size=1."),
+    _sequence_parallel(
+        "without_tasks", lambda sp, c: bool(c.eval.tasks),
+        lambda sp, c: f"eval.tasks={c.eval.tasks} is not supported with distributed.sequence_parallel_size={sp}:",
+        "score the tasks on the export with eval.py --tasks, or set eval.tasks=[]."),
+
+    # --- Tensor parallelism (DeepSpeed AutoTP; its ZeRO stage 0-2 is checked when the JSON is read)
+    _tensor_parallel(
+        "needs_deepspeed", lambda tp, c: not c.distributed.uses_deepspeed(),
+        lambda tp, c: f"distributed.tensor_parallel_size={tp} runs through DeepSpeed AutoTP:",
+        "choose a DeepSpeed config with ZeRO 0-2, e.g. distributed.deepspeed_config=zero1, or set "
+        "distributed.tensor_parallel_size=1."),
+    _tensor_parallel(
+        "divides_model",  # a model from init_from: its checkpoint's shape, checked by distributed.check_*_model
+        lambda tp, c: c.model.init_from is None and any(
+            n % tp != 0 for n in (c.model.num_heads, c.model.kv_heads(), c.model.mlp_size())),
+        lambda tp, c: f"distributed.tensor_parallel_size={tp} must divide the attention heads (model.num_heads="
+                      f"{c.model.num_heads}), the key/value heads ({c.model.kv_heads()}) and model.intermediate_size="
+                      f"{c.model.mlp_size()}: each rank holds an equal share of every split matrix.",
+        "Choose a tensor_parallel_size that divides all three."),
+    _tp_refuses("without_sequence_parallel", lambda c: c.distributed.sequence_parallel_size > 1,
+                lambda c: f"distributed.sequence_parallel_size={c.distributed.sequence_parallel_size}",
+                "one of the two splits"),
+    _tp_refuses("without_ema", lambda c: c.train.ema_decay > 0, lambda c: f"train.ema_decay={c.train.ema_decay}",
+                "train.ema_decay=0 (the EMA would average each rank's slice, not the model)"),
+    _tp_refuses("without_tasks", lambda c: bool(c.eval.tasks), lambda c: f"eval.tasks={c.eval.tasks}",
+                "eval.tasks=[] and score the export with eval.py --tasks"),
+    _tp_refuses("without_muon", lambda c: c.optim.name == "muon", lambda c: "optim.name=muon", "optim.name=adamw"),
+    _tp_refuses("without_fp8", lambda c: c.train.precision == "fp8", lambda c: "train.precision=fp8",
+                "train.precision=bf16"),
+    _tp_refuses("without_compile", lambda c: c.train.compile, lambda c: "train.compile=true", "train.compile=false"),
+)
+
+
+def check_rules(cfg: Config) -> None:
+    """UserError (exit code 2) naming every rule of :data:`RULES` that ``cfg`` breaks, in table order, each with its
+    fix; nothing when none is. ``cfg``'s sections must each be valid (their own ``validate``)."""
+    problems = [rule.text(cfg) for rule in RULES if rule.applies(cfg)]
+    if problems:
+        raise fail_all(problems, "settings of this recipe cannot be combined")
