@@ -41,7 +41,7 @@ $(DATA)/meta.json: | $(VENV)/.installed
 # also scores the next_line task at each validation (the tests train recipes/tiny.yaml without it).
 demo: $(VENV)/.installed $(DATA)/meta.json
 	$(PY) train.py recipes/tiny.yaml out_dir=$(RUN) data.path=$(DATA) 'eval.tasks=[next_line]'
-	$(PY) eval.py $(RUN)/export --data $(DATA) --output $(RUN)/eval.json --generate "def main("
+	$(PY) eval.py $(RUN)/export --data $(DATA) --output $(RUN)/eval.json --overwrite --generate "def main("
 
 # The slowest tests are listed at the end, to keep the suite's time in view.
 test: $(VENV)/.installed-test

@@ -25,7 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-from lmrecipe.cli import check_output_path, cli_main, setup_logging
+from lmrecipe.cli import check_tool_output, cli_main, setup_logging
+from lmrecipe.errors import fail
 from lmrecipe.fileio import write_text_atomic
 
 
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="evaluate at most N batches of --batch-size windows (default: the whole val split)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass and process (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the training seq_len)")
-    parser.add_argument("--output", metavar="FILE", help="also write the result JSON to FILE")
+    parser.add_argument("--output", metavar="FILE", help="also write the result JSON to FILE (never into a checkpoint, "
+                        "nor over a run's own files)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --output file if it exists")
     parser.add_argument("--generate", metavar="PROMPT", help="sample a continuation of PROMPT")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
@@ -79,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lm_eval and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parser.error("--lm-eval runs in one process: start eval.py with python, not a multi-process launcher")
     setup_logging()
-    if args.output:  # before the evaluation, whose result would otherwise be lost
-        check_output_path(args.output, "--output", folder=False)
+    check_arguments(args)  # all of it before the evaluation, whose result would otherwise be lost
     from lmrecipe.evaluate import evaluate_path, evaluate_tasks  # heavy imports only after the arguments parsed
 
     result, is_main = {}, True
@@ -110,6 +112,25 @@ def main(argv: list[str] | None = None) -> int:
         if "continuation" in result:
             print(result["prompt"] + result["continuation"], flush=True)
     return 0
+
+
+def check_arguments(args) -> None:
+    """UserError for every number out of range, every task that cannot be read and an --output that cannot be written
+    safely, before any work (a wrong --limit would otherwise stop the run after the loss computation)."""
+    for name in ("batch_size", "max_batches", "seq_len", "max_new_tokens", "next_line_items"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise fail(f"--{name.replace('_', '-')}={value} must be positive.")
+    from lmrecipe.harness import check_lm_eval_arguments
+    from lmrecipe.tasks import NEXT_LINE, resolve_tasks
+
+    resolve_tasks([spec for spec in args.tasks if spec != NEXT_LINE], None, 1, 0)
+    if args.lm_eval:
+        check_lm_eval_arguments(args.lm_eval, args.include_path, args.limit, args.num_fewshot)
+    if args.output:
+        reads = [args.path, *(args.data or []), *args.tasks, *args.lm_eval, *args.include_path]
+        check_tool_output(args.output, "--output", folder=False, overwrite=args.overwrite,
+                          reads=[r for r in reads if os.path.exists(r)])
 
 
 if __name__ == "__main__":

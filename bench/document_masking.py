@@ -127,7 +127,8 @@ def bench_val_loss(args, report) -> dict:
         row = {}
         for eval_side, flag in (("eval_masked", []), ("eval_stream", ["--no-document-masking"])):
             result = out / f"{eval_side}.json"
-            run_cmd([sys.executable, "eval.py", str(out / "export"), "--data", args.data, "--output", str(result), *flag])
+            run_cmd([sys.executable, "eval.py", str(out / "export"), "--data", args.data, "--output", str(result),
+                     "--overwrite", *flag])
             row[eval_side] = json.loads(result.read_text())["loss"]
         results[side] = row
         report.line(f"trained {side:>6}: val loss evaluated with masking {row['eval_masked']:.4f}, on the plain stream "

@@ -1,4 +1,9 @@
-"""What every script shares: clean exits on user errors and Ctrl-C, checks of output paths, one logging setup."""
+"""What every script shares: clean exits on user errors and Ctrl-C, checks of output paths, one logging setup.
+
+Every tool that writes checks its output with :func:`check_tool_output` before any work: never into or over a
+training checkpoint or a run folder, never over what the command reads, never over an existing file or folder without
+``--overwrite``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from lmrecipe.errors import EXIT_INTERRUPTED, UserError, fail
 from lmrecipe.fileio import write_json_atomic
@@ -117,4 +122,93 @@ def check_output_path(path: str | os.PathLike, option: str, folder: bool = True)
                 raise fail(f"{option} {path} lies under {parent}, which is a file, not a folder. Choose a path "
                            "whose parent folders are folders.")
             break
+    return path
+
+
+# The names that mark a run's folders. This module sits below checkpoint/ and observe/, so it names them itself;
+# tests/unit/test_faults.py holds them equal to the constants of the modules that write the files.
+CHECKPOINT_STATE_FILE = "train_state.json"
+"""What makes a folder a training checkpoint (``lmrecipe.checkpoint.storage.STATE_FILE``)."""
+RUN_CHECKPOINTS_DIR = "checkpoints"
+RUN_POINTERS = ("latest", "best")
+RUN_RECORD_FILES = ("config.yaml", "metrics.jsonl")
+"""A run folder (a run's ``out_dir``) holds both of these, or a ``checkpoints/`` with a checkpoint or a pointer."""
+RUN_FILES = frozenset({*RUN_RECORD_FILES, "run_meta.json", "final.json", "report.md", "spikes.jsonl", "training.png",
+                       "preempted.json", "run.lock", "wandb_run_id", "mlflow_run_id"})
+"""The files a run writes at its top level: no tool writes over them, even with ``--overwrite``."""
+
+
+def training_folder_kind(path: Path) -> str | None:
+    """``"checkpoint"`` or ``"run folder"`` when ``path`` is one (module constants), else None."""
+    if (path / CHECKPOINT_STATE_FILE).is_file():
+        return "checkpoint"
+    if all((path / name).is_file() for name in RUN_RECORD_FILES):
+        return "run folder"
+    checkpoints = path / RUN_CHECKPOINTS_DIR
+    if checkpoints.is_dir() and (any((checkpoints / name).is_file() for name in RUN_POINTERS)
+                                 or any(p.is_dir() for p in checkpoints.glob("step_*"))):
+        return "run folder"
+    return None
+
+
+def _training_folder_below(folder: Path) -> tuple[str, Path] | None:
+    """The first checkpoint or run folder inside ``folder`` (any depth; links are not followed), or None."""
+    for root, dirs, _ in os.walk(folder):
+        for name in sorted(dirs):
+            kind = training_folder_kind(Path(root) / name)
+            if kind is not None:
+                return kind, Path(root) / name
+    return None
+
+
+def check_tool_output(path: str | os.PathLike, option: str, *, folder: bool = True, overwrite: bool | None = False,
+                      reads: Sequence[str | os.PathLike] = ()) -> Path:
+    """UserError, before any work, unless a tool can write ``path`` (a folder, or a file when not ``folder``) without
+    destroying anything: :func:`check_output_path`, and the path
+
+    - is not a training checkpoint nor inside one (its ``train_state.json`` lists every file it holds);
+    - is not a run folder nor its ``checkpoints/``, nor one of the run's own files (:data:`RUN_FILES`); a new file or
+      folder inside a run folder is fine (the run's exports live there);
+    - is none of ``reads`` (what the command reads) and holds none of them;
+    - exists only with ``overwrite`` (a file, or a folder that is not empty), and then holds no checkpoint or run
+      folder at any depth, since the replacement deletes them. ``overwrite=None`` leaves an existing folder to the
+      caller, which fills it piece by piece and checks what each piece replaces (a shard set, a comparison).
+    """
+    path = check_output_path(path, option, folder)
+    target = path.resolve()
+    for candidate in (target, *target.parents):
+        if (candidate / CHECKPOINT_STATE_FILE).is_file():
+            where = "is" if candidate == target else "lies inside"
+            raise fail(f"{option} {path} {where} the training checkpoint {candidate}: writing there would change the "
+                       f"files its {CHECKPOINT_STATE_FILE} lists, and resuming, exporting or evaluating it would then "
+                       "fail. Choose a path outside the checkpoint, e.g. a new folder beside the run.")
+    if training_folder_kind(target):
+        raise fail(f"{option} {path} is the folder of a training run (it holds {RUN_CHECKPOINTS_DIR}/ or "
+                   f"{' and '.join(RUN_RECORD_FILES)}): writing there would mix with or replace the run's checkpoints, "
+                   f"metrics and config. Choose a new folder; one inside the run folder is fine (e.g. "
+                   f"{path / 'my_output'}).")
+    for candidate in (target, *target.parents):
+        if candidate.name == RUN_CHECKPOINTS_DIR and training_folder_kind(candidate.parent):
+            where = "is" if candidate == target else "lies inside"
+            raise fail(f"{option} {path} {where} the checkpoints folder of the training run {candidate.parent}: its "
+                       f"checkpoints and their {' and '.join(RUN_POINTERS)} pointers are the run's to write. Choose a "
+                       f"path outside it (e.g. {candidate.parent / 'my_output'}).")
+    if not folder and target.name in RUN_FILES and training_folder_kind(target.parent):
+        raise fail(f"{option} {path} is the run's own {target.name} (in the run folder {target.parent}): writing it "
+                   "would replace the run's record. Choose another file name.")
+    for source in reads:
+        read = Path(source).resolve()
+        if read == target or target in read.parents:
+            raise fail(f"{option} {path} {'is' if read == target else 'holds'} {source}, which this command reads: "
+                       "writing it would destroy the command's own input. Choose a path elsewhere.")
+    if not (path.exists() or path.is_symlink()):
+        return path
+    if not folder or any(path.iterdir()):
+        if overwrite is False:
+            what = "already exists" if not folder else "already exists and is not empty"
+            raise fail(f"{option} {path} {what}. Pass --overwrite to replace it, or choose another path.")
+        if folder and overwrite and (held := _training_folder_below(target)) is not None:
+            kind, found = held
+            raise fail(f"{option} {path} holds the {kind} {found}: replacing the folder would delete it. Choose a "
+                       f"folder that holds no training run or checkpoint, or move {found} out of it first.")
     return path

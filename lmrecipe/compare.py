@@ -21,11 +21,19 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from lmrecipe.config import DataConfig, DistributedConfig, ModelConfig, Workload, load_config, resolve_deepspeed_config
+from lmrecipe.config import (
+    Config,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    Workload,
+    load_config,
+    resolve_deepspeed_config,
+)
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import load_meta
-from lmrecipe.distributed import ZeroSetup, load_deepspeed_config, resolve_precision
-from lmrecipe.errors import fail
+from lmrecipe.distributed import ZeroSetup, check_tensor_parallel_stage, load_deepspeed_config, resolve_precision
+from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_text_atomic
 from lmrecipe.launch import accelerate_launch_cmd
 from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape, read_measured
@@ -37,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIGS = ("none", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 BASELINE = "none"
+COMPARE_LOG = "train.log"
+"""Each run's output, written into its folder before it starts: it also marks the folder as a comparison's."""
 
 # Run-control settings of every comparison run (not hyperparameters): a loss at every step to compare,
 # a fresh start, and no export.
@@ -75,6 +85,16 @@ def config_overrides(name: str) -> list[str]:
 
 def config_label(name: str) -> str:
     return Path(name).stem if name.endswith(".json") else name
+
+
+def config_for(recipe: str, overrides: list[str], name: str, run_overrides: list[str] = ()) -> Config:
+    """The recipe as config ``name`` trains it: its DeepSpeed JSON (or none) and its ``+option`` overrides, checked
+    by the config rules (``lmrecipe/config/rules.py``) as ``train.py`` checks them. ``run_overrides`` come before
+    the config's own settings (a comparison's run control)."""
+    ds_path = ds_config_path(name)
+    return load_config(recipe, [*overrides, *run_overrides,
+                                f"distributed.deepspeed_config={ds_path if ds_path else 'null'}",
+                                *config_overrides(name)])
 
 
 @dataclass
@@ -133,13 +153,20 @@ def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps:
     if len(set(labels)) != len(labels):
         raise fail(f"Configs {configs} repeat a name; each needs its own folder under {out}.")
     runs = []
-    for name, label in zip(configs, labels):
+    for name, label in zip(configs, labels):  # check every config before the first run, as training would
         ds_path = ds_config_path(name)
-        args = [recipe, *overrides, *_RUN_OVERRIDES, f"train.max_steps={steps}", f"out_dir={out / label}",
-                f"distributed.deepspeed_config={ds_path if ds_path else 'null'}", *config_overrides(name)]
-        runs.append((label, load_config(args[0], args[1:]), args))  # check every config before the first run
-        if (out / label).exists() and not overwrite:
-            raise fail(f"{out / label} exists. Pass --overwrite to replace it, or choose another --out.")
+        run_control = [*_RUN_OVERRIDES, f"train.max_steps={steps}", f"out_dir={out / label}"]
+        try:
+            cfg = config_for(recipe, overrides, name, run_control)
+            check_launch(cfg.workload(), ds_path, num_processes, 1, resolve_precision(cfg.train.precision))
+        except UserError as err:
+            raise refusal_of(name, f"cannot train on {num_processes} processes (--nproc)", err) from None
+        args = [recipe, *overrides, *run_control, f"distributed.deepspeed_config={ds_path if ds_path else 'null'}",
+                *config_overrides(name)]
+        check_replaceable(out / label, overwrite)
+        runs.append((label, cfg, args))
+    for source in runs[0][1].data.source_list():  # every config reads the same data, which training checks first
+        load_meta(source.path)
     out.mkdir(parents=True, exist_ok=True)
 
     results = []
@@ -148,10 +175,10 @@ def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        log_path = run_dir / "train.log"
+        log_path = run_dir / COMPARE_LOG
         logger.info("[%d/%d] %s: training %d steps on %d processes (log: %s)", i, len(runs), label, steps, num_processes, log_path)
         start = time.perf_counter()
-        with open(log_path, "w") as log:
+        with open(log_path, "w") as log:  # first, so that a later --overwrite knows the folder as a comparison's
             proc = subprocess.run(_launch(cfg.distributed, args, num_processes), stdout=log, stderr=subprocess.STDOUT,
                                   env=_child_env())
         seconds = time.perf_counter() - start
@@ -168,6 +195,28 @@ def run_comparison(recipe: str, overrides: list[str], configs: list[str], steps:
                     _mb(result.model_states_measured_mb), _mb(result.model_states_estimated_mb))
     add_loss_differences(results, out)
     return results
+
+
+def refusal_of(name: str, why: str, err: UserError) -> UserError:
+    """``err`` (a refusal of config ``name``) as one message that names the config first; ``why`` says what it was
+    checked for (e.g. ``cannot train on 3 processes``)."""
+    text = str(err)
+    if "\n- " not in text:  # one paragraph (a list of broken rules keeps its lines)
+        text = " ".join(text.split())
+    return fail(f"Config {name} {why}: {text}", exit_code=err.exit_code)
+
+
+def check_replaceable(run_dir: Path, overwrite: bool) -> None:
+    """UserError unless ``run_dir`` is absent, or (with ``overwrite``) a run of an earlier comparison: one that holds
+    the :data:`COMPARE_LOG` a comparison writes first. A training run of the user's own is never replaced."""
+    if not (run_dir.exists() or run_dir.is_symlink()):
+        return
+    if not overwrite:
+        raise fail(f"{run_dir} exists. Pass --overwrite to replace it, or choose another --out.")
+    if not run_dir.is_dir() or not (run_dir / COMPARE_LOG).is_file():
+        raise fail(f"{run_dir} is not a run of an earlier comparison (it has no {COMPARE_LOG}): --overwrite replaces "
+                   "only those, and this may be a training run or other files of yours. Choose another --out, or move "
+                   f"{run_dir} away.")
 
 
 def _mb(value: float | None) -> str:
@@ -225,18 +274,32 @@ def recipe_vocab_size(model: ModelConfig, data: DataConfig, override: int | None
     )
 
 
-def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | None, world_size: int, num_nodes: int,
-                    precision: str) -> MemoryEstimate:
-    """Per-rank memory of the recipe's workload (``Config.workload()``) under one DeepSpeed config (None = no
-    DeepSpeed)."""
+def check_launch(work: Workload, ds_path: str | Path | None, world_size: int, num_nodes: int,
+                 precision: str) -> tuple[BatchLayout, dict | None]:
+    """What training checks of a launch before its first step (``distributed.build_runtime``), for one config: the
+    splits divide the world size, the batch splits over the data-parallel ranks, the DeepSpeed JSON is valid for the
+    recipe, tensor parallelism is not under ZeRO-3. Returns the batch layout and the filled DeepSpeed config (None
+    without DeepSpeed); UserError naming the reason and the fix."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
     sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
     for key, size in (("sequence_parallel_size", sp), ("tensor_parallel_size", tp)):
         if world_size % size:
-            raise fail(f"distributed.{key}={size} does not divide the world size {world_size}.")
+            raise fail(f"distributed.{key}={size} does not divide the world size {world_size}: each group of {size} "
+                       f"consecutive ranks shares the work. Choose a world size that is a multiple of {size}.")
     layout = BatchLayout.from_config(work.train, world_size // (sp * tp))
     ds = load_deepspeed_config(ds_path, work.optim, work.distributed, layout, precision) if ds_path else None
+    if ds_path:
+        check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds), Path(ds_path))
+    return layout, ds
+
+
+def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | None, world_size: int, num_nodes: int,
+                    precision: str) -> MemoryEstimate:
+    """Per-rank memory of the recipe's workload (``Config.workload()``) under one DeepSpeed config (None = no
+    DeepSpeed), refused as training would refuse it (:func:`check_launch`)."""
+    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
+    layout, ds = check_launch(work, ds_path, world_size, num_nodes, precision)
     return estimate(
         shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
         accum_steps=layout.accum_steps, micro_batch_size=work.train.micro_batch_size,

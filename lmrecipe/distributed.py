@@ -26,6 +26,14 @@ logger = logging.getLogger(__name__)
 # Values a ds_configs/*.json may leave as "auto": each has exactly one home, the recipe.
 RECIPE_OWNED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
 
+# Parallel splits a ds_configs/*.json must not carry, with the recipe's own setting for each (None: none yet). The
+# recipe writes the first two from its keys; the ranks' data, batch check and checkpoint layout follow those keys.
+RECIPE_PARALLELISM = {
+    "sequence_parallel_size": "distributed.sequence_parallel_size",
+    "tensor_parallel": "distributed.tensor_parallel_size",
+    "expert_parallel": None,
+}
+
 
 def resolve_precision(requested: str) -> str:
     """auto = bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPUs (bf16 matmul is slower there)."""
@@ -154,6 +162,7 @@ def load_deepspeed_config(path: str | Path, optim: OptimConfig, distributed: Dis
                 f"{path} has an {key!r} section. The optimizer and schedule are built from the recipe (optim.*, "
                 f"schedule.*); remove the section so each number has one home."
             )
+    _refuse_parallelism_sections(ds, path)
     for key in RECIPE_OWNED:
         if key in ds and ds[key] != "auto":
             raise fail(
@@ -183,6 +192,26 @@ def load_deepspeed_config(path: str | Path, optim: OptimConfig, distributed: Dis
     # makes Accelerate swap it for a DeepSpeedCPUAdam(adamw_mode=False): L2 instead of decoupled weight decay.
     ds["zero_force_ds_cpu_optimizer"] = False
     return ds
+
+
+def _refuse_parallelism_sections(ds: dict, path: str | Path) -> None:
+    """Exit 2 when the JSON sets a parallel split itself (:data:`RECIPE_PARALLELISM`): DeepSpeed would split the model
+    while the recipe feeds, counts and checkpoints the ranks as its own keys say (DeepSpeed's assertions, or a run
+    that disagrees with its config)."""
+    for key, setting in RECIPE_PARALLELISM.items():
+        if key not in ds:
+            continue
+        if setting is None:
+            raise fail(f"""
+                {path} has an {key!r} section, but this recipe's models have no mixture-of-experts layers and the
+                recipe has no expert-parallel setting yet: remove the section (parallel splits come from the recipe's
+                distributed.* keys, not from the DeepSpeed JSON).""")
+        size = ds[key].get("autotp_size") if isinstance(ds[key], dict) else ds[key]
+        size = size if isinstance(size, int) and size > 0 else "N"
+        raise fail(f"""
+            {path} sets {key!r} ({json.dumps(ds[key])}). The parallel splits come from the recipe, which writes this
+            value into the DeepSpeed config itself: remove {key!r} from the JSON and set {setting}={size} in the
+            recipe or on the command line instead.""")
 
 
 def _fit_optimizer(ds: dict, optimizer: str, path: str | Path) -> None:
@@ -274,6 +303,7 @@ def build_runtime(cfg: Config) -> Runtime:
     if ds_path is not None:
         ds_config = load_deepspeed_config(ds_path, cfg.optim, cfg.distributed, layout, precision)
         check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds_config), ds_path)
+        check_sequence_parallel_stage(sp, ds_config, precision, ds_path, cfg.train.precision)
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
@@ -356,6 +386,32 @@ def check_tensor_parallel_stage(tp: int, zero: ZeroSetup, path: Path) -> None:
             weights that ZeRO-3 would partition), or set distributed.tensor_parallel_size=1.""")
 
 
+def check_sequence_parallel_stage(sp: int, ds_config: dict, precision: str, path: Path, requested: str) -> None:
+    """Ulysses under DeepSpeed's bf16 optimizer fails at the first step: that optimizer (ZeRO-1 with bf16 weights,
+    fp32 gradient accumulation and no optimizer offload) takes the sequence-parallel ranks for tensor-parallel ones,
+    so every rank but the first of a group finds no gradient of its own to measure ("stack expects a non-empty
+    TensorList", DeepSpeed 0.19.8). Which optimizer DeepSpeed picks is read from the JSON, so it is checked here;
+    ``precision`` is the resolved one (fp8 trains on that bf16 path too), ``requested`` is ``train.precision``."""
+    if sp == 1 or not _uses_bf16_optimizer(ds_config):
+        return
+    said = f"train.precision={requested}" + (f" ({precision} here)" if requested != precision else "")
+    raise fail(f"""
+        distributed.sequence_parallel_size={sp} with {said} cannot run under ZeRO-1 ({path}): DeepSpeed's bf16
+        ZeRO-1 optimizer counts the ranks that share a sequence as tensor-parallel ranks and fails at the first step.
+        Choose distributed.deepspeed_config=zero2 or zero3 (the same training, equal to one process), or
+        train.precision=fp32, or set distributed.sequence_parallel_size=1.""")
+
+
+def _uses_bf16_optimizer(ds_config: dict) -> bool:
+    """Whether DeepSpeed 0.19.8 trains ``ds_config`` with its ``BF16_Optimizer`` (``engine._do_optimizer_sanity_check``):
+    bf16 on, ZeRO stage 1, gradients accumulated in fp32, the optimizer not offloaded to the CPU."""
+    zero = ds_config.get("zero_optimization", {})
+    accum = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "")).lower()
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+    return (ds_config.get("bf16", {}).get("enabled") is True and int(zero.get("stage", 0)) == 1
+            and accum in ("fp32", "float32", "float", "torch.float32") and not offloaded)
+
+
 def check_tensor_parallel_model(tp: int, hf_config) -> None:
     """What ``distributed.tensor_parallel_size`` (``tp``) needs of the built model's config: every split matrix divides
     evenly. The rule ``tensor_parallel_divides_model`` refuses a recipe's own shape at load; this check covers a model
@@ -404,10 +460,27 @@ def name_sequence_parallel_attention(accelerator, model) -> None:
     """Tell Accelerate which attention function Ulysses wraps: the one the model was built with. The recipe's
     attention functions are registered in transformers' ``AttentionInterface`` under their own names (no mask
     builder, no host sync), which Accelerate's up-front check of builtin names does not know; DeepSpeed accepts
-    any registered name that matches the model's."""
+    any registered name that matches the model's. With fewer key/value heads than ranks, evaluation forwards are
+    kept on the model's own head count (:func:`_keep_key_value_groups`)."""
     config = getattr(accelerator, "parallelism_config", None)
     if config is not None and config.sp_size > 1:
         config.sp_handler.sp_attn_implementation = model.config._attn_implementation
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+        if kv_heads < config.sp_size:
+            _keep_key_value_groups(model)
+
+
+def _keep_key_value_groups(model) -> None:
+    """With fewer key/value heads than ranks, Ulysses replicates them and overwrites each attention module's
+    ``num_key_value_groups`` (query heads per key/value head) with its per-rank value during a training forward, and
+    never restores it. An evaluation forward (the validation loss, the checkpoint's probe) runs the attention
+    unsplit, on every head, so it would repeat the key/value heads too few times (a shape error in the first
+    validation or checkpoint): each attention module gets its own count back before every forward (the Ulysses
+    path sets its own again inside)."""
+    for module in model.modules():
+        groups = getattr(module, "num_key_value_groups", None)
+        if isinstance(groups, int):
+            module.register_forward_pre_hook(lambda m, args, groups=groups: setattr(m, "num_key_value_groups", groups))
 
 
 def build_eval_accelerator():

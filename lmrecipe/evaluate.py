@@ -17,7 +17,8 @@ import torch
 from lmrecipe.attention import DocumentAttention, build_document_attention
 from lmrecipe.config import TrainConfig
 from lmrecipe.data.batches import ValBatches
-from lmrecipe.data.format import TokenWindows, file_sha256, load_meta
+from lmrecipe.data.format import TokenWindows, load_meta
+from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.distributed import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
@@ -163,16 +164,13 @@ def check_tokenizer(data_dir: Path, meta: dict, model, tokenizer, allow_other_to
     if int(meta["vocab_size"]) > vocab or top >= vocab:
         raise fail(f"{data_dir} was tokenized with a vocabulary of {meta['vocab_size']} tokens (largest id "
                    f"{top}) but the model has {vocab}: it was prepared with another tokenizer.")
-    data_tokenizer = Path(data_dir) / "tokenizer.json"
-    model_tokenizer = Path(getattr(tokenizer, "name_or_path", "")) / "tokenizer.json"
-    if data_tokenizer.is_file() and model_tokenizer.is_file() and file_sha256(data_tokenizer) != file_sha256(model_tokenizer):
-        if not allow_other_tokenizer:
-            raise fail(f"{data_dir} was prepared with another tokenizer than the model's ({data_tokenizer} differs from "
-                       f"{model_tokenizer}): its ids fit the vocabulary but stand for other text, so the loss would be "
-                       f"meaningless. Prepare the data with the model's tokenizer (tools/prepare_data.py --tokenizer "
-                       f"{model_tokenizer.parent}), or pass --allow-other-tokenizer if the two encode alike.")
-        logger.warning("%s differs from the model's tokenizer; the perplexity is only meaningful if they encode alike.",
-                       data_tokenizer)
+    if model_dir := getattr(tokenizer, "name_or_path", ""):
+        check_same_tokenizer(
+            model_dir, data_dir, allow=allow_other_tokenizer,
+            what=f"{tokenizer_name(data_dir)} was prepared with another tokenizer than the model's, {model_dir}",
+            fix=f"Its ids fit the vocabulary, so the loss would be computed, and meaningless. Prepare the data with the "
+                f"model's tokenizer (tools/prepare_data.py --tokenizer {model_dir}), or pass --allow-other-tokenizer if "
+                "the two encode alike.")
 
 
 def masking_attention(model) -> DocumentAttention:

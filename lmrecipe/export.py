@@ -22,22 +22,27 @@ import shutil
 import struct
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
 from lmrecipe.checkpoint.ema_files import read_ema_state_dict
 from lmrecipe.checkpoint.readers import open_source
 from lmrecipe.checkpoint.storage import (
+    BEST,
     DS_TAG,
     HF_DIR,
+    LATEST,
+    complete_checkpoints,
     looks_like_checkpoint,
     no_checkpoint_message,
     read_checkpoint,
     resolve_checkpoint,
+    step_of_dir,
 )
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import parse_shard_size
-from lmrecipe.errors import fail
+from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic
 from lmrecipe.model import bare_parameter_name
 
@@ -136,6 +141,77 @@ def _hf_config_and_tokenizer(ckpt: Path):
     return AutoConfig.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
 
 
+T = TypeVar("T")
+_MAX_VANISHED = 8
+"""Checkpoints that may disappear under one reader (a run saving and pruning fast) before it gives up."""
+
+
+def follow_pointer(path: Path) -> Path:
+    """The checkpoint a ``checkpoints/latest`` or ``checkpoints/best`` pointer file names, when given that file
+    instead of a folder; any other path as it is."""
+    if not (path.is_file() and path.name in (LATEST, BEST)):
+        return path
+    name = path.read_text().strip()
+    target = path.parent / name
+    if step_of_dir(name) is None or not target.is_dir():
+        raise fail(f"{path} points to {name!r}, which is not a checkpoint folder beside it. Pass a checkpoint folder "
+                   f"({path.parent}/step_N) or the run folder for its newest checkpoint.")
+    return target
+
+
+def _next_checkpoint(path: Path, tried: list[Path]) -> Path | None:
+    """The checkpoint to read for ``path`` (a checkpoint, or a run or ``checkpoints`` folder: the one ``latest``
+    names, else the newest complete one) that is not in ``tried``; None when there is none."""
+    if not tried:
+        ckpt = resolve_checkpoint(path)  # a damaged pointer is the user's to know of, as on resume
+        return ckpt if looks_like_checkpoint(ckpt) else None
+    if path in tried:
+        return None  # a checkpoint given itself has no next
+    try:
+        ckpt = resolve_checkpoint(path)
+    except UserError:
+        ckpt = None  # the pointer moves while the run saves
+    if ckpt is not None and ckpt not in tried and looks_like_checkpoint(ckpt):
+        return ckpt
+    for root in (path, path / "checkpoints"):
+        left = [c.path for c in complete_checkpoints(root) if c.path not in tried]
+        if left:
+            return left[-1]
+    return None
+
+
+def read_newest(path: str | Path, read: Callable[[Path], T]) -> tuple[Path, T] | None:
+    """``(checkpoint, read(checkpoint))`` for the checkpoint ``path`` names (see :func:`_next_checkpoint`; a pointer
+    file too), or None when it names none.
+
+    A running run deletes old checkpoints as it saves (``checkpoint.keep_last``): one that disappears while ``read``
+    reads it gives way to the newest left. Errors of a checkpoint that is still there are raised as they are.
+    """
+    path = follow_pointer(Path(path))
+    tried: list[Path] = []
+    while len(tried) <= _MAX_VANISHED:
+        ckpt = _next_checkpoint(path, tried)
+        if ckpt is None:
+            break
+        try:
+            return ckpt, read(ckpt)
+        except Exception:
+            if ckpt.exists():
+                raise
+            logger.warning("%s was deleted while it was read (its run prunes old checkpoints as it saves); reading "
+                           "the newest one left", ckpt)
+            tried.append(ckpt)
+    if not tried:
+        return None
+    if tried == [path]:
+        raise fail(f"Checkpoint {path} was deleted while it was read: its run deletes old checkpoints as it saves new "
+                   "ones (checkpoint.keep_last). Pass the run folder for its newest checkpoint, or copy the checkpoint "
+                   "out of the run first.")
+    raise fail(f"{path}: checkpoint {', '.join(c.name for c in tried)} {'was' if len(tried) == 1 else 'were'} deleted "
+               "while being read (the run saves and prunes, checkpoint.keep_last), and no complete one is left. Run "
+               "the command again, or copy a checkpoint out of the run first.")
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bf16",
                       max_shard_size: str | int = "2GB", overwrite: bool = False, weights: str = "raw") -> Path:
     """Write a Hugging Face model folder from a training checkpoint (or a run folder: its newest checkpoint).
@@ -145,16 +221,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     Runs in one process. Inside a training process, unset transformers' ZeRO-3 config first, or model
     construction enters ``zero.Init`` and waits for every rank.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     if dtype not in DTYPES:
         raise fail(f"Export dtype {dtype!r} is not supported. Choose one of: {', '.join(DTYPES)}.")
-    ckpt = resolve_checkpoint(checkpoint)
-    if not looks_like_checkpoint(ckpt):
+    done = read_newest(checkpoint, lambda ckpt: _export(ckpt, Path(out_dir), dtype, max_shard_size, overwrite, weights))
+    if done is None:
         raise fail(f"{no_checkpoint_message(Path(checkpoint))} Pass a checkpoint folder (out_dir/checkpoints/step_N), "
                    "or a run folder that saved one.")
+    return done[1]
+
+
+def _export(ckpt: Path, out: Path, dtype: str, max_shard_size: str | int, overwrite: bool, weights: str) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     saved = read_checkpoint(ckpt)
-    out = Path(out_dir)
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise fail(f"Export folder {out} lies inside the checkpoint {ckpt}; choose a folder outside it.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -250,7 +329,8 @@ def check_export(path: Path) -> None:
 
 
 def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32, weights: str = "raw"):
-    """Model (eval mode), tokenizer and training seq_len from an export folder or a training checkpoint.
+    """Model (eval mode), tokenizer and training seq_len from an export folder or a training checkpoint (or a run
+    folder, or its ``checkpoints/latest`` pointer file: the newest checkpoint, read as :func:`read_newest` reads).
 
     A checkpoint is consolidated in memory exactly as the export would be, so evaluation needs no DeepSpeed
     engine and no export step; ``weights`` picks its trained weights or their EMA (an export has one set).
@@ -258,16 +338,12 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32, wei
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
+    path = follow_pointer(Path(path))
     if not path.is_dir():
         raise fail(f"{str(path)!r} does not exist or is not a folder. Pass an export folder or a training checkpoint.")
-    ckpt = resolve_checkpoint(path)
-    if looks_like_checkpoint(ckpt):
-        saved = read_checkpoint(ckpt)
-        hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        model.load_state_dict(_match_model_keys(weights_state_dict(ckpt, dtype, weights, saved), model), strict=True)
-        seq_len = int(saved["config"]["data"]["seq_len"])
+    loaded = read_newest(path, lambda ckpt: _load_checkpoint(ckpt, dtype, weights))
+    if loaded is not None:
+        model, tokenizer, seq_len = loaded[1]
     else:
         if weights != "raw":
             raise fail(f"{path} is an export, which holds one set of weights: --weights {weights} applies to a "
@@ -281,3 +357,13 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32, wei
         seq_len = int(model.config.max_position_embeddings)
     model.config.use_cache = True
     return model.eval(), tokenizer, seq_len
+
+
+def _load_checkpoint(ckpt: Path, dtype: torch.dtype, weights: str):
+    from transformers import AutoModelForCausalLM
+
+    saved = read_checkpoint(ckpt)
+    hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.load_state_dict(_match_model_keys(weights_state_dict(ckpt, dtype, weights, saved), model), strict=True)
+    return model, tokenizer, int(saved["config"]["data"]["seq_len"])

@@ -25,6 +25,31 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def new_file_mode() -> int:
+    """The permissions ``open`` gives a new file: 0o666 less the process's umask."""
+    try:  # Linux names the umask here; reading it with os.umask would change it for a moment, for every thread
+        with open("/proc/self/status") as fh:
+            umask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_new_file_mode(path: str | os.PathLike) -> None:
+    """Add to ``path`` (a file, or every file under a folder) the permissions a new file gets, so that what the package
+    writes is readable as its other files are (0644 under the usual umask). safetensors writes through a private
+    temporary file and leaves mode 0600, which a serving account of the same group cannot read. Only adds: bits the
+    file has (an executable's) stay; files of another owner are left as they are."""
+    path, mode = Path(path), new_file_mode()
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    for file in files:
+        with contextlib.suppress(PermissionError, FileNotFoundError):
+            current = file.stat().st_mode & 0o7777
+            if current | mode != current:
+                os.chmod(file, current | mode)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path to write ``path`` through; it replaces ``path`` only if the block succeeds.
@@ -36,6 +61,7 @@ def atomic_path(path: str | os.PathLike, durable: bool = False) -> Iterator[Path
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         yield tmp
+        give_new_file_mode(tmp)
         if durable:
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
@@ -106,6 +132,7 @@ def building_dir(dest: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
     tmp = temp_dir_for(dest)
     try:
         yield tmp
+        give_new_file_mode(tmp)
         install_dir(tmp, dest, overwrite)
     except BaseException:
         remove_path(tmp)

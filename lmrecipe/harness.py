@@ -29,6 +29,27 @@ def is_own_task(spec: str) -> bool:
     return spec == NEXT_LINE or spec.endswith(".jsonl")
 
 
+def check_lm_eval_arguments(specs: Sequence[str], include_paths: Sequence[str] = (), limit: int | None = None,
+                            num_fewshot: int | None = None) -> None:
+    """UserError, before any model is loaded, for what lm-eval would refuse only after the work before it: a
+    ``limit`` below 1, a negative ``num_fewshot``, an include path that is not a folder, a task spec that is a folder,
+    a task file that is missing or holds a bad item."""
+    if limit is not None and limit < 1:
+        raise fail(f"--limit {limit}: give the number of items to score per task, 1 or more (leave --limit out to "
+                   "score them all).")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise fail(f"--num-fewshot {num_fewshot}: give the number of solved examples before each item, 0 or more "
+                   "(leave --num-fewshot out for each task's own).")
+    for folder in include_paths:
+        if not Path(folder).is_dir():
+            raise fail(f"--include-path {folder} is not a folder: give a folder of lm-eval task YAML files.")
+    for spec in specs:
+        if not is_own_task(spec) and Path(spec).is_dir():
+            raise fail(f"--lm-eval {spec} is a folder, not a task: pass the folder with --include-path {spec} and its "
+                       "tasks' names to --lm-eval, or give .jsonl task files, next_line or lm-eval registry names.")
+    resolve_tasks([s for s in specs if is_own_task(s) and s != NEXT_LINE], None, 1, 0)  # task files are read now
+
+
 def write_lm_eval_folder(tasks: Sequence[Task], folder: Path) -> list[str]:
     """Each task as ``<name>.jsonl`` plus the ``<name>.yaml`` lm-eval reads it with; returns the task names."""
     for task in tasks:
@@ -44,10 +65,7 @@ def run_lm_eval(path: str | Path, specs: Sequence[str], data_dir: str | Path | N
                 num_fewshot: int | None = None) -> dict:
     """lm-eval's results for ``specs`` on ``path`` (export folder or training checkpoint): ``{task: {metric:
     value}}``, metrics as lm-eval names them without its ``,none`` filter suffix. One process."""
-    for folder in include_paths:
-        if not Path(folder).is_dir():
-            raise fail(f"--include-path {folder} is not a folder: give a folder of lm-eval task YAML files.")
-    resolve_tasks([s for s in specs if is_own_task(s) and s != NEXT_LINE], None, next_line_items, seed)  # files first
+    check_lm_eval_arguments(specs, include_paths, limit, num_fewshot)
     model, tokenizer, _ = load_for_inference(path, weights=weights)
     own = resolve_tasks([s for s in specs if is_own_task(s)], data_dir, next_line_items, seed,
                         model.config.max_position_embeddings)

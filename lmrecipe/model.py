@@ -13,6 +13,7 @@ from torch import nn
 
 from lmrecipe.attention import DocumentAttention, build_document_attention
 from lmrecipe.config import DataConfig, ModelConfig, TrainConfig
+from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.errors import fail
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,20 @@ def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
         )
     except ValueError as err:
         raise fail(f"model.arch={m.arch!r} is not a transformers architecture ({err}).") from None
+
+
+def check_init_tokenizer(m: ModelConfig, data_dir: str | Path) -> None:
+    """UserError when ``model.init_from`` holds another tokenizer than the one ``data_dir`` was prepared with: its
+    weights learned what its own ids stand for (``lmrecipe/data/tokenizer.py`` compares them)."""
+    if m.init_from is None:
+        return
+    check_same_tokenizer(
+        m.init_from, data_dir,
+        what=f"model.init_from={m.init_from} was trained with another tokenizer than the one "
+             f"{tokenizer_name(data_dir)} was prepared with",
+        fix=f"Prepare the data with the model's tokenizer (python tools/prepare_data.py --input CORPUS --tokenizer "
+            f"{m.init_from} --output NEW_DATA, then data.path=NEW_DATA), or set model.init_from=null to train from "
+            "scratch on this data.")
 
 
 CAUSAL_SDPA = "lmrecipe_causal_sdpa"

@@ -302,6 +302,8 @@ class Plan:
     global_batch_size: int
     max_steps: int
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """Where the plan departs from what was asked (:func:`budget_warnings`); ``tools/plan.py`` prints them on stderr."""
 
     @property
     def flops_per_token(self) -> float:
@@ -354,6 +356,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     if i.model_from_recipe:
         shapes = [shape_from_config(i.base.model, i.vocab_size)]
     else:
+        check_within_family(i, n_opt)
         shapes = shapes_near(n_opt, i.vocab_size)
     capacity = i.memory_gb * 1e9 * (1.0 - i.reserve)
     tried = []
@@ -369,12 +372,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
             break
         tried.append(f"micro-batch {micro_batch}{' with activation checkpointing' if checkpointing else ''}")
     else:
-        smallest = min(candidates, key=lambda c: c.device_bytes)
-        raise fail(f"Nothing fits: the smallest configuration (ZeRO-{smallest.stage}, {smallest.shape.describe()}, "
-                   f"{tried[-1]}) needs {smallest.device_bytes / 1e9:,.1f} GB per device, over the "
-                   f"{capacity / 1e9:,.1f} GB usable of {i.memory_gb:,.0f} GB ({100 * i.reserve:.0f}% kept free). "
-                   "Lower --micro-batch or --seq-len, add --gradient-checkpointing, use more devices, or plan a "
-                   "smaller model (--params).")
+        raise nothing_fits(i, candidates, tried[-1], micro_batch, checkpointing, capacity)
     notes = [f"Did not fit at {', '.join(tried)}; planned at micro-batch {micro_batch}"
              f"{' with activation checkpointing' if checkpointing else ''}."] if tried else []
     if checkpointing:
@@ -391,7 +389,83 @@ def make_plan(inputs: PlanInputs) -> Plan:
     else:
         tokens = k * chosen.shape.n_params
     gbs, steps = batch_and_steps(i, tokens)
-    return Plan(i, compute, n_opt, d_opt, shapes, candidates, chosen, tokens, gbs, steps, notes)
+    plan = Plan(i, compute, n_opt, d_opt, shapes, candidates, chosen, tokens, gbs, steps, notes)
+    plan.warnings = budget_warnings(plan)
+    return plan
+
+
+_BRACKET = 1.5
+"""shapes_near's spread: the shapes it offers lie within this factor of the target when the family reaches it."""
+OVER_BUDGET = 1.1
+"""A plan that spends more than this multiple of the asked days or tokens is flagged (rounding up to whole steps
+costs a little; a budget below one step or below the smallest shape costs far more)."""
+
+
+def _asked(i: PlanInputs) -> str:
+    """The budget as the flags gave it: ``--days 1 on 8 H100``, ``--tokens 2e+11``, ``--params 1e+09``."""
+    if i.days is not None:
+        return f"--days {i.days:g} on {i.devices:,} {i.device.name}"
+    return " with ".join(f"--{name} {value:g}" for name, value in (("params", i.params), ("tokens", i.tokens))
+                         if value is not None)
+
+
+def check_within_family(i: PlanInputs, n_opt: float) -> None:
+    """UserError when the compute-optimal size lies beyond the family's largest shape: the planner would plan that
+    shape for a budget it cannot spend, and then blame the device count when it does not fit."""
+    largest = family_shape(_widths()[-1], i.vocab_size)
+    if n_opt <= _BRACKET * largest.n_params:
+        return
+    smaller = "--days or --gpus" if i.days is not None else "--params" if i.params is not None else "--tokens"
+    raise fail(f"{_asked(i)} calls for a compute-optimal model of {_fmt_count(n_opt)} parameters, beyond the largest "
+               f"shape the planner knows ({largest.describe()}, {_fmt_count(largest.n_params)} parameters). Plan a "
+               f"smaller budget (lower {smaller}), or fix the model with --params (at most "
+               f"{_fmt_count(largest.n_params)}) and the data with --tokens.")
+
+
+def nothing_fits(i: PlanInputs, candidates: list[Candidate], tried: str, micro_batch: int, checkpointing: bool,
+                 capacity: float):
+    """The UserError for a plan in which no shape fits under any stage, naming only the changes that would help: more
+    devices shrink ZeRO-3's partitioned states, not the activations or the gathered layer, which no device count
+    divides."""
+    smallest = min(candidates, key=lambda c: c.device_bytes)
+    floor = estimate_device_bytes(smallest.shape.memory_shape(), 3, 2**40, i.precision, micro_batch, i.seq_len,
+                                  checkpointing, i.base.workload(), 1)
+    fixes = [*(["lower --micro-batch"] if micro_batch > 1 else []), "lower --seq-len",
+             *([] if checkpointing else ["add --gradient-checkpointing"]),
+             *(["use more devices"] if floor <= capacity else []),
+             *([] if i.model_from_recipe else ["plan a smaller model (--params)"])]
+    more = "" if floor <= capacity else (
+        f" More devices would not help: even on any number of them ZeRO-3 needs {floor / 1e9:,.1f} GB per device for "
+        "the activations and the gathered layer, which no device count divides.")
+    advice = ", ".join(fixes[:-1]) + " or " + fixes[-1]
+    return fail(f"Nothing fits: the smallest configuration (ZeRO-{smallest.stage}, {smallest.shape.describe()}, "
+                f"{tried}) needs {smallest.device_bytes / 1e9:,.1f} GB per device, over the {capacity / 1e9:,.1f} GB "
+                f"usable of {i.memory_gb:,.0f} GB ({100 * i.reserve:.0f}% kept free).{more} "
+                f"{advice[0].upper()}{advice[1:]}.")
+
+
+def budget_warnings(plan: Plan) -> list[str]:
+    """Where the plan spends more than was asked: a run shorter than one optimizer step (or than a whole number of
+    them), or a model size below the family's smallest shape."""
+    i, warnings = plan.inputs, []
+    run_tokens = plan.max_steps * plan.global_batch_size * i.seq_len
+    step = (f"one optimizer step is {plan.global_batch_size:,} sequences x {i.seq_len:,} tokens = "
+            f"{plan.global_batch_size * i.seq_len:,} tokens")
+    if i.days is not None and plan.wall_seconds > OVER_BUDGET * i.days * 86_400.0:
+        warnings.append(f"The plan runs {_duration(plan.wall_seconds)}, {plan.wall_seconds / (i.days * 86_400.0):,.3g} "
+                        f"times the asked {_asked(i)}: {step} of a {_fmt_count(plan.chosen.shape.n_params)}-parameter "
+                        "model, and a run takes whole steps. Ask for a larger budget, or a smaller batch "
+                        "(train.global_batch_size=N) in the recipe.")
+    elif i.tokens is not None and run_tokens > OVER_BUDGET * i.tokens:
+        warnings.append(f"The plan trains {_fmt_count(run_tokens)} tokens, {run_tokens / i.tokens:,.3g} times the asked "
+                        f"--tokens {i.tokens:g}: {step}, and a run takes whole steps. Ask for more tokens, or a "
+                        "smaller batch (train.global_batch_size=N) in the recipe.")
+    if i.params is not None and not i.model_from_recipe and plan.chosen.shape.n_params > _BRACKET * i.params:
+        warnings.append(f"The chosen shape has {_fmt_count(plan.chosen.shape.n_params)} parameters, "
+                        f"{plan.chosen.shape.n_params / i.params:,.3g} times the asked --params {i.params:g}: the "
+                        "planner's smallest shape that fits is that large. Plan your own model with --recipe and "
+                        "--model-from-recipe.")
+    return warnings
 
 
 def memory_settings(inputs: PlanInputs) -> list[tuple[int, bool]]:
@@ -462,7 +536,9 @@ def _duration(seconds: float) -> str:
         return f"{seconds / 86_400:,.2f} days"
     if seconds >= 3600:
         return f"{seconds / 3600:,.2f} hours"
-    return f"{seconds / 60:,.1f} minutes"
+    if seconds >= 60:
+        return f"{seconds / 60:,.1f} minutes"
+    return f"{seconds:.3g} seconds"
 
 
 def format_plan(plan: Plan) -> str:
@@ -528,6 +604,7 @@ def plan_summary(plan: Plan) -> dict:
         "global_batch_size": plan.global_batch_size, "tokens_per_sec": plan.tokens_per_sec,
         "wall_seconds": plan.wall_seconds, "device_hours": plan.device_hours,
         "cost": plan.device_hours * i.cost_per_device_hour if i.cost_per_device_hour is not None else None,
+        "warnings": plan.warnings,
     }
 
 

@@ -68,6 +68,12 @@ class Task:
 def load_task_file(path: str | Path) -> Task:
     """The task in ``path`` (named after the file's stem); UserError naming the file and line of a bad item."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(str(p) for p in path.glob("*.jsonl"))[:3]
+        hint = f" (it holds {', '.join(inside)}: pass those files)" if inside else ""
+        raise fail(f"Task {path} is a folder, not a task file{hint}. Give JSON-lines task files, one item of "
+                   f"{{\"context\": ..., \"choices\": [...], \"gold\": index}} per line, or {NEXT_LINE} (built from "
+                   "the data folder's validation split); a folder of lm-eval task YAML files goes to --include-path.")
     if not path.is_file():
         raise fail(f"Task file {path} does not exist. Give a JSON-lines file of {{\"context\": ..., \"choices\": [...], "
                    f"\"gold\": index}} items, or {NEXT_LINE} (built from the data folder's validation split).")

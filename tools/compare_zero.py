@@ -15,8 +15,8 @@ from pathlib import Path
 # Run as `python tools/compare_zero.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
-from lmrecipe.compare import DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
+from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
+from lmrecipe.compare import COMPARE_LOG, DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402
 
 
@@ -37,7 +37,8 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes per run (default: the GPUs of this machine, or 2 without GPUs)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare_zero"), help="output folder (default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the run folders of an earlier comparison")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run folders of an earlier comparison (never other folders)")
     args = parser.parse_intermixed_args()  # options may come before or after the overrides
     setup_logging(fmt="%(message)s", stream=sys.stdout)
 
@@ -47,6 +48,8 @@ def main() -> int:
     nproc = args.nproc or default_nproc()
     if nproc < 1:
         raise fail(f"--nproc={nproc} must be at least 1.")
+    # OUT holds one run folder per config: run_comparison replaces only those an earlier comparison wrote.
+    check_tool_output(args.out, "--out", overwrite=None, reads=[args.recipe])
     results = run_comparison(args.recipe, args.overrides, configs, args.steps, nproc, args.out, args.overwrite)
     write_results(results, args.out, args.steps, nproc)
     print()
@@ -54,7 +57,8 @@ def main() -> int:
     print(f"Wrote {args.out / 'results.csv'}, {args.out / 'results.md'} and {args.out / 'memory_throughput.png'}")
     failed = [r.config for r in results if r.status != "ok"]
     if failed:
-        print(f"Failed: {', '.join(failed)} (see their train.log)", file=sys.stderr)
+        logs = ", ".join(str(args.out / name / COMPARE_LOG) for name in failed)
+        print(f"Failed: {', '.join(failed)} (see {logs})", file=sys.stderr)
         return 1
     return 0
 

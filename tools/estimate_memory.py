@@ -21,15 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lmrecipe.cli import cli_main  # noqa: E402
 from lmrecipe.compare import (  # noqa: E402
     DEFAULT_CONFIGS,
+    check_launch,
+    config_for,
     config_label,
-    config_overrides,
     ds_config_path,
     estimate_config,
     recipe_vocab_size,
+    refusal_of,
 )
-from lmrecipe.config import load_config  # noqa: E402
-from lmrecipe.data.batches import BatchLayout  # noqa: E402
-from lmrecipe.errors import fail  # noqa: E402
+from lmrecipe.errors import UserError, fail  # noqa: E402
 
 
 @cli_main
@@ -56,16 +56,20 @@ def main() -> int:
         raise fail(f"--world-size={args.world_size} must be a positive multiple of --nodes={args.nodes}.")
     if args.vocab_size is not None and args.vocab_size <= 0:
         raise fail(f"--vocab-size={args.vocab_size} must be positive.")
-    cfg = load_config(args.recipe, args.overrides)
-    data_parallel = args.world_size // (cfg.distributed.sequence_parallel_size * cfg.distributed.tensor_parallel_size)
-    accum_steps = BatchLayout.from_config(cfg.train, data_parallel).accum_steps  # fails early if the batch does not split
-    precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
-    shape = model_shape(build_hf_config(cfg.model, recipe_vocab_size(cfg.model, cfg.data, args.vocab_size), cfg.data.seq_len))
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    # A +option suffix (zero2+muon, zero3+sp2, zero2+tp2) estimates the recipe with that option's overrides.
-    workloads = [load_config(args.recipe, [*args.overrides, *config_overrides(name)]).workload() for name in names]
-    rows = [(config_label(name), estimate_config(work, shape, ds_config_path(name), args.world_size, args.nodes, precision))
-            for name, work in zip(names, workloads, strict=True)]
+    if not names:
+        raise fail("--configs is empty; name at least one config, e.g. --configs none,zero2.")
+    # Each config is the recipe as training would run it: its DeepSpeed JSON, and a +option suffix's overrides
+    # (zero2+muon, zero3+sp2, zero2+tp2); what training refuses of it, before its first step, is refused here.
+    configs = [_config(args.recipe, args.overrides, name) for name in names]
+    cfg = configs[0]
+    precision = args.precision or (cfg.train.precision if cfg.train.precision != "auto" else "bf16")
+    layouts = [_launch(name, c, args.world_size, args.nodes, precision) for name, c in zip(names, configs)]
+    accum_steps = layouts[0].accum_steps
+    shape = model_shape(build_hf_config(cfg.model, recipe_vocab_size(cfg.model, cfg.data, args.vocab_size), cfg.data.seq_len))
+    rows = [(config_label(name), estimate_config(c.workload(), shape, ds_config_path(name), args.world_size, args.nodes,
+                                                 precision))
+            for name, c in zip(names, configs, strict=True)]
 
     setup = {
         "n_params": shape.n_params, "largest_layer_params": shape.largest_layer_params,
@@ -86,6 +90,20 @@ def main() -> int:
     print(format_estimates(rows))
     print("\nPer rank, except 'offloaded / node' (CPU memory of one node). Formulas: lmrecipe/memory.py.")
     return 0
+
+
+def _config(recipe: str, overrides: list[str], name: str):
+    try:
+        return config_for(recipe, overrides, name)
+    except UserError as err:
+        raise refusal_of(name, "is refused", err) from None
+
+
+def _launch(name: str, cfg, world_size: int, nodes: int, precision: str):
+    try:
+        return check_launch(cfg.workload(), ds_config_path(name), world_size, nodes, precision)[0]
+    except UserError as err:
+        raise refusal_of(name, f"cannot train on --world-size {world_size}", err) from None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 # Run as `python tools/export_hf.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.cli import check_output_path, cli_main, setup_logging  # noqa: E402
+from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
 
 
 @cli_main
@@ -28,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default: %(default)s)")
     parser.add_argument("--weights", choices=("raw", "ema"), default="raw",
                         help="the trained weights, or their moving average saved with train.ema_decay > 0 (default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR if it exists (never a checkpoint, a run folder, or a folder that holds one)")
     args = parser.parse_args(argv)
     setup_logging()
-    check_output_path(args.out_dir, "OUT_DIR")
+    check_tool_output(args.out_dir, "OUT_DIR", overwrite=args.overwrite, reads=[args.checkpoint])
     from lmrecipe.export import export_checkpoint  # heavy imports only after the arguments parsed
 
     export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,

@@ -11,13 +11,14 @@ arithmetic and its sources are in lmrecipe/plan.py; memory comes from lmrecipe/m
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 # Run as `python tools/plan.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.cli import check_output_path, cli_main  # noqa: E402
+from lmrecipe.cli import check_tool_output, cli_main  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402
 
 DEFAULT_RECIPE = "recipes/llama_1b.yaml"
@@ -55,12 +56,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="share of device memory kept free of the estimate (default: %(default)s)")
     parser.add_argument("--cost-per-gpu-hour", type=float, help="price of one device for one hour")
     parser.add_argument("--write-recipe", metavar="PATH", help="write the chosen configuration as a recipe YAML")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --write-recipe file if it exists")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_intermixed_args(argv)  # options may come before or after the overrides
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    """Every number the plan divides by or multiplies with is in range; else one message naming the flag."""
+    """Every number the plan divides by or multiplies with is finite and in range; else one message naming the flag."""
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise fail(f"--{name.replace('_', '-')} {value} must be a finite number: the plan computes sizes, steps and "
+                       "costs from it.")
     if args.gpus < 1:
         raise fail(f"--gpus {args.gpus}: a plan needs at least one device. Pass --gpus 1 or more.")
     given = [name for name in ("days", "tokens", "params") if getattr(args, name) is not None]
@@ -115,12 +121,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_numbers(args)
     if args.write_recipe:
-        check_output_path(args.write_recipe, "--write-recipe", folder=False)
+        check_tool_output(args.write_recipe, "--write-recipe", folder=False, overwrite=args.overwrite,
+                          reads=[args.recipe, *([args.from_run] if args.from_run else [])])
 
     from lmrecipe.plan import format_plan, make_plan, plan_summary, write_recipe
 
     plan = make_plan(plan_inputs(args))
     print(json.dumps(plan_summary(plan), indent=2) if args.json else format_plan(plan))
+    for warning in plan.warnings:
+        print(f"\nwarning: {warning}", file=sys.stderr)
     if args.write_recipe:
         write_recipe(plan, args.recipe, args.write_recipe, args.overrides)
         print(f"\nRecipe written to {args.write_recipe}: python train.py {args.write_recipe}", file=sys.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 # Run as `python tools/prepare_data.py` from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmrecipe.cli import check_output_path, cli_main, setup_logging  # noqa: E402
+from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
 from lmrecipe.data.prepare.pipeline import prepare  # noqa: E402
 from lmrecipe.data.prepare.shards import finish_shards  # noqa: E402
 
@@ -79,7 +79,10 @@ def shard_arg(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    check_output_path(args.output, "--output")
+    # A shard set is filled shard by shard: prepare() itself decides what an existing one may take.
+    overwrite = None if args.shard is not None or args.finish_shards else args.overwrite
+    local_tokenizer = [args.tokenizer] if args.tokenizer and Path(args.tokenizer).exists() else []
+    check_tool_output(args.output, "--output", overwrite=overwrite, reads=[*args.input, *local_tokenizer])
     if args.finish_shards:
         finish_shards(args.output)
         return 0

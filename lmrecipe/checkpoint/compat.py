@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from lmrecipe.config import fixed_on_resume_keys, flatten_config
+from lmrecipe.data.tokenizer import tokenizer_differences
 from lmrecipe.errors import fail
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,19 @@ HF_SHAPE_KEYS = (
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
 )
+
+
+# Fixed keys whose null the run resolves (from the data, num_heads, hidden_size, seq_len): compared as resolved, from
+# each side's transformers config, so spelling out the value a null became is no change.
+_RESOLVED_FROM_HF = {
+    "model.vocab_size": "vocab_size", "model.num_kv_heads": "num_key_value_heads",
+    "model.intermediate_size": "intermediate_size", "model.max_position_embeddings": "max_position_embeddings",
+}
+
+
+def _resolved(flat: dict, hf_config: dict) -> dict:
+    return {**flat, **{key: hf_config[hf_key] for key, hf_key in _RESOLVED_FROM_HF.items()
+                       if flat.get(key) is None and hf_config.get(hf_key) is not None}}
 
 
 def _mixture_key(mixture: list[dict] | None) -> list[tuple] | None:
@@ -39,27 +53,29 @@ def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_con
     """Stop (UserError) when checkpoint ``path`` (``saved``: its ``train_state.json``) cannot continue as this run:
     ``run_config`` the resolved config, ``hf_config`` the model's transformers config, ``data_signature`` the data's."""
     fixed_keys = fixed_on_resume_keys()
+    old_hf, new_hf = saved.get("hf_config", {}), hf_config
     old, new = flatten_config(saved["config"]), flatten_config(run_config)
-    problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed_keys if old.get(k) != new.get(k)]
-    old_hf = saved.get("hf_config", {})
-    new_hf = hf_config
+    old_resolved, new_resolved = _resolved(old, old_hf), _resolved(new, new_hf)
+    problems = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed_keys if old_resolved.get(k) != new_resolved.get(k)]
     problems += [f"model config {k}: {old_hf[k]!r} -> {new_hf[k]!r}"
                  for k in HF_SHAPE_KEYS if k in old_hf and k in new_hf and old_hf[k] != new_hf[k]]
     old_data, new_data = saved.get("data", {}), data_signature
-    problems += [f"data {k}: {old_data[k]!r} -> {new_data[k]!r}"
-                 for k in ("vocab_size", "dtype", "eos_id", "tokenizer_sha256")
-                 if old_data.get(k) is not None and new_data.get(k) is not None and old_data[k] != new_data[k]]
+    tokenizer = [f"data {label}: {a!r} -> {b!r}" for label, a, b in tokenizer_differences(old_data, new_data)]
+    problems += tokenizer
     old_mix, new_mix = _mixture_key(old_data.get("mixture")), _mixture_key(new_data.get("mixture"))
     if old_mix != new_mix:
         problems.append(f"data sources: {_describe_mixture(old_data.get('mixture'))} -> "
                         f"{_describe_mixture(new_data.get('mixture'))}")
+    if tokenizer:
+        # Its weights learned the ids of its own tokenizer: a new run from them (model.init_from) needs that data too.
+        fix = ("Resume on data prepared with the checkpoint's tokenizer, whose files it holds: python "
+               f"tools/prepare_data.py --input CORPUS --tokenizer {path}/hf --output NEW_DATA, then data.path=NEW_DATA.")
+    else:
+        fix = ("Resume with the checkpoint's settings, or start a new run from its weights: python tools/export_hf.py "
+               f"{path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
     if problems:
-        raise fail(
-            f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer state or data "
-            f"position depend on ({'; '.join(problems)}). Resume with the checkpoint's settings, or start a new run "
-            f"from its weights: python tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT "
-            "checkpoint.resume=none."
-        )
+        raise fail(f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer state or "
+                   f"data position depend on ({'; '.join(problems)}). {fix}")
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if k not in fixed_keys and old.get(k) != new.get(k)]
     if changed:

@@ -80,6 +80,7 @@ class Resumer:
             raise fail(f"{path} is at step {saved['state']['step']}, past train.max_steps={max_steps}: there is "
                        "nothing to train. Raise train.max_steps to train on, pass checkpoint.resume=PATH of an earlier "
                        "checkpoint, or export this one with tools/export_hf.py.")
+        self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
         check_resume_compatible(saved, path, run_config=self.facts.run_config,
                                 hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
                                 data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule)
@@ -104,7 +105,6 @@ class Resumer:
         """Weights, optimizer, training state, this rank's RNG and the extras, from checkpoint ``path``."""
         saved_layout = Layout.from_topology(saved["topology"])
         converted = self.record.layout().needs_conversion_from(saved_layout)
-        self._check_optimizer(path, saved, saved_layout, converted)
         try:
             if converted:
                 folder = portable_form(self.accelerator, path, saved, self.model, self.root)
@@ -122,8 +122,10 @@ class Resumer:
         restore_rng(path, self.accelerator.process_index, saved_layout.world_size)
         self.record.restore_extras(path, saved)
 
-    def _check_optimizer(self, path: Path, saved: dict, saved_layout: Layout, converted: bool) -> None:
+    def _check_optimizer(self, path: Path, saved: dict) -> None:
         """Stop when the checkpoint's optimizer state cannot be loaded into this run's optimizer."""
+        saved_layout = Layout.from_topology(saved["topology"])
+        converted = self.record.layout().needs_conversion_from(saved_layout)
         optimizer_name = saved["config"]["optim"].get("name", "adamw")  # checkpoints from before optim.name: AdamW
         ours = self.facts.run_config["optim"]["name"]
         if optimizer_name != ours:

@@ -68,7 +68,7 @@ from lmrecipe.checkpoint.portable import (
 )
 from lmrecipe.data.format import file_sha256
 from lmrecipe.errors import fail
-from lmrecipe.fileio import fsync_dir, write_text_atomic
+from lmrecipe.fileio import fsync_dir, give_new_file_mode, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -445,6 +445,7 @@ class CheckpointStore:
     def publish(self, tmp: Path, final: Path, record: dict) -> None:
         """Main process: write ``train_state.json`` (``record`` and the manifest) last, rename ``tmp`` to ``final``, point
         ``latest`` at it, prune."""
+        give_new_file_mode(tmp)  # safetensors writes its files 0600; a checkpoint is as readable as any file
         manifest = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         payload = {
             "format_version": FORMAT_VERSION,

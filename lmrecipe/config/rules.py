@@ -4,7 +4,7 @@ A row names the rule, says when it is broken (``applies``), what is wrong (``mes
 :func:`check_rules` reports every broken row at once (exit code 2). A refusal of one field on its own (a range, a name)
 is that section's ``validate`` (``sections.py``). What only the launch knows stays where it is known:
 the process count, the GPU, the installed libraries (``lmrecipe/distributed.py``: ``build_runtime``,
-``check_*_topology``), what a DeepSpeed JSON file says (its ZeRO stage and offload: ``check_tensor_parallel_stage``,
+``check_*_topology``), what a DeepSpeed JSON file says (its ZeRO stage and offload: ``check_*_stage``,
 ``load_deepspeed_config``), and the shape of a model continued from ``model.init_from`` (its own ``config.json``:
 ``check_*_model``, and the position limit in ``train/setup.py``).
 
@@ -13,8 +13,9 @@ What each parallel split supports, at a glance (the rows below are the contract)
 - Tensor parallelism (``distributed.tensor_parallel_size`` > 1, DeepSpeed AutoTP): needs a DeepSpeed config of ZeRO
   stage 0-2 (ZeRO-3 is refused once the JSON is read); the split must divide the attention heads, the key/value heads
   and the MLP width; not with sequence parallelism, a weight EMA, ``eval.tasks``, Muon, fp8 or ``train.compile``.
-- Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage);
-  the split must divide the attention heads, divide or be a multiple of the key/value heads, and divide
+- Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage,
+  but not ZeRO-1 in bf16 or fp8: refused once the JSON is read); the split must divide the attention heads, divide or
+  be a multiple of the key/value heads (fewer key/value heads than the split are replicated), and divide
   ``data.seq_len``; needs an attention that takes no 4D mask (not ``eager``); not with ``eval.tasks``.
 """
 

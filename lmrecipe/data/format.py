@@ -5,12 +5,15 @@ The folder (version :data:`FORMAT_VERSION`) is written by ``lmrecipe/data/prepar
 and checks it against the files' sizes (:func:`load_meta`, the one call for a folder; :func:`read_meta_file` is its
 schema check of the file alone) and a fixed sample of their contents (:class:`TokenWindows`): constant
 time, whatever the number of tokens. The largest token id comes from ``meta.json``, not from a scan of the tokens.
+Under document masking the document index alone is read whole (:func:`check_index`: in order, inside the split),
+in one fast pass.
 
 A shard set (``tools/prepare_data.py --shard i/N``) is a folder whose ``meta.json`` lists ``shards``: sub-folders of
 this format, prepared from disjoint parts of one corpus with one tokenizer. Its splits are the shards' splits laid
 end to end in the listed order (``lmrecipe/data/stream.py``); ``meta.json``'s ``splits`` describe the whole, its
-``shards`` each part (counts, ``max_token_id`` and ``sha256``, checked against each shard's own ``meta.json`` at
-start-up). Everything that takes a data folder takes a shard set.
+``shards`` each part (counts, ``max_token_id`` and ``sha256``, checked at start-up against each shard's own
+``meta.json``, which also records its place in the set and its tokenizer). Everything that takes a data folder takes
+a shard set.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ import numpy as np
 
 from lmrecipe.data.documents import DocumentBatch, document_batch
 from lmrecipe.data.stream import TokenStream
+from lmrecipe.data.tokenizer import (  # noqa: F401 - file_sha256 and tokenizer_signature: callers import them from here
+    check_same_tokenizer,
+    file_sha256,
+    recorded_signature,
+    tokenizer_signature,
+)
 from lmrecipe.errors import fail
 
 # torch is imported where tensors are built, not here: the tokenizer workers of data preparation import the format
@@ -53,6 +62,10 @@ _SAMPLE_BLOCK_TOKENS = 4096
 _SAMPLE_DOCUMENTS = 64
 # In a shard set, this many shards (spread evenly, first and last included) get that sample at start-up.
 _SAMPLE_SHARDS = 16
+_INDEX_BLOCK = 1 << 22
+"""Entries of a document index compared per block by :func:`check_index` (32 MB). A billion documents (an 8 GB index,
+about a trillion tokens) took 0.5-1.0 s on this project's 2-core CPU with the file in the page cache; from disk, the
+time to read the file."""
 SHARD_NAME = re.compile(r"shard-(\d{5})-of-(\d{5})")
 """Name of the folder of shard i of N inside a shard set: ``shard-{i:05d}-of-{N:05d}``."""
 
@@ -87,10 +100,13 @@ def shard_name(index: int, count: int) -> str:
 
 
 def check_shards(data_dir: Path, meta: dict) -> None:
-    """Each shard a shard set's ``meta.json`` lists exists, is a complete folder, and is the one it describes.
+    """Each shard a shard set's ``meta.json`` lists exists, is a complete folder, and is the one it describes, at
+    its place in the list (its own index and count), prepared with the set's tokenizer and arguments; the set's
+    totals are its shards'; no shard folder it does not list sits beside them.
 
-    Reads each shard's ``meta.json`` and file sizes (not its tokens): a shard missing, re-prepared or swapped since
-    the set's ``meta.json`` was written fails here, with the fix.
+    Reads each shard's ``meta.json`` and file sizes and the set's ``tokenizer.json`` (not the tokens): a shard
+    missing, re-prepared, swapped or added since the set's ``meta.json`` was written, or that file edited by hand,
+    fails here, with the fix.
     """
     shards = meta["shards"]
     finish = (f"Run `python tools/prepare_data.py --output {data_dir} --finish-shards` to list the set's shards "
@@ -103,21 +119,115 @@ def check_shards(data_dir: Path, meta: dict) -> None:
     if twice or any(Path(n).name != n or n in ("", ".", "..") for n in names):
         what = f"{', '.join(twice)} more than once" if twice else "a shard path outside the folder"
         raise fail(f"{data_dir / 'meta.json'} lists {what}: a shard set names each shard once, as a sub-folder. {finish}")
-    for entry in shards:
-        folder = data_dir / entry["path"]
-        if not (folder / "meta.json").is_file():
-            raise fail(f"Shard {folder} of the shard set {data_dir} is missing (no such complete folder): it was moved "
-                       f"or deleted after the set was finished. Restore it, or prepare it again with the same "
-                       f"command and --shard {_shard_arg(entry['path'])}, then {finish[0].lower()}{finish[1:]}")
-        shard = read_meta_file(folder)
-        changed = [key for key in ("vocab_size", "eos_id", "dtype") if shard[key] != meta[key]]
-        changed += [f"{split} {key}" for split in SPLITS for key in (*_SPLIT_KEYS, "sha256")
-                    if shard["splits"][split].get(key) != entry["splits"].get(split, {}).get(key)]
-        if changed:
-            raise fail(f"Shard {folder} differs from what {data_dir / 'meta.json'} records of it ({', '.join(changed)}): "
-                       f"it was prepared again after the set was finished. {finish}")
-        for split in SPLITS:
-            _check_sizes(folder, split, shard, f"Prepare it again with --shard {_shard_arg(entry['path'])}.")
+    set_tokenizer = tokenizer_signature(data_dir, meta)
+    check_same_tokenizer(recorded_signature(meta), set_tokenizer,
+                         what=f"{data_dir / 'tokenizer.json'} is not the tokenizer {data_dir / 'meta.json'} records",
+                         fix=f"It was replaced after the set was finished: run `python tools/prepare_data.py --output "
+                             f"{data_dir} --finish-shards`, which copies it again from the shards.")
+    first = None
+    for position, entry in enumerate(shards):
+        shard = _check_shard(data_dir, meta, entry, position, set_tokenizer, finish)
+        first = first or (entry["path"], shard)
+        differ = shard_differences(shard, first[1])
+        if differ:
+            raise fail(f"Shards {entry['path']} and {first[0]} of the shard set {data_dir} were not prepared alike "
+                       f"(they differ in {', '.join(differ)}): one was prepared again, with other inputs or arguments, "
+                       f"after the set was finished. Prepare it again with the others' arguments (--overwrite), then "
+                       f"{_lower(finish)}")
+    _check_totals(data_dir, meta, finish)
+    _refuse_strays(data_dir, set(names), finish)
+
+
+def _check_shard(data_dir: Path, meta: dict, entry: dict, position: int, set_tokenizer: dict, finish: str) -> dict:
+    """The shard of ``entry`` (at ``position`` of the set's list) is complete and the one the list describes, at
+    its place, with the set's tokenizer; its ``meta.json``."""
+    folder = data_dir / entry["path"]
+    if not (folder / "meta.json").is_file():
+        raise fail(f"Shard {folder} of the shard set {data_dir} is missing (no such complete folder): it was moved "
+                   f"or deleted after the set was finished. Restore it, or prepare it again with the same "
+                   f"command and --shard {_shard_arg(entry['path'])}, then {_lower(finish)}")
+    shard = read_meta_file(folder)
+    changed = [f"{split} {key}" for split in SPLITS for key in (*_SPLIT_KEYS, "sha256")
+               if shard["splits"][split].get(key) != entry["splits"].get(split, {}).get(key)]
+    if changed:
+        raise fail(f"Shard {folder} differs from what {data_dir / 'meta.json'} records of it ({', '.join(changed)}): "
+                   f"it was prepared again after the set was finished. {finish}")
+    _check_position(data_dir, folder, shard, position, len(meta["shards"]), finish)
+    check_same_tokenizer(
+        set_tokenizer, recorded_signature(shard),
+        what=f"Shard {folder} was prepared with another tokenizer ({shard.get('tokenizer')}) than the shard set "
+             f"{data_dir} records ({meta.get('tokenizer')})",
+        fix=f"Prepare it again with the set's tokenizer (`python tools/prepare_data.py ... --tokenizer {data_dir} "
+            f"--output {data_dir} --shard {_shard_arg(entry['path'])} --overwrite`), then {_lower(finish)}")
+    for split in SPLITS:
+        _check_sizes(folder, split, shard, f"Prepare it again with --shard {_shard_arg(entry['path'])}.")
+    return shard
+
+
+def _check_totals(data_dir: Path, meta: dict, finish: str) -> None:
+    """The set's splits are its shards' laid end to end (:func:`combine_splits` of the list's entries)."""
+    for split in SPLITS:
+        whole = combine_splits([entry["splits"][split] for entry in meta["shards"]])
+        edited = [f"{key} {meta['splits'][split].get(key)!r} where its shards add up to {whole[key]!r}"
+                  for key in whole if meta["splits"][split].get(key) != whole[key]]
+        if edited:
+            raise fail(f"{data_dir / 'meta.json'} describes its {split} split with {'; '.join(edited)}: the file was "
+                       f"edited by hand. {finish}")
+
+
+def _refuse_strays(data_dir: Path, listed: set[str], finish: str) -> None:
+    """UserError for a shard folder the set does not list (a shard of another count copied in, or an entry removed):
+    a set never silently leaves out a shard that sits in it."""
+    strays = sorted(p.name for p in data_dir.iterdir() if SHARD_NAME.fullmatch(p.name) and p.name not in listed
+                    and p.is_dir())
+    if strays:
+        raise fail(f"{data_dir} holds shard folders its meta.json does not list ({', '.join(strays[:8])}"
+                   f"{f' and {len(strays) - 8} more' if len(strays) > 8 else ''}): a shard of another preparation was "
+                   f"added to the set, or the list was edited by hand. Move the folders that do not belong out of "
+                   f"{data_dir}, then {_lower(finish)}")
+
+
+def _lower(sentence: str) -> str:
+    """``sentence`` to follow "then": its first letter in lower case."""
+    return sentence[0].lower() + sentence[1:]
+
+
+def _check_position(data_dir: Path, folder: Path, shard: dict, position: int, count: int, finish: str) -> None:
+    """The shard at ``position`` of a set's list of ``count`` is shard ``position`` of ``count``, as its own
+    ``meta.json`` records: the set's stream is the corpus's reading order only in that order."""
+    plan = shard.get("shard", {}).get("plan") if isinstance(shard.get("shard"), dict) else None
+    if not isinstance(plan, dict):
+        raise fail(f"{folder} is a prepared folder but not a shard (its meta.json has no shard record), yet "
+                   f"{data_dir / 'meta.json'} lists it. Move it out of the set and prepare the shard with --shard, "
+                   f"then {_lower(finish)}")
+    if (plan.get("index"), plan.get("count")) != (position, count):
+        raise fail(f"{data_dir / 'meta.json'} lists {folder.name} as shard {position} of {count}, but it is shard "
+                   f"{plan.get('index')} of {plan.get('count')} (its own meta.json): the list was reordered or "
+                   f"shortened by hand, and the set would not read the corpus in its order. {finish}")
+
+
+def shard_differences(shard: dict, first: dict) -> list[str]:
+    """What two shards' ``meta.json`` say was prepared differently: the corpus's file listing, the arguments that
+    shape the tokens (``shard.args``), the tokenizer. Empty for two shards of one preparation."""
+    plan, first_plan = shard["shard"]["plan"], first["shard"]["plan"]
+    args, first_args = shard["shard"].get("args", {}), first["shard"].get("args", {})
+    differ = [key for key in ("listing_sha256", "n_files") if plan.get(key) != first_plan.get(key)]
+    differ += [key for key in sorted(set(args) | set(first_args)) if args.get(key) != first_args.get(key)]
+    return differ + [key for key in ("vocab_size", "eos_id", "dtype", "tokenizer_sha256")
+                     if shard.get(key) != first.get(key)]
+
+
+def combine_splits(parts: list[dict]) -> dict:
+    """A shard set's split from its shards' (in order): counts summed, the largest id, and the sha256 of the shards'
+    sha256s (sha256 does not compose, and the whole is not read again: a changed shard changes it, and the same
+    corpus in another number of shards gives another value)."""
+    tops = [p.get("max_token_id") for p in parts if p.get("max_token_id") is not None]
+    return {
+        "n_tokens": sum(int(p.get("n_tokens") or 0) for p in parts),
+        "n_documents": sum(int(p.get("n_documents") or 0) for p in parts),
+        "max_token_id": max(tops) if tops else None,
+        "sha256": hashlib.sha256(",".join(str(p.get("sha256") or "") for p in parts).encode()).hexdigest(),
+    }
 
 
 def _shard_arg(name: str) -> str:
@@ -211,20 +321,13 @@ def _check_sizes(data_dir: Path, split: str, meta: dict, how_to_make: str) -> No
         )
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class TokenWindows:
     """Windows of ``seq_len + 1`` tokens over one split's memmap, or a shard set's split (its shards' memmaps laid
     end to end, :attr:`stream`); window i starts at token i*seq_len.
 
-    Opening checks a fixed sample of the split against ``meta.json`` (see :func:`check_sample`): a file
-    swapped or damaged since preparation fails here, in constant time, rather than mid-run.
+    Opening checks a fixed sample of the split against ``meta.json`` (see :func:`check_sample`), in constant time,
+    and the document index's ends (:func:`check_index`; its order with :meth:`check_documents`): a file swapped or
+    damaged since preparation fails here rather than mid-run.
     """
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, meta: dict | None = None):
@@ -248,6 +351,8 @@ class TokenWindows:
         else:
             # mode="r" maps the file read-only: pages are read on demand, never copied whole into memory.
             self.tokens = np.memmap(self.path, dtype=_DTYPES[meta["dtype"]], mode="r")
+            self.index_files = [(self.index_path, len(self.tokens))]
+            check_index(self.index_path, len(self.tokens), whole=False)
             check_sample(self.tokens, self.index_path, meta, split)
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
@@ -265,9 +370,13 @@ class TokenWindows:
                                                      strides=(seq_len * view.itemsize, view.itemsize), writeable=False)
 
     def _open_shards(self, data_dir: Path, split: str, meta: dict) -> TokenStream:
-        """The shards' splits as one stream; a sample of up to ``_SAMPLE_SHARDS`` shards is checked (constant time)."""
+        """The shards' splits as one stream; every shard's index is checked (one pass over each), and a sample of up to
+        ``_SAMPLE_SHARDS`` shards' tokens (constant time)."""
         folders = [data_dir / entry["path"] for entry in meta["shards"]]
         lengths = [int(entry["splits"][split]["n_tokens"]) for entry in meta["shards"]]
+        self.index_files = [(folder / f"{split}.idx", n_tokens) for folder, n_tokens in zip(folders, lengths)]
+        for index_path, n_tokens in self.index_files:
+            check_index(index_path, n_tokens, whole=False)
         self.stream = TokenStream([f / f"{split}.bin" for f in folders], lengths, _DTYPES[meta["dtype"]], self.seq_len)
         kept = self.stream.kept
         for k in np.unique(np.linspace(0, len(kept) - 1, num=min(_SAMPLE_SHARDS, len(kept))).round().astype(int)):
@@ -316,6 +425,12 @@ class TokenWindows:
             raise TypeError("a shard set has one document index per shard: use documents_at")
         return np.memmap(self.index_path, dtype=INDEX_DTYPE, mode="r")
 
+    def check_documents(self) -> None:
+        """Every document index of this split in order (:func:`check_index`, one pass over each): what document
+        masking reads its boundaries from. Without masking start-up never reads the indexes whole."""
+        for index_path, n_tokens in self.index_files:
+            check_index(index_path, n_tokens)
+
     def documents(self, window_ids: np.ndarray) -> DocumentBatch:
         """Where the documents start inside the given windows' inputs (numpy arrays, see ``data/documents.py``)."""
         return self.documents_at(np.asarray(window_ids, dtype=np.int64) * self.seq_len, self.seq_len)
@@ -339,6 +454,32 @@ def sample_blocks(n_tokens: int) -> list[tuple[int, int]]:
     block = min(_SAMPLE_BLOCK_TOKENS, n_tokens)
     starts = np.unique(np.linspace(0, n_tokens - block, num=_SAMPLE_BLOCKS).round().astype(np.int64))
     return [(int(start), int(start) + block) for start in starts]
+
+
+def check_index(index_path: Path, n_tokens: int, whole: bool = True) -> None:
+    """UserError unless the document index ``index_path`` starts at 0, never decreases, and ends at the split's
+    ``n_tokens``: every offset then lies inside the split, and the boundaries :mod:`~lmrecipe.data.documents`
+    finds by binary search are the documents'. Sizes were checked before (``meta.json``); with ``whole`` this reads
+    the whole memory-mapped index once, in blocks of ``_INDEX_BLOCK`` entries (bounded memory; see the constant for
+    its cost), else only its first and last entries.
+    """
+    offsets = np.memmap(index_path, dtype=INDEX_DTYPE, mode="r")
+    fix = (f"The index does not belong to {index_path.with_suffix('.bin')}, or was damaged: re-create the folder with "
+           f"the same inputs (python tools/prepare_data.py --output {index_path.parent} --overwrite ...).")
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != n_tokens:
+        raise fail(f"{index_path} runs from token {first} to token {last}, but its split holds tokens 0 to {n_tokens} "
+                   f"(an index lists each document's first token, the first 0, then the split's token count). {fix}")
+    if not whole:
+        return
+    for start in range(0, len(offsets) - 1, _INDEX_BLOCK):
+        block = offsets[start:start + _INDEX_BLOCK + 1]
+        down = np.flatnonzero(block[1:] < block[:-1])
+        if down.size:
+            at = start + int(down[0]) + 1
+            raise fail(f"{index_path} is not in ascending order: entry {at} (token {int(offsets[at])}) comes after "
+                       f"entry {at - 1} (token {int(offsets[at - 1])}), so documents would start in the wrong places "
+                       f"under data.document_masking. {fix}")
 
 
 def check_sample(tokens: np.ndarray, index_path: Path, meta: dict, split: str) -> None:
@@ -366,15 +507,21 @@ def check_sample(tokens: np.ndarray, index_path: Path, meta: dict, split: str) -
                    f"tokens. {fix}")
 
 
-def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) -> tuple[dict, TokenWindows, TokenWindows]:
-    """Open both splits with the start-up checks: meta vs files, seq_len vs split sizes, ids vs vocab.
+def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None,
+              documents: bool = True) -> tuple[dict, TokenWindows, TokenWindows]:
+    """Open both splits with the start-up checks: meta vs files, seq_len vs split sizes, ids vs vocab, and with
+    ``documents`` (document masking reads them) the document indexes' order.
 
     The ids are checked against ``meta.json``'s ``max_token_id`` per split and a fixed sample of the files, never
-    by reading every token, so start-up takes the same time for a million tokens or fifty billion.
+    by reading every token, so start-up takes the same time for a million tokens or fifty billion; the indexes'
+    order costs one pass over each (see ``_INDEX_BLOCK``).
     """
     meta = load_meta(data_dir)
     train = TokenWindows(data_dir, "train", seq_len, meta)
     val = TokenWindows(data_dir, "val", seq_len, meta)
+    if documents:
+        train.check_documents()
+        val.check_documents()
     if model_vocab_size is not None:
         if int(meta["vocab_size"]) > model_vocab_size:
             raise fail(
@@ -391,12 +538,3 @@ def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None) 
                     f"model's tokenizer."
                 )
     return meta, train, val
-
-
-def tokenizer_signature(data_dir: str | Path, meta: dict | None = None) -> dict:
-    """What gives the token ids of a folder their meaning and width: vocabulary size, EOS id, token dtype and the
-    sha256 of ``tokenizer.json`` (None without one). Sources of a mixture must share it; a resume must keep it."""
-    meta = meta if meta is not None else read_meta_file(data_dir)
-    tokenizer = Path(data_dir) / "tokenizer.json"
-    return {"vocab_size": meta.get("vocab_size"), "dtype": meta.get("dtype"), "eos_id": meta.get("eos_id"),
-            "tokenizer_sha256": file_sha256(tokenizer) if tokenizer.is_file() else None}

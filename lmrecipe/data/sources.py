@@ -26,8 +26,9 @@ from pathlib import Path
 
 from lmrecipe.config import DataConfig, DataSource
 from lmrecipe.data.batches import BatchLayout, MixtureBatches, TrainBatches, ValBatches
-from lmrecipe.data.format import load_meta, open_data, read_meta_file, tokenizer_signature
+from lmrecipe.data.format import load_meta, open_data, read_meta_file
 from lmrecipe.data.order import MIX_BLOCK
+from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_signature
 from lmrecipe.errors import UserError, fail
 
 logger = logging.getLogger(__name__)
@@ -101,9 +102,6 @@ def _where(data: DataConfig, i: int, source: DataSource) -> str:
     return f"data.sources[{i}] ({source.resolved_name()}, {source.path})" if data.is_mixture() else ""
 
 
-_LABELS = {"tokenizer_sha256": "tokenizer.json sha256"}
-
-
 def check_sources(data: DataConfig) -> dict:
     """Check every source folder's meta.json and that all share one tokenizer; return the first's meta.json.
 
@@ -116,18 +114,14 @@ def check_sources(data: DataConfig) -> dict:
             metas.append(load_meta(source.path))
         except UserError as err:
             raise (fail(f"{_where(data, i, source)}: {err}") if data.is_mixture() else err) from None
-    if len(sources) > 1:
-        first = tokenizer_signature(sources[0].path, metas[0])
-        for i, (source, meta) in enumerate(zip(sources[1:], metas[1:]), start=1):
-            other = tokenizer_signature(source.path, meta)
-            differ = [f"{_LABELS.get(k, k)} {first[k]} vs {other[k]}" for k in first if first[k] != other[k]]
-            if differ:
-                raise fail(
-                    f"{_where(data, i, source)} does not share the tokenizer of {_where(data, 0, sources[0])}: "
-                    f"{'; '.join(differ)}. All sources of a mixture must be tokenized alike: re-prepare one with the "
-                    f"other's tokenizer, e.g. `python tools/prepare_data.py --input CORPUS --tokenizer {sources[0].path} "
-                    f"--output {source.path} --overwrite`."
-                )
+    first = tokenizer_signature(sources[0].path, metas[0]) if len(sources) > 1 else None
+    for i, (source, meta) in enumerate(zip(sources[1:], metas[1:]), start=1):
+        check_same_tokenizer(
+            first, tokenizer_signature(source.path, meta),
+            what=f"{_where(data, i, source)} does not share the tokenizer of {_where(data, 0, sources[0])}",
+            fix=f"All sources of a mixture must be tokenized alike: re-prepare one with the other's tokenizer, e.g. "
+                f"`python tools/prepare_data.py --input CORPUS --tokenizer {sources[0].path} --output {source.path} "
+                "--overwrite`.")
     return metas[0]
 
 
@@ -142,7 +136,7 @@ def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLay
     opened = []
     for i, source in enumerate(sources):
         try:
-            opened.append(open_data(source.path, data.seq_len, model_vocab_size))
+            opened.append(open_data(source.path, data.seq_len, model_vocab_size, documents=data.document_masking))
         except UserError as err:
             raise (fail(f"{_where(data, i, source)}: {err}") if data.is_mixture() else err) from None
     names = [s.resolved_name() for s in sources]

@@ -22,16 +22,25 @@ main process alone logs. What each backend does with a run that resumes or rolls
   session a new run (logged at start-up); undone steps are logged again in the new session.
 
 ``metrics.jsonl`` stays the record: the trackers receive exactly its rows.
+
+:func:`check_trackers` runs at start-up, before anything is written to ``out_dir``: each tracker's library, the
+folders it writes, its server (one request, no retry) and, for wandb online, a login. What it finds stops the run
+with exit 2 and the fix.
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import logging
 import os
+import tempfile
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from lmrecipe.errors import fail
 from lmrecipe.fileio import write_text_atomic
@@ -64,8 +73,19 @@ BACKENDS = {
 }
 
 
-def check_trackers(names: list[str]) -> None:
-    """Every name is a backend and its library imports; else exit 2 naming the fix (before anything is written)."""
+#: How long the start-up check waits for a tracking server to answer its one request (seconds).
+SERVER_TIMEOUT_S = 10.0
+#: wandb's modes (``WANDB_MODE``); the first three log to local files only.
+WANDB_OFFLINE_MODES = ("offline", "dryrun", "disabled")
+WANDB_MODES = (*WANDB_OFFLINE_MODES, "online", "run", "shared")
+
+
+def check_trackers(names: list[str], out_dir: Path | None = None, accelerator=None) -> None:
+    """Exit 2 naming the fix, before anything is written, when a tracker of ``names`` cannot work: an unknown name or
+    a library that is not installed (every rank); with ``out_dir``, on the main process (the one that logs): a folder
+    it writes that is a file or cannot be created, an ``MLFLOW_TRACKING_URI`` that MLflow refuses, cannot write or
+    whose server does not answer, ``WANDB_MODE`` that is not a mode, wandb online without a login or an answer from
+    its server. ``accelerator`` shares the main process's finding, so every rank stops alike."""
     for name in names:
         if name not in BACKENDS:
             raise fail(f"logging.trackers: unknown tracker {name!r}. Choose from {', '.join(BACKENDS)} "
@@ -74,6 +94,132 @@ def check_trackers(names: list[str]) -> None:
         if importlib.util.find_spec(backend.module) is None:
             raise fail(f"logging.trackers includes {name!r} but its library is not installed here: "
                        f"pip install {backend.install} (in this environment), or remove {name!r} from logging.trackers.")
+    if out_dir is None or not names:
+        return
+    problem = None
+    if accelerator is None or accelerator.is_main_process:
+        problem = next((found for name in names if (found := _tracker_problem(name, Path(out_dir)))), None)
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise fail(problem)
+
+
+def _tracker_problem(name: str, out_dir: Path) -> str | None:
+    """Why tracker ``name`` cannot start for a run in ``out_dir`` (None: nothing found)."""
+    if name == "wandb":
+        return _wandb_problem(out_dir)
+    if name == "mlflow":
+        return _mlflow_problem(out_dir)
+    if name == "tensorboard":
+        return _folder_problem(out_dir / "tensorboard", "logging.trackers: tensorboard writes its event files")
+    import accelerate.tracking as tracking
+
+    if getattr(tracking, BACKENDS[name].accelerate_class).requires_logging_directory:
+        return _folder_problem(out_dir / name, f"logging.trackers: {name} writes its files")
+    return None
+
+
+def _wandb_problem(out_dir: Path) -> str | None:
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        return (f"WANDB_MODE={mode!r} is not a wandb mode (choose from {', '.join(WANDB_MODES)}): set WANDB_MODE=online "
+                "or offline, or unset it (online with a wandb login, offline without).")
+    if mode == "disabled":
+        return None
+    folder = Path(os.environ.get("WANDB_DIR") or out_dir) / "wandb"
+    if problem := _folder_problem(folder, "logging.trackers: wandb writes its run files"):
+        return problem + " (WANDB_DIR, when set, moves them.)"
+    if mode in WANDB_OFFLINE_MODES:
+        return None
+    import wandb
+
+    if not wandb.login(prompt=False, verify=False):  # netrc or WANDB_API_KEY; no network
+        if mode is None:
+            return None  # logs offline and says so (Trackers._wandb)
+        return (f"WANDB_MODE={mode} logs to the wandb server, but no wandb login was found (WANDB_API_KEY, or `wandb "
+                "login`, which writes ~/.netrc): log in or set WANDB_API_KEY, or set WANDB_MODE=offline to log under "
+                f"{folder} and upload later with `wandb sync`.")
+    server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return _server_problem(
+        server, "wandb", f"check the network and WANDB_BASE_URL, or set WANDB_MODE=offline to log under {folder} and "
+                         "upload later with `wandb sync`.")
+
+
+def _mlflow_problem(out_dir: Path) -> str | None:
+    artifacts = _folder_problem(out_dir / "mlflow", "logging.trackers: mlflow writes its artifacts")
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return artifacts or _file_problem(out_dir / "mlflow.db", "logging.trackers: mlflow keeps its SQLite store")
+    what = f"MLFLOW_TRACKING_URI={uri}"
+    fix = "set it to a reachable server or a writable sqlite:///PATH.db, or unset it (a SQLite store in out_dir)."
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme in ("http", "https"):
+        return artifacts or _server_problem(uri.rstrip("/") + "/health", what, fix)
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///"):].partition("?")[0]
+        if path in ("", ":memory:"):
+            return artifacts
+        return artifacts or _file_problem(Path(path), f"{what}: its SQLite store", fix)
+    if scheme in ("", "file"):
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+            return (f"{what} is a file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE=true: use a "
+                    "SQLite store instead (MLFLOW_TRACKING_URI=sqlite:///PATH.db, or unset it for out_dir/mlflow.db), "
+                    "or set MLFLOW_ALLOW_FILE_STORE=true.")
+        return artifacts or _folder_problem(Path(parts.path if scheme else uri), f"{what}: its file store", fix)
+    return artifacts  # databricks, a database server: MLflow's own client checks those
+
+
+def _folder_problem(path: Path, what: str, fix: str = "") -> str | None:
+    """Why ``path`` cannot be a folder that a tracker writes in (None: it is one, or can be created)."""
+    if path.exists() and not path.is_dir():
+        return (f"{what} in {path}, which is a file, not a folder: "
+                f"{fix or 'move the file away, or choose another out_dir.'}")
+    return _creatable(path, what, fix)
+
+
+def _file_problem(path: Path, what: str, fix: str = "") -> str | None:
+    """Why ``path`` cannot be a file that a tracker writes (None: it is one, or can be created)."""
+    if path.is_dir():
+        return (f"{what} in {path}, which is a folder, not a file: "
+                f"{fix or 'move the folder away, or choose another out_dir.'}")
+    if path.exists():
+        return None if os.access(path, os.R_OK | os.W_OK) else (
+            f"{what} in {path}, which this user cannot write: {fix or 'choose another out_dir.'}")
+    return _creatable(path.parent, what, fix, path)
+
+
+def _creatable(folder: Path, what: str, fix: str, target: Path | None = None) -> str | None:
+    """Whether ``folder`` can be written in: its nearest existing ancestor takes a new entry (created and removed at
+    once, so nothing is left; root passes every permission check, so the check writes)."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    target = target or folder
+    if not existing.is_dir():
+        return f"{what} in {target}, which cannot be created ({existing} is a file): {fix or 'choose another out_dir.'}"
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".lmrecipe-write-check-").cleanup()
+    except OSError as err:
+        return (f"{what} in {target}, which cannot be created ({existing}: {err.strerror or err}): "
+                f"{fix or 'choose another out_dir, or make it writable.'}")
+    return None
+
+
+def _server_problem(url: str, what: str, fix: str) -> str | None:
+    """One request to ``url``: None when the server answers at all (any HTTP status), else why not and ``fix``. A
+    tracker's own client retries an absent server for minutes before it fails."""
+    try:
+        urllib.request.urlopen(url, timeout=SERVER_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, http.client.HTTPException, ValueError) as err:
+        reason = getattr(err, "reason", None) or err
+        return f"{what}: the server at {url} did not answer ({reason}; waited up to {SERVER_TIMEOUT_S:g} s): {fix}"
+    return None
 
 
 class Trackers:

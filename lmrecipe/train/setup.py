@@ -31,6 +31,7 @@ from lmrecipe.model import (
     build_attention,
     build_hf_config,
     build_model,
+    check_init_tokenizer,
     flops_per_token,
     fp8_layer_filter,
     param_counts,
@@ -80,7 +81,8 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     accelerator = runtime.accelerator
     # The data is checked before out_dir is touched: bad data writes nothing.
     meta = check_sources(cfg.data)
-    check_trackers(cfg.logging.trackers)  # a tracker library that is missing stops the run before it writes
+    check_init_tokenizer(cfg.model, cfg.data.source_list()[0].path)
+    check_trackers(cfg.logging.trackers, out_dir, accelerator)  # a tracker that cannot start stops it before it writes
     hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(meta["vocab_size"]), cfg.data.seq_len)
     # Validation windows: split over every rank, or over the data-parallel ranks under tensor parallelism (a
     # tensor-parallel group computes one forward together).

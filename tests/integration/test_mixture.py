@@ -112,7 +112,7 @@ def test_eval_reports_each_source_and_the_weighted_loss_as_training_did(tmp_path
     assert result["sources"]["code"]["weight"] == pytest.approx(0.7) and result["tokens"] == 2 * 16 * 32
     # A weight of 0 reports the folder and leaves it out of the mean.
     run_script(["eval.py", str(checkpoint), "--data", str(code), str(prose), "--source-weights", "1", "0",
-                "--batch-size", "4", "--max-batches", "4", "--output", str(out)])
+                "--batch-size", "4", "--max-batches", "4", "--output", str(out), "--overwrite"])
     result = json.loads(out.read_text())
     assert result["loss"] == pytest.approx(result["sources"]["code"]["loss"], rel=1e-12)
     assert abs(result["sources"]["prose"]["loss"] - last["val_loss/prose"]) <= LOSS_TOL

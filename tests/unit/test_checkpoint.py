@@ -4,6 +4,7 @@ saved and restored by name, and a save -> resume round trip through the checkpoi
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -187,7 +188,7 @@ class FilesOnly(Counter):
         return {}
 
 
-def tmp_checkpointer(tmp_path: Path, model: torch.nn.Module, extras, *, resume: str = "auto"):
+def tmp_checkpointer(tmp_path: Path, model: torch.nn.Module, extras, *, resume: str = "auto", optim: dict | None = None):
     from lmrecipe.checkpoint.checkpointer import Checkpointer
     from lmrecipe.checkpoint.record import RunFacts
     from lmrecipe.config import CheckpointConfig
@@ -195,7 +196,7 @@ def tmp_checkpointer(tmp_path: Path, model: torch.nn.Module, extras, *, resume: 
 
     (tmp_path / "tokenizer").mkdir(exist_ok=True)
     (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
-    facts = RunFacts(samples_per_step=4, max_steps=10, publish_timeout_s=10, run_config={"optim": {"name": "adamw"}})
+    facts = RunFacts(samples_per_step=4, max_steps=10, publish_timeout_s=10, run_config={"optim": optim or {"name": "adamw"}})
     return Checkpointer(CheckpointConfig(every_steps=2, keep_last=2, resume=resume), facts, FakeAccelerator(model),
                         tmp_path / "run", zero=ZeroSetup(), data=FakeData(tmp_path / "tokenizer"),
                         lr_schedule=lambda step: 0.5 / (step + 1), extras=extras)
@@ -267,3 +268,64 @@ def test_a_feature_the_checkpoint_holds_nothing_for_gets_none_and_a_checkpoint_b
     assert newcomer.loaded == flat and newcomer.count == 3
     with pytest.raises(ValueError, match="named 'newcomer'"):
         StateRecord(None, None, zero=None, data=None, lr_schedule=None, extras=[newcomer, Counter("newcomer")])
+
+
+def test_a_resume_with_another_optimizer_is_refused_without_first_logging_it_as_allowed(tmp_path, caplog):
+    from lmrecipe.train.state import TrainState
+
+    model = TinyLM()
+    tmp_checkpointer(tmp_path, model, [], optim={"name": "muon"}).maybe_save(model, trained_state(4))
+    checkpointer = tmp_checkpointer(tmp_path, model, [], optim={"name": "adamw"})
+    with caplog.at_level(logging.INFO), \
+            pytest.raises(UserError, match="holds muon optimizer state; this run trains with optim.name=adamw"):
+        checkpointer.maybe_resume(model, None, TrainState())
+    assert "allowed" not in caplog.text and "optim.name" not in caplog.text
+    with caplog.at_level(logging.INFO):  # a change that is allowed is still said
+        tmp_checkpointer(tmp_path, model, [], optim={"name": "muon", "lr": 0.1}).maybe_resume(model, None, TrainState())
+    assert "Resuming with changed settings (allowed): optim.lr: None -> 0.1" in caplog.text
+
+
+SIGNATURE = {"vocab_size": 384, "dtype": "uint16", "eos_id": 0, "tokenizer_sha256": "a" * 64, "order_version": 2}
+
+
+def resume_inputs(overrides: list[str]) -> tuple[dict, dict]:
+    """A run's resolved config and its model's transformers config, as the checkpoint records them."""
+    from lmrecipe.config import load_config
+    from lmrecipe.model import build_hf_config
+
+    cfg = load_config(None, overrides)
+    return cfg.to_dict(), build_hf_config(cfg.model, cfg.model.vocab_size or 384, cfg.data.seq_len).to_dict()
+
+
+def check_resume(tmp_path: Path, saved_overrides: list[str], overrides: list[str], signature: dict = SIGNATURE) -> None:
+    from lmrecipe.checkpoint.compat import check_resume_compatible
+
+    config, hf_config = resume_inputs(saved_overrides)
+    saved = {"config": config, "hf_config": hf_config, "data": SIGNATURE, "state": {"step": 3},
+             "schedule": {"next_lr": 1e-3}}
+    config, hf_config = resume_inputs(overrides)
+    check_resume_compatible(saved, tmp_path / "step_3", run_config=config, hf_config=hf_config,
+                            data_signature=signature, lr_schedule=lambda step: 1e-3)
+
+
+def test_a_resume_that_spells_out_what_the_checkpoints_nulls_resolved_to_is_no_change(tmp_path):
+    _, resolved = resume_inputs([])
+    check_resume(tmp_path, [], [f"model.vocab_size={resolved['vocab_size']}",
+                                f"model.num_kv_heads={resolved['num_key_value_heads']}",
+                                f"model.max_position_embeddings={resolved['max_position_embeddings']}",
+                                f"model.intermediate_size={resolved['intermediate_size']}"])
+    check_resume(tmp_path, ["model.num_kv_heads=4"], [])  # and the other way round
+    with pytest.raises(UserError, match=r"model.vocab_size: None -> 512; model config vocab_size: 384 -> 512"):
+        check_resume(tmp_path, [], ["model.vocab_size=512"])
+    with pytest.raises(UserError, match=r"model.num_kv_heads: None -> 2; model config num_key_value_heads: 4 -> 2"):
+        check_resume(tmp_path, [], ["model.num_kv_heads=2"])
+
+
+def test_a_resume_on_data_of_another_tokenizer_says_to_prepare_it_with_the_checkpoints(tmp_path):
+    """Not model.init_from=EXPORT: a new run from the weights would be refused on that data too."""
+    with pytest.raises(UserError) as err:
+        check_resume(tmp_path, [], [], {**SIGNATURE, "tokenizer_sha256": "b" * 64})
+    message = str(err.value)
+    assert f"data tokenizer.json sha256: '{'a' * 64}' -> '{'b' * 64}'" in message
+    assert f"--tokenizer {tmp_path / 'step_3'}/hf --output NEW_DATA, then data.path=NEW_DATA" in message
+    assert "model.init_from=EXPORT" not in message

@@ -215,6 +215,47 @@ def test_document_index_is_checked_against_the_tokens(tmp_path):
         load_meta(folder)
 
 
+def test_a_document_index_out_of_order_is_refused_before_training(tmp_path):
+    """Two document starts swapped: the same size, every offset on a document start and its EOS, so the sampled
+    checks pass; under document masking every window over them would get wrong boundaries."""
+    from helpers import TINY_OVERRIDES
+
+    from lmrecipe.config import load_config
+    from lmrecipe.train.trainer import train
+
+    folder = write_data(tmp_path / "d")
+    index = np.fromfile(folder / "train.idx", dtype=INDEX_DTYPE)
+    index[[40, 41]] = index[[41, 40]]
+    index.tofile(folder / "train.idx")
+    with pytest.raises(UserError, match=rf"{folder / 'train.idx'} is not in ascending order: entry 41 \(token 2000\) "
+                                        r"comes after entry 40 \(token 2050\).*document_masking.*--overwrite"):
+        open_data(folder, SEQ_LEN, model_vocab_size=None)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="is not in ascending order"):
+        train(load_config("recipes/tiny.yaml", [f"out_dir={out}", f"data.path={folder}", *TINY_OVERRIDES]))
+    assert not out.exists()
+
+
+def test_without_document_masking_start_up_does_not_read_the_index_whole(tmp_path):
+    """The order of the index matters to document masking only: without it, start-up stays constant-time."""
+    folder = write_data(tmp_path / "d")
+    index = np.fromfile(folder / "train.idx", dtype=INDEX_DTYPE)
+    index[[40, 41]] = index[[41, 40]]
+    index.tofile(folder / "train.idx")
+    open_data(folder, SEQ_LEN, model_vocab_size=None, documents=False)
+    with pytest.raises(UserError, match="is not in ascending order"):
+        open_data(folder, SEQ_LEN, model_vocab_size=None, documents=True)
+
+
+def test_a_document_index_that_ends_past_its_split_is_named_as_such(tmp_path):
+    folder = write_data(tmp_path / "d")
+    index = np.fromfile(folder / "val.idx", dtype=INDEX_DTYPE)
+    index[-1] += 7
+    index.tofile(folder / "val.idx")
+    with pytest.raises(UserError, match=r"val.idx runs from token 0 to token 808, but its split holds tokens 0 to 801"):
+        open_data(folder, SEQ_LEN, model_vocab_size=None)
+
+
 def test_version_1_folder_is_rejected_with_the_command_that_fixes_it(tmp_path):
     folder = write_data(tmp_path / "d")
     (folder / "train.idx").unlink()

@@ -211,3 +211,53 @@ def test_the_per_layer_activation_estimate_is_what_a_llama_layer_saves(dtype):
     one, _ = estimate_activations(shape, 1, tokens, precision)
     two, _ = estimate_activations(replace(shape, num_layers=3), 1, tokens, precision)
     assert two - one == pytest.approx(saved[1] - saved[0], rel=0.02)
+
+
+# ---------------------------------------------------------------------------------------------- what the tools refuse
+
+
+def _tool_main(script: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _run_tool(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    monkeypatch.setattr("sys.argv", [script, *argv])
+    code = _tool_main(script)()
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
+
+
+TINY = ["recipes/tiny.yaml", "model.vocab_size=384"]
+
+
+def test_estimate_memory_refuses_a_sequence_parallel_window_that_training_refuses(monkeypatch, capsys):
+    code, _, err = _run_tool("tools/estimate_memory.py", [*TINY, "data.seq_len=129", "--configs", "zero3+sp2",
+                                                          "--world-size", "2"], monkeypatch, capsys)
+    assert code == 2 and "Config zero3+sp2 is refused: data.seq_len=129 is not divisible by " \
+                          "distributed.sequence_parallel_size=2" in err, err
+    # A recipe that splits its windows is refused without DeepSpeed, as train.py refuses it ...
+    code, _, err = _run_tool("tools/estimate_memory.py", [*TINY, "distributed.sequence_parallel_size=2", "--configs",
+                                                          "none", "--world-size", "2"], monkeypatch, capsys)
+    assert code == 2 and "Config none is refused: distributed.sequence_parallel_size=2 runs through DeepSpeed" in err
+    # ... and estimated under the config that gives it one, as train.py would run it.
+    code, out, err = _run_tool("tools/estimate_memory.py", [*TINY, "--configs", "zero3+sp2", "--world-size", "2",
+                                                            "--json"], monkeypatch, capsys)
+    assert code == 0 and list(json.loads(out)["configs"]) == ["zero3+sp2"], err
+
+
+def test_compare_zero_refuses_up_front_what_the_estimator_refuses(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "compare"
+    for configs, nproc, reason in (("none,zero3+sp2", "1", "distributed.sequence_parallel_size=2 does not divide the "
+                                                           "world size 1"),
+                                   ("zero3+tp2", "2", "cannot run under ZeRO-3"),
+                                   ("zero2", "3", "train.global_batch_size=16 is not a multiple")):
+        code, _, err = _run_tool("tools/compare_zero.py", [*TINY, "--configs", configs, "--nproc", nproc, "--out",
+                                                           str(out)], monkeypatch, capsys)
+        assert code == 2 and reason in err and "Failed:" not in err, err
+        assert f"error: Config {configs.split(',')[-1]} cannot train on {nproc} processes (--nproc)" in err, err
+        assert not out.exists()  # refused before the first run

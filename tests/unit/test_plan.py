@@ -164,3 +164,45 @@ def test_run_prediction_by_hand(tmp_path):
     h100 = predict_run(cfg.workload(), hf, world_size=1, precision="bf16", zero=ZeroSetup(), accum_steps=2, flops_per_token=fpt,
                        peak_tflops=989.0, device_name="NVIDIA H100 80GB HBM3")
     assert h100["mfu"] == 0.4 and h100["model_states_measured_gb"] is None and "Llama 3" in h100["mfu_source"]
+
+
+# ---------------------------------------------------------------------------------------------- budgets out of range
+
+
+@pytest.mark.parametrize("flag, value", [("--days", "inf"), ("--tokens", "inf"), ("--params", "inf"),
+                                         ("--params", "nan"), ("--cost-per-gpu-hour", "inf"), ("--mfu", "nan")])
+def test_a_non_finite_number_exits_2_naming_the_flag(flag, value, capsys):
+    budget = [] if flag in ("--days", "--tokens", "--params") else ["--days", "1"]
+    assert _plan_main()(["--gpus", "8", *budget, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {float(value)} must be a finite number" in err and "Traceback" not in err, err
+
+
+def test_a_budget_below_one_step_is_planned_with_a_warning_of_how_much_more_it_spends(capsys):
+    assert _plan_main()(["--gpus", "8", "--days", "1e-12", "--json"]) == 0
+    printed = capsys.readouterr()
+    plan = json.loads(printed.out)
+    asked_seconds = 1e-12 * 86_400
+    assert plan["wall_seconds"] > 100 * asked_seconds and plan["max_steps"] == 1
+    (warning,) = plan["warnings"]
+    assert f"{plan['wall_seconds'] / asked_seconds:,.3g} times the asked --days 1e-12" in warning
+    assert f"warning: {warning}" in printed.err
+    assert _json_plan(capsys, "--gpus", "32", "--days", "14")["warnings"] == []  # a budget the plan fills
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "8", "--days", "1e9"], ["--gpus", "1000000000", "--days", "1"],
+                                  ["--gpus", "8", "--params", "1e14"]])
+def test_a_budget_beyond_the_largest_shape_is_named_as_such_not_as_too_few_devices(argv, capsys):
+    assert _plan_main()(argv) == 2
+    err = capsys.readouterr().err
+    assert "beyond the largest shape the planner knows" in err and "more devices" not in err, err
+
+
+def test_nothing_fits_suggests_more_devices_only_when_they_would_help(capsys):
+    # 131,072-token windows: the activations alone exceed an L4 under ZeRO-3 on any number of devices.
+    assert _plan_main()(["--gpus", "1", "--gpu", "l4", "--params", "3e9", "--seq-len", "131072",
+                         "--micro-batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "More devices would not help" in err and "use more devices" not in err, err
+    assert _plan_main()(["--gpus", "1", "--gpu", "l4", "--params", "7e9"]) == 2
+    assert "use more devices" in capsys.readouterr().err

@@ -224,6 +224,22 @@ def test_jsonl_and_parquet_records_are_documents(tmp_path):
     assert len(load_corpus([data], text_field="body", max_documents=3)) == 3
 
 
+@pytest.mark.parametrize("value, found", [(5, "int 5"), (["a", "b"], "list ['a', 'b']"), ({"t": 1}, "dict {'t': 1}")])
+def test_a_record_whose_text_is_not_a_string_is_named_by_file_and_line(tmp_path, value, found):
+    """A column of strings and other values is typed Json by datasets: the message names the record instead. A null
+    text is an empty document, skipped and counted."""
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [{"text": "first document\n"}, {"text": None}, {"text": "third\n"}, {"text": value}, {"text": "fifth\n"}]
+    (data / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(UserError) as err:
+        prep.prepare(output=tmp_path / "out", inputs=[data], vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
+    assert str(err.value).startswith(f"{data / 'part.jsonl'}, line 4: field 'text' holds {found}, not text.")
+    assert "--text-field" in str(err.value) and not (tmp_path / "out").exists()
+    (data / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:3]))
+    assert [d.text for d in DocumentSource([data]).documents()] == ["first document\n", "third\n"]
+
+
 def test_failure_midway_leaves_no_temp_folder_and_keeps_old_output(documents_dir, tmp_path, monkeypatch):
     out_dir = tmp_path / "out"
     out_dir.mkdir()

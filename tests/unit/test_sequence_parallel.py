@@ -1,20 +1,25 @@
 """Sequence parallelism without processes: each rank's share of a window, the refusals that name the fix, the
-layout a checkpoint records, compare_zero's +spN rows."""
+layout a checkpoint records, compare_zero's +spN rows, an evaluation forward after Ulysses replicated the key/value
+heads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROOT, TINY_OVERRIDES
+from helpers import ROOT, TINY_OVERRIDES, write_data
 
 from lmrecipe.compare import config_label, config_overrides, ds_config_path
 from lmrecipe.config import load_config
+from lmrecipe.data.batches import BatchLayout
 from lmrecipe.distributed import (
     Layout,
     SequenceParallel,
     ZeroSetup,
     check_sequence_parallel_model,
+    check_sequence_parallel_stage,
     check_sequence_parallel_topology,
+    load_deepspeed_config,
+    name_sequence_parallel_attention,
 )
 from lmrecipe.errors import UserError
 from lmrecipe.model import build_hf_config
@@ -108,3 +113,69 @@ def test_the_long_context_recipe_fits_eight_80gb_gpus_by_the_estimate():
     assert recipe < 80e9 * 0.5  # headroom for what the estimate leaves out (allocator, communication buffers)
     assert recipe < device_total("distributed.sequence_parallel_size=1") < device_total(
         "distributed.sequence_parallel_size=1", "train.loss_chunk_tokens=0")
+
+
+def test_fewer_key_value_heads_than_ranks_load_and_evaluate_with_every_head():
+    """sp=2 over one key/value head: Ulysses replicates it and, inside each training forward, rewrites the attention
+    modules' ``num_key_value_groups`` to its per-rank count (DeepSpeed's ``UlyssesSPAttentionHF.forward``) without
+    restoring it. An evaluation forward (validation, the checkpoint's probe) runs unsplit on every head and must see
+    the model's own count again."""
+    from types import SimpleNamespace
+
+    from lmrecipe.model import build_model
+
+    load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, ZERO1, "distributed.sequence_parallel_size=2",
+                                                 "model.num_kv_heads=1"])  # not refused: it trains
+    # eager repeats the key/value heads by that count in every forward, as the masked paths of sdpa do (document
+    # masking); unmasked sdpa leaves the repeat to torch and would not notice.
+    cfg = load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, "model.num_kv_heads=1",
+                                                       "model.attn_implementation=eager", "data.document_masking=false"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.train, build_hf_config(cfg.model, 384, cfg.data.seq_len)).eval()
+    ids = torch.randint(0, 384, (2, cfg.data.seq_len))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    handler = SimpleNamespace(sp_attn_implementation="sdpa")
+    accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_size=2, sp_handler=handler))
+    name_sequence_parallel_attention(accelerator, model)
+    assert handler.sp_attn_implementation == model.config._attn_implementation
+    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    assert attention and all(m.num_key_value_groups == 4 for m in attention)
+    for module in attention:  # what a training forward under Ulysses leaves: 2 query heads per rank, 1 key/value
+        module.num_key_value_groups = 2
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+def ds_config(name: str, precision: str) -> dict:
+    cfg = load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, ZERO1, "distributed.sequence_parallel_size=2"])
+    return load_deepspeed_config(ROOT / "ds_configs" / f"{name}.json", cfg.optim, cfg.distributed,
+                                 BatchLayout.from_config(cfg.train, 1), precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_bf16_sequence_parallelism_under_zero1_is_refused_with_the_stages_that_work(precision):
+    """DeepSpeed's bf16 ZeRO-1 optimizer fails at step 1 under Ulysses ("stack expects a non-empty TensorList");
+    fp8 trains on the same optimizer. ZeRO-2 and ZeRO-3 (and fp32) train like one process."""
+    with pytest.raises(UserError, match="Choose distributed.deepspeed_config=zero2 or zero3") as err:
+        check_sequence_parallel_stage(2, ds_config("zero1", precision), precision, "ds_configs/zero1.json", precision)
+    assert err.value.exit_code == 2 and "train.precision=fp32" in str(err.value)
+    with pytest.raises(UserError, match=r"train.precision=auto \(bf16 here\)"):  # auto is bf16 on a GPU
+        check_sequence_parallel_stage(2, ds_config("zero1", "bf16"), "bf16", "ds_configs/zero1.json", "auto")
+    for name in ("zero2", "zero3"):
+        check_sequence_parallel_stage(2, ds_config(name, precision), precision, f"ds_configs/{name}.json", precision)
+    check_sequence_parallel_stage(2, ds_config("zero1", "fp32"), "fp32", "ds_configs/zero1.json", "fp32")
+    check_sequence_parallel_stage(1, ds_config("zero1", precision), precision, "ds_configs/zero1.json", precision)
+
+
+def test_the_bf16_zero1_refusal_comes_before_any_process_group_or_file(tmp_path, monkeypatch):
+    from lmrecipe.train.setup import build_run
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher announces it; no process group is formed
+    out = tmp_path / "run"
+    cfg = load_config(ROOT / "recipes" / "tiny.yaml", [
+        *TINY_OVERRIDES, ZERO1, "distributed.sequence_parallel_size=2", "train.precision=bf16", f"out_dir={out}",
+        f"data.path={write_data(tmp_path / 'data')}"])
+    with pytest.raises(UserError, match="cannot run under ZeRO-1"):
+        build_run(cfg, out)
+    assert not out.exists()

@@ -3,6 +3,7 @@ window for window; a set trains, mixes and resumes like a folder; missing, mixed
 with the fix."""
 
 import importlib.util
+import json
 import shutil
 
 import numpy as np
@@ -11,7 +12,7 @@ from helpers import ROOT
 
 from lmrecipe.config import DataConfig, DataSource
 from lmrecipe.data.batches import BatchLayout, TrainBatches, ValBatches
-from lmrecipe.data.format import INDEX_DTYPE, TokenWindows, load_meta, tokenizer_signature
+from lmrecipe.data.format import INDEX_DTYPE, TokenWindows, combine_splits, load_meta, tokenizer_signature
 from lmrecipe.data.prepare.pipeline import prepare
 from lmrecipe.data.prepare.read import assign_files
 from lmrecipe.data.prepare.shards import finish_shards
@@ -163,6 +164,60 @@ def test_missing_mixed_foreign_and_unfinished_shards_fail_with_the_fix(shard_set
         prepare_shard(corpus_dir, tiny_data, tmp_path / "x", 2, 2)
     with pytest.raises(UserError, match="is a prepared data folder, not a shard set"):
         prepare_shard(corpus_dir, tiny_data, tiny_data, 0, 2)
+
+
+def reorder(root, meta):
+    meta["shards"][0], meta["shards"][1] = meta["shards"][1], meta["shards"][0]
+
+
+def drop_last(root, meta):
+    """The last shard deleted, and its entry, and the totals made to add up."""
+    shutil.rmtree(root / meta["shards"].pop()["path"])
+    meta["splits"] = {split: combine_splits([e["splits"][split] for e in meta["shards"]]) for split in ("train", "val")}
+
+
+def lower_max_token_id(root, meta):
+    meta["splits"]["train"]["max_token_id"] -= 10
+
+
+def add_a_stray(root, meta):
+    """A shard of a 2-shard preparation in the finished 3-shard set (the name says which; the check reads no more)."""
+    shutil.copytree(root / "shard-00000-of-00003", root / "shard-00000-of-00002")
+
+
+def unsort_an_index(root, meta):
+    """A shard's train.idx with two document starts swapped: same size, every offset still a document start."""
+    path = root / "shard-00002-of-00003" / "train.idx"
+    index = np.fromfile(path, dtype=INDEX_DTYPE)
+    index[[3, 4]] = index[[4, 3]]
+    index.tofile(path)
+
+
+HAND_EDITS = {
+    "reordered": (reorder, r"lists shard-00001-of-00003 as shard 0 of 3, but it is shard 1 of 3 \(its own meta.json\): "
+                           r"the list was reordered or shortened by hand.*--finish-shards"),
+    "shard_dropped": (drop_last, r"lists shard-00000-of-00003 as shard 0 of 2, but it is shard 0 of 3"),
+    "stray_of_another_count": (add_a_stray, r"holds shard folders its meta.json does not list \(shard-00000-of-00002\): "
+                                            r"a shard of another preparation was added.*--finish-shards"),
+    "totals_edited": (lower_max_token_id, r"describes its train split with max_token_id \d+ where its shards add up "
+                                          r"to \d+: the file was edited by hand"),
+    "index_out_of_order": (unsort_an_index, r"shard-00002-of-00003/train.idx is not in ascending order: entry 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HAND_EDITS))
+def test_a_set_edited_by_hand_is_refused_at_start_up(shard_sets, tmp_path, case):
+    """Each of these trained before, on a token stream that is not the corpus's (or with boundaries that are not its
+    documents'), or left a shard out; now start-up refuses them with the fix."""
+    edit, message = HAND_EDITS[case]
+    root = tmp_path / "set"
+    shutil.copytree(shard_sets[1], root)
+    meta = json.loads((root / "meta.json").read_text())
+    edit(root, meta)
+    (root / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=message):  # what build_run does first: meta.json checks, then both splits
+        check_sources(DataConfig(path=str(root), seq_len=32))
+        open_training_data(DataConfig(path=str(root), seq_len=32), 384, BatchLayout(4, 2, 1, 0), seed=1)
 
 
 def test_prepare_data_cli_exits_2_on_a_bad_shard(tmp_path, capsys):

@@ -427,9 +427,6 @@ def _record_documents(
             --text-field with the name of the field that holds the document text.
             """
         )
-    feature = dataset.features[text_field] if dataset.features is not None else None
-    if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string", "null"):
-        raise fail(f"{where}: field {text_field!r} holds {feature}, not text. Pass --text-field.")
     if columns is not None:
         dataset = dataset.select_columns([text_field])
     index = 0
@@ -445,10 +442,20 @@ def _record_documents(
             raise fail(f"{where} has no field {text_field!r}; its fields are {', '.join(batch)}. Pass --text-field.")
         for text in batch[text_field]:
             if text is not None and not isinstance(text, str):
-                raise fail(f"{where}: record {index} field {text_field!r} holds {type(text).__name__}, not text. "
-                           "Pass --text-field.")
+                raise _not_text(where, index, text_field, text)
             if _is_empty(text):
                 stats.empty_documents += 1
             else:
                 yield Document(f"{key}:{index}", text, input_index)
             index += 1
+
+
+def _not_text(where: str, index: int, text_field: str, value: Any) -> UserError:
+    """The error for a record whose text field holds a number, a list or an object, naming the record: the
+    column's type (``datasets`` infers ``Json`` for mixed values) would not say which one."""
+    record = f"line {index + 1}" if where.endswith(".jsonl") else f"record {index} (counted from 0)"
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+    return fail(f"{where}, {record}: field {text_field!r} holds {type(value).__name__} {shown}, not text. Each "
+                f"record's {text_field!r} must be a string (or null, skipped as an empty document): fix that record, "
+                "leave the file out of --input, or pass --text-field if another field holds the text.")

@@ -17,14 +17,22 @@ any N. So are the windows cut from them and the sample order over them (it depen
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from lmrecipe.data.format import FORMAT_VERSION, SHARD_NAME, SPLITS, load_meta, read_meta_file, shard_name
+from lmrecipe.data.format import (
+    FORMAT_VERSION,
+    SHARD_NAME,
+    SPLITS,
+    combine_splits,
+    load_meta,
+    read_meta_file,
+    shard_differences,
+    shard_name,
+)
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_json_atomic
 
@@ -161,13 +169,11 @@ def _check_agree(root: Path, folders: list[Path], metas: list[dict]) -> None:
         if not isinstance(recorded, dict) or "plan" not in recorded:
             raise fail(f"{folder} is a prepared folder but not a shard (its meta.json has no shard record): move it "
                        "out of the set, and prepare the shard with --shard.")
-        plan, first_plan = recorded["plan"], first["shard"]["plan"]
+        plan = recorded["plan"]
         if (plan["index"], plan["count"]) != (index, len(folders)):
             raise fail(f"{folder} holds shard {plan['index']}/{plan['count']}, not {index}/{len(folders)} as its name "
                        "says: it was renamed. Prepare the shard again into its own name.")
-        differ = [k for k in ("listing_sha256", "n_files") if plan[k] != first_plan[k]]
-        differ += [k for k in _SHARD_ARGS if recorded["args"].get(k) != first["shard"]["args"].get(k)]
-        differ += [k for k in ("vocab_size", "eos_id", "dtype", "tokenizer_sha256") if meta.get(k) != first.get(k)]
+        differ = shard_differences(meta, first)
         if differ:
             why = "another tokenizer" if "tokenizer_sha256" in differ else "another corpus listing or other arguments"
             raise fail(f"{folder.name} and {folders[0].name} of the shard set {root} were not prepared alike (they "
@@ -180,16 +186,7 @@ def _set_meta(root: Path, done: dict[int, Path], metas: list[dict]) -> dict[str,
     first = metas[0]
     splits = {}
     for split in SPLITS:
-        parts = [m["splits"][split] for m in metas]
-        tops = [p["max_token_id"] for p in parts if p["max_token_id"] is not None]
-        splits[split] = {
-            "n_tokens": sum(p["n_tokens"] for p in parts),
-            "n_documents": sum(p["n_documents"] for p in parts),
-            "max_token_id": max(tops) if tops else None,
-            # Of the shards' sha256 in order: a changed shard changes it (sha256 does not compose, and the whole
-            # is not read again); the same corpus in another number of shards gives another value.
-            "sha256": hashlib.sha256(",".join(p["sha256"] for p in parts).encode()).hexdigest(),
-        }
+        splits[split] = combine_splits([m["splits"][split] for m in metas])
         if splits[split]["n_documents"] == 0:
             raise fail(f"The {split} split of the shard set {root} is empty: no shard holds a {split} document. Add "
                        "documents, or prepare the shards again with another --val-fraction or --seed.")
