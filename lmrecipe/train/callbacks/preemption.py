@@ -30,6 +30,8 @@ whose death means "stop". A plain ``python train.py`` whose shell exits (``nohup
 _REPEAT_S = 1.0
 """A second SIGINT this soon after the first is the same Ctrl-C, delivered again (torchrun forwards the terminal's
 SIGINT to its workers, which also got it from the terminal)."""
+_EXIT_WAIT_S = 3.0
+"""How long a survivor looks for a local peer's exit to show once a collective broke (see :func:`lost_peer_error`)."""
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL", "ProcessGroup")
 
 
@@ -139,7 +141,7 @@ def lost_peer_error(err: BaseException, peers: list[tuple[str, int]], checkpoint
     if not (isinstance(err, getattr(torch.distributed, "DistError", ())) or any(s in text for s in _PEER_LOSS)):
         return None
     host = socket.gethostname()
-    dead = [rank for rank, (h, pid) in enumerate(peers) if h == host and not process_alive(pid)]
+    dead = _dead_local_peers(peers, host)
     if dead:
         who = ", ".join(f"rank {r} (pid {peers[r][1]})" for r in dead)
         what = f"{who} on {host} died"
@@ -154,6 +156,17 @@ def lost_peer_error(err: BaseException, peers: list[tuple[str, int]], checkpoint
                 exit_code=EXIT_FAILURE)
 
 
+def _dead_local_peers(peers: list[tuple[str, int]], host: str, wait_s: float = _EXIT_WAIT_S) -> list[int]:
+    """Ranks on this host whose process is gone. A killed process closes its sockets (which breaks the collective)
+    before the kernel marks it exited, so the survivor may look in between: it looks again for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [rank for rank, (h, pid) in enumerate(peers) if h == host and not process_alive(pid)]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` on this host is running: a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -164,6 +177,6 @@ def process_alive(pid: int) -> bool:
         return True
     # A zombie (killed, not yet reaped by the launcher) still answers kill(0).
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
     except OSError:  # its /proc entry went away after kill(0) answered: it has just exited
         return False
