@@ -38,8 +38,8 @@ from lmrecipe.checkpoint.storage import (
     no_checkpoint_message,
     read_checkpoint,
     resolve_checkpoint,
-    step_of_dir,
 )
+from lmrecipe.checkpoint.storage import follow_pointer as follow_pointer_file
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import parse_shard_size
 from lmrecipe.errors import UserError, fail
@@ -151,12 +151,8 @@ def follow_pointer(path: Path) -> Path:
     instead of a folder; any other path as it is."""
     if not (path.is_file() and path.name in (LATEST, BEST)):
         return path
-    name = path.read_text().strip()
-    target = path.parent / name
-    if step_of_dir(name) is None or not target.is_dir():
-        raise fail(f"{path} points to {name!r}, which is not a checkpoint folder beside it. Pass a checkpoint folder "
-                   f"({path.parent}/step_N) or the run folder for its newest checkpoint.")
-    return target
+    return follow_pointer_file(path, f"Pass a checkpoint folder ({path.parent}/step_N) or the run folder for its "
+                                     "newest checkpoint.")
 
 
 def _next_checkpoint(path: Path, tried: list[Path]) -> Path | None:

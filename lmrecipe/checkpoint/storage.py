@@ -275,16 +275,20 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
     return removed
 
 
+def follow_pointer(pointer: Path, fix: str) -> Path:
+    """The checkpoint folder a ``latest`` or ``best`` pointer file names; UserError ending in ``fix`` when it names
+    none beside it."""
+    name = pointer.read_text().strip()
+    target = pointer.parent / name
+    if step_of_dir(name) is None or not target.is_dir():
+        raise fail(f"{pointer} points to {name!r}, which is not a checkpoint folder in {pointer.parent}. {fix}")
+    return target
+
+
 def _follow_latest(root: Path) -> Path:
     pointer = root / LATEST
-    name = pointer.read_text().strip()
-    target = root / name
-    if step_of_dir(name) is None or not target.is_dir():
-        raise fail(
-            f"{pointer} points to {name!r}, which is not a checkpoint folder in {root}. Delete {pointer} to use the "
-            f"newest complete checkpoint, or pass checkpoint.resume=PATH (or none to start fresh)."
-        )
-    return target
+    return follow_pointer(pointer, f"Delete {pointer} to use the newest complete checkpoint, or pass "
+                                   "checkpoint.resume=PATH (or none to start fresh).")
 
 
 def _remove_tree(path: Path) -> None:
