@@ -32,7 +32,8 @@ from lmrecipe.config import (
 )
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import load_meta
-from lmrecipe.distributed import ZeroSetup, check_tensor_parallel_stage, load_deepspeed_config, resolve_precision
+from lmrecipe.distributed import ZeroSetup, resolve_precision
+from lmrecipe.distributed import check_launch as check_distributed_launch
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_text_atomic
 from lmrecipe.launch import accelerate_launch_cmd
@@ -276,22 +277,12 @@ def recipe_vocab_size(model: ModelConfig, data: DataConfig, override: int | None
 
 def check_launch(work: Workload, ds_path: str | Path | None, world_size: int, num_nodes: int,
                  precision: str) -> tuple[BatchLayout, dict | None]:
-    """What training checks of a launch before its first step (``distributed.build_runtime``), for one config: the
-    splits divide the world size, the batch splits over the data-parallel ranks, the DeepSpeed JSON is valid for the
-    recipe, tensor parallelism is not under ZeRO-3. Returns the batch layout and the filled DeepSpeed config (None
-    without DeepSpeed); UserError naming the reason and the fix."""
+    """What training checks of a launch before its first step (:func:`lmrecipe.distributed.check_launch`), for one
+    config on ``num_nodes`` nodes. Returns the batch layout and the filled DeepSpeed config (None without DeepSpeed);
+    UserError naming the reason and the fix."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
-    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
-    for key, size in (("sequence_parallel_size", sp), ("tensor_parallel_size", tp)):
-        if world_size % size:
-            raise fail(f"distributed.{key}={size} does not divide the world size {world_size}: each group of {size} "
-                       f"consecutive ranks shares the work. Choose a world size that is a multiple of {size}.")
-    layout = BatchLayout.from_config(work.train, world_size // (sp * tp))
-    ds = load_deepspeed_config(ds_path, work.optim, work.distributed, layout, precision) if ds_path else None
-    if ds_path:
-        check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds), Path(ds_path))
-    return layout, ds
+    return check_distributed_launch(work, ds_path, world_size, precision)
 
 
 def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | None, world_size: int, num_nodes: int,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lmrecipe.config import Config, DistributedConfig, OptimConfig
+from lmrecipe.config import Config, DistributedConfig, OptimConfig, Workload
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 
@@ -292,18 +292,11 @@ def build_runtime(cfg: Config) -> Runtime:
     if precision == "fp8":
         check_fp8()
     world_size = world_size_from_env()
-    ds_path = cfg.distributed.deepspeed_config_path()
     sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
-    check_sequence_parallel_topology(sp, world_size)
-    check_tensor_parallel_topology(tp, world_size)
-    # Data-parallel ranks: the ranks of one sequence- or tensor-parallel group read the same samples.
     shared = sp * tp
-    layout = BatchLayout.from_config(cfg.train, world_size // shared)  # fails before any process group exists
-    ds_config, plugin = None, None
-    if ds_path is not None:
-        ds_config = load_deepspeed_config(ds_path, cfg.optim, cfg.distributed, layout, precision)
-        check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds_config), ds_path)
-        check_sequence_parallel_stage(sp, ds_config, precision, ds_path, cfg.train.precision)
+    layout, ds_config = check_launch(cfg.workload(), cfg.distributed.deepspeed_config_path(), world_size, precision)
+    plugin = None
+    if ds_config is not None:
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
@@ -313,6 +306,25 @@ def build_runtime(cfg: Config) -> Runtime:
     sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
     return Runtime(accelerator, precision, replace(layout, rank=rank // shared), ZeroSetup.from_ds_config(ds_config),
                    ds_config, sequence, tp)
+
+
+def check_launch(work: Workload, ds_path: str | Path | None, world_size: int,
+                 precision: str) -> tuple[BatchLayout, dict | None]:
+    """What a launch of ``world_size`` processes needs of the recipe's ``work`` and its DeepSpeed JSON, checked before
+    any process group exists (training, and the tools that plan runs, judge it alike): the parallel splits divide the
+    processes, the global batch splits over the data-parallel ranks, the JSON is valid for the recipe and its ZeRO
+    stage suits the splits. Returns the batch layout and the filled DeepSpeed config (None without DeepSpeed)."""
+    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
+    check_sequence_parallel_topology(sp, world_size)
+    check_tensor_parallel_topology(tp, world_size)
+    # Data-parallel ranks: the ranks of one sequence- or tensor-parallel group read the same samples.
+    layout = BatchLayout.from_config(work.train, world_size // (sp * tp))
+    if ds_path is None:
+        return layout, None
+    ds_config = load_deepspeed_config(ds_path, work.optim, work.distributed, layout, precision)
+    check_tensor_parallel_stage(tp, ZeroSetup.from_ds_config(ds_config), Path(ds_path))
+    check_sequence_parallel_stage(sp, ds_config, precision, Path(ds_path), work.train.precision)
+    return layout, ds_config
 
 
 @dataclass(frozen=True)
@@ -361,20 +373,18 @@ def check_sequence_parallel_topology(sp: int, world_size: int) -> None:
     """What ``distributed.sequence_parallel_size`` needs of the launch, checked before any process group exists (what
     it needs of the recipe: ``lmrecipe/config/rules.py``)."""
     if world_size % sp:
-        raise fail(f"""
-            distributed.sequence_parallel_size={sp} does not divide the {world_size} processes: each group of {sp}
-            consecutive ranks shares a sequence. Launch a multiple of {sp} processes, or choose a divisor of
-            {world_size}.""")
+        raise fail(f"distributed.sequence_parallel_size={sp} does not divide the world size {world_size} (the processes "
+                   f"launched): each group of {sp} consecutive ranks shares a sequence. Launch a multiple of {sp} "
+                   f"processes, or choose a divisor of {world_size}.")
 
 
 def check_tensor_parallel_topology(tp: int, world_size: int) -> None:
     """What ``distributed.tensor_parallel_size`` needs of the launch, checked before any process group exists (what
     it needs of the recipe: ``lmrecipe/config/rules.py``)."""
     if world_size % tp:
-        raise fail(f"""
-            distributed.tensor_parallel_size={tp} does not divide the {world_size} processes: each group of {tp}
-            consecutive ranks splits the model's matrices. Launch a multiple of {tp} processes, or choose a divisor
-            of {world_size}.""")
+        raise fail(f"distributed.tensor_parallel_size={tp} does not divide the world size {world_size} (the processes "
+                   f"launched): each group of {tp} consecutive ranks splits the model's matrices. Launch a multiple of "
+                   f"{tp} processes, or choose a divisor of {world_size}.")
 
 
 def check_tensor_parallel_stage(tp: int, zero: ZeroSetup, path: Path) -> None:
