@@ -80,7 +80,7 @@ def model_shape_tflops(hf_config, tokens: int, seconds: float = 0.5, trials: int
 
 
 def cpu_worker(args) -> dict:
-    from lmrecipe.observe.device import cpu_matmul_tflops
+    from lmrecipe.observe.device import probe_cpu_matmul_tflops
 
     recipe, overrides = MODELS[args.worker]
     with tempfile.TemporaryDirectory(prefix="bench_mfu_") as tmp:
@@ -101,7 +101,7 @@ def cpu_worker(args) -> dict:
                     seconds = C.timed_block(ours, args.block_steps, device).wall_s
                     achieved.append(args.block_steps * ours.tokens_per_step * ours.flops_per_token / seconds / 1e12)
                 else:
-                    square.append(cpu_matmul_tflops.__wrapped__("fp32"))  # train.py's probe, uncached
+                    square.append(probe_cpu_matmul_tflops("fp32"))  # train.py's probe, one fresh measurement
                     shapes.append(model_shape_tflops(ours.hf_config, tokens, args.probe_seconds))
             mfu_square.append(achieved[-1] / square[-1])
             mfu_shapes.append(achieved[-1] / shapes[-1])

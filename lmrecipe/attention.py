@@ -21,6 +21,7 @@ a 4D mask skips both. Anything else is refused with a UserError naming ``data.do
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import dataclass
 
@@ -77,6 +78,31 @@ def build_document_attention(attn_implementation: str, hf_config) -> DocumentAtt
         return DocumentAttention("eager", "eager")
     AttentionInterface.register(DOCUMENT_SDPA, document_sdpa_forward)
     return DocumentAttention("sdpa", DOCUMENT_SDPA)
+
+
+FLASH_MODULES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                 "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
+"""The module each flash kernel is imported from, and the package that installs it."""
+
+
+def check_flash_kernel(attn_implementation: str) -> None:
+    """UserError naming the fix when a flash kernel (``model.attn_implementation=flash_attention_2/3``) cannot run
+    here: no CUDA device, or neither its package nor the ``kernels`` library (transformers' fallback that fetches a
+    built kernel) is installed. Called at start-up, with or without document masking, before anything is built."""
+    if attn_implementation not in FLASH_MODULES:
+        return
+    module, package = FLASH_MODULES[attn_implementation]
+    fix = "or set model.attn_implementation=sdpa (any device, the same model)."
+    if not torch.cuda.is_available():
+        raise fail(f"model.attn_implementation={attn_implementation} needs a CUDA GPU and this machine has none: "
+                   f"run on a GPU machine with the {package} package installed, {fix}")
+    if not (_installed(module) or _installed("kernels")):
+        raise fail(f"model.attn_implementation={attn_implementation} needs the {package} package (module {module}), "
+                   f"which is not installed in this environment: install it on this GPU machine, {fix}")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def _check_supported(attn_implementation: str) -> None:

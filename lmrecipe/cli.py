@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 from lmrecipe.errors import EXIT_INTERRUPTED, UserError, fail
 from lmrecipe.fileio import write_json_atomic
+from lmrecipe.observe.quiet import maybe_skip_torchao_extensions, quiet
 
 #: Environment variable naming a file where the script records how it ended (``{"exit_code", "error"}``), so a
 #: wrapper (``slurm/launch.sh``) can report a rank's exit status and last words, which launchers replace by 1.
@@ -24,7 +25,8 @@ EXIT_FILE_ENV = "LMRECIPE_EXIT_FILE"
 
 
 def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) -> None:
-    """INFO on the main process, warnings only on the others; every line says its rank.
+    """INFO on the main process, warnings only on the others; every line says its rank. Third-party lines that say
+    nothing about the run are filtered (``lmrecipe/observe/quiet.py``; ``LMRECIPE_VERBOSE=1`` shows them).
 
     ``rank`` defaults to the launcher's ``RANK`` (0 for a single process).
     """
@@ -35,6 +37,7 @@ def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) 
         datefmt="%H:%M:%S",
         stream=stream,
     )
+    quiet()  # before the libraries are imported: their import-time lines are filtered too
 
 
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
@@ -49,6 +52,7 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
         rank = int(os.environ.get("RANK", "0"))
         error = None
         skip_autotuner_mlflow()
+        maybe_skip_torchao_extensions()
         try:
             code = fn(*args, **kwargs)
             code = 0 if code is None else int(code)

@@ -20,6 +20,7 @@ import torch
 from lmrecipe.config import Config, DistributedConfig, OptimConfig, Workload
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
+from lmrecipe.observe.quiet import quiet_prints
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +255,73 @@ def fp8_recipe():
     return AORecipeKwargs(config=Float8LinearConfig(enable_fsdp_float8_all_gather=False))
 
 
+def _launch_arguments(argv: list[str]) -> list[str] | None:
+    """The arguments after ``accelerate launch`` (or ``python -m accelerate.commands.launch``) in a command line;
+    None when it is not that command."""
+    for i, arg in enumerate(argv):
+        if arg == "launch" and i > 0 and Path(argv[i - 1]).name in ("accelerate", "accelerate_cli.py"):
+            return argv[i + 1:]
+        if arg in ("accelerate.commands.launch", "accelerate.commands.accelerate_cli") and i > 0 and argv[i - 1] == "-m":
+            rest = argv[i + 1:]
+            return rest[1:] if arg.endswith("accelerate_cli") and rest[:1] == ["launch"] else rest
+    return None
+
+
+def shrunk_launch(environ: dict, parent_argv: list[str] | None) -> int | None:
+    """The process count that ``accelerate launch`` was asked for (``--num_processes N``, N > 1) when it started this
+    process alone: without ``--multi_gpu`` (or ``--use_deepspeed``, ``--use_fsdp``), or with ``--cpu``, its simple
+    launcher runs the script once, sets no ``WORLD_SIZE`` and says nothing. None otherwise.
+
+    ``environ``: this process's environment; ``parent_argv``: the parent process's command line (the launcher's).
+    """
+    if "WORLD_SIZE" in environ or "ACCELERATE_DYNAMO_BACKEND" not in environ or not parent_argv:
+        return None  # a distributed launcher's process, or not one of accelerate's launcher
+    launch_args = _launch_arguments(parent_argv)
+    if launch_args is None:
+        return None
+    import contextlib
+    import io
+
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.commands.utils import CustomArgumentParser
+
+    # The parser of the accelerate command line itself: hyphens or underscores, no abbreviations.
+    commands = CustomArgumentParser(add_help=False, allow_abbrev=False)
+    launch_command_parser(commands.add_subparsers())
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = commands.parse_args(["launch", *launch_args])
+    except SystemExit:
+        return None
+    processes = args.num_processes
+    distributed = args.multi_gpu or args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.tpu
+    if processes is None or processes < 2 or (distributed and not args.cpu):
+        return None
+    return processes
+
+
+def _parent_command_line() -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return None  # no /proc (not Linux): the check is skipped
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def check_launched_processes() -> None:
+    """Exit 2 when ``accelerate launch --num_processes N`` started this process alone (:func:`shrunk_launch`): the run
+    would train on one process instead of N, silently."""
+    requested = shrunk_launch(dict(os.environ), _parent_command_line())
+    if requested is None:
+        return
+    raise fail(f"accelerate launch was asked for {requested} processes (--num_processes {requested}) but started this "
+               "script once: without --multi_gpu (or --use_deepspeed), or with --cpu, its launcher runs a single "
+               f"process, and this run would train on 1 process instead of {requested}. Relaunch with accelerate "
+               f"launch --multi_gpu --num_processes {requested} train.py RECIPE [key=value ...] (python "
+               "tools/launch_flags.py RECIPE [key=value ...] prints the flags a recipe needs), or leave out "
+               "--num_processes to train on one process.")
+
+
 def _ensure_single_process_env() -> None:
     """``python train.py`` with DeepSpeed: give torch.distributed a one-process world on localhost."""
     if "RANK" in os.environ:
@@ -291,6 +359,7 @@ def build_runtime(cfg: Config) -> Runtime:
         raise fail("train.precision=fp16 needs a GPU; use fp32 or bf16 on a CPU.")
     if precision == "fp8":
         check_fp8()
+    check_launched_processes()
     world_size = world_size_from_env()
     sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
     shared = sp * tp
@@ -300,8 +369,9 @@ def build_runtime(cfg: Config) -> Runtime:
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
-    accelerator = _build_accelerator(world_size, precision, layout.accum_steps, plugin, cfg.distributed.timeout_s,
-                                     parallelism)
+    with quiet_prints():  # DeepSpeed prints a line per process as it sets up its CPU collectives
+        accelerator = _build_accelerator(world_size, precision, layout.accum_steps, plugin, cfg.distributed.timeout_s,
+                                         parallelism)
     rank = accelerator.process_index
     sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
     return Runtime(accelerator, precision, replace(layout, rank=rank // shared), ZeroSetup.from_ds_config(ds_config),

@@ -2,7 +2,9 @@
 
 An export folder holds ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` (the index
 form also for a single shard), ``config.json``, ``generation_config.json`` and the tokenizer files: what
-``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` and inference servers load.
+``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` and inference servers load; and ``README.md``, a model
+card (Hugging Face's YAML front matter, then the shape, data, losses and training command, from the checkpoint's
+record and its run folder), written inside the folder before it is published.
 
 Weights always come from a checkpoint on disk, never from a live engine, so one code path serves the end of
 training and ``tools/export_hf.py``: DeepSpeed ZeRO-1/2/3 shards are consolidated offline by DeepSpeed's own
@@ -14,7 +16,6 @@ partitions are consolidated the same way, offline).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -43,14 +44,19 @@ from lmrecipe.checkpoint.storage import follow_pointer as follow_pointer_file
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import parse_shard_size
 from lmrecipe.errors import UserError, fail
-from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic
+from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic, write_text_atomic
 from lmrecipe.model import bare_parameter_name
+from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
+from lmrecipe.observe.quiet import quiet_prints
+from lmrecipe.observe.run_report import config_differences
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHTS = ("raw", "ema")
 INDEX_FILE = "model.safetensors.index.json"
+CARD_FILE = "README.md"
+"""The export's model card: Hugging Face's YAML front matter, then what the model is and how it was trained."""
 # Files of the checkpoint's hf/ folder that are not tokenizer files.
 _NOT_TOKENIZER = {"config.json", "meta.json"}
 
@@ -72,7 +78,7 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = N
 
         try:
             # DeepSpeed reports progress on stdout, which belongs to the caller (eval.py prints JSON there).
-            with contextlib.redirect_stdout(sys.stderr):
+            with quiet_prints(stdout=sys.stderr):
                 lazy = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=DS_TAG, lazy_mode=True)
         except (ValueError, FileNotFoundError, RuntimeError, KeyError) as err:
             raise fail(f"Cannot consolidate the ZeRO shards of {ckpt}: {err}") from None
@@ -248,14 +254,18 @@ def _export(ckpt: Path, out: Path, dtype: str, max_shard_size: str | int, overwr
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     existed = out.exists()
-    size = sum(t.numel() * t.element_size() for t in {id(t): t for t in state_dict.values()}.values())
+    tensors = {id(t): t for t in state_dict.values()}.values()  # tied weights once
+    size, n_params = sum(t.numel() * t.element_size() for t in tensors), sum(t.numel() for t in tensors)
     try:
         with building_dir(out, overwrite=True) as tmp:
-            model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
+            with quiet_prints():
+                model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
             _index_single_shard(tmp)
             for file in (ckpt / HF_DIR).iterdir():
                 if file.is_file() and file.name not in _NOT_TOKENIZER:
                     shutil.copy2(file, tmp / file.name)
+            # Inside the temporary folder: the card is published with the weights it describes, or not at all.
+            write_text_atomic(tmp / CARD_FILE, model_card(ckpt, saved, n_params, dtype, weights))
     except Exception as err:  # safetensors reports a full disk as its own error type, torch as a RuntimeError
         if not is_disk_full(err):
             raise
@@ -267,6 +277,115 @@ def _export(ckpt: Path, out: Path, dtype: str, max_shard_size: str | int, overwr
         ) from None
     logger.info("Exported %s to %s (%s, %s weights)", ckpt, out, dtype, weights)
     return out
+
+
+def _run_folder(ckpt: Path) -> Path | None:
+    """The run folder a checkpoint lies in (``out_dir/checkpoints/step_N``), when it is still there."""
+    run = ckpt.parent.parent
+    return run if ckpt.parent.name == "checkpoints" and (run / "config.yaml").is_file() else None
+
+
+def _data_sources(config: dict) -> list[tuple[str, str, float | None]]:
+    """(name, folder, mixture weight) of each training data source; the name is the corpus its folder's
+    ``meta.json`` names (``source``), else the folder's name."""
+    data = config.get("data", {})
+    listed = data.get("sources") or [{"name": None, "path": data.get("path"), "weight": None}]
+    sources = []
+    for source in listed:
+        folder = str(source.get("path"))
+        name = source.get("name")
+        try:
+            name = name or json.loads((Path(folder) / "meta.json").read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            pass
+        sources.append((str(name or Path(folder).name), folder, source.get("weight")))
+    return sources
+
+
+def _final_figures(run: Path | None, step: int, saved: dict) -> dict:
+    """The last training loss, validation loss and task scores logged at or before ``step`` (metrics.jsonl of the
+    run folder; without it, the checkpoint's own validation loss)."""
+    figures = {"val_loss": saved.get("val_loss"), "val_step": step if saved.get("val_loss") is not None else None}
+    rows = [r for r in read_metrics(run / METRICS_FILE) if r.get("step", 0) <= step] if run else []
+    train_rows, val_rows = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+    if train_rows:
+        figures.update(loss=train_rows[-1]["loss"], loss_step=train_rows[-1]["step"])
+    if val_rows:
+        figures.update(val_loss=val_rows[-1]["val_loss"], val_step=val_rows[-1]["step"],
+                       tasks={k.split("/", 1)[1]: v for k, v in val_rows[-1].items() if k.startswith("acc/")})
+    return figures
+
+
+def _training_command(run: Path | None, config: dict) -> str:
+    """The command that trained the run: its recipe and the overrides that differ from it (``run_meta.json``);
+    without the recipe file, the run's own resolved ``config.yaml`` as the recipe."""
+    import shlex
+
+    meta = {}
+    if run is not None and (run / "run_meta.json").is_file():
+        meta = json.loads((run / "run_meta.json").read_text())
+    recipe = meta.get("recipe")
+    if recipe and Path(recipe).is_file():
+        changed, _ = config_differences(config, recipe)
+        overrides = [f"{key}={'null' if value is None else value if isinstance(value, str) else json.dumps(value)}"
+                     for key, _, value in changed]
+        command = ["train.py", recipe, *overrides]
+    else:
+        command = ["train.py", str(run / "config.yaml") if run else "CONFIG.yaml"]
+    world_size = int(meta.get("world_size") or 1)
+    launcher = (["accelerate", "launch", "--multi_gpu", "--num_processes", str(world_size)] if world_size > 1
+                else ["python"])
+    return " ".join(shlex.quote(part) for part in launcher + command)
+
+
+def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str) -> str:
+    """The export's ``README.md``, from the checkpoint's record (``saved``) and its run folder (``config.yaml``,
+    ``run_meta.json``, ``metrics.jsonl``) when it is still beside it."""
+    import yaml
+
+    config, hf, state = saved["config"], saved.get("hf_config", {}), saved["state"]
+    run, step = _run_folder(ckpt), int(state["step"])
+    arch = hf.get("model_type") or config.get("model", {}).get("arch", "causal-lm")
+    sources = _data_sources(config)
+    front = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": ["causal-lm", arch, "lmrecipe"]}
+    # The Hub reads ``datasets`` as dataset names: a corpus named by its local folder is listed in the body only.
+    if named := [name for name, _, _ in sources if not name.startswith(("/", ".", "~"))]:
+        front["datasets"] = named
+    figures = _final_figures(run, step, saved)
+    init_from = config.get("model", {}).get("init_from")
+
+    def fmt(value, digits=4):
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    shape = (f"{hf.get('num_hidden_layers')} layers, hidden size {hf.get('hidden_size')}, "
+             f"{hf.get('num_attention_heads')} attention heads ({hf.get('num_key_value_heads')} key/value), MLP "
+             f"{hf.get('intermediate_size')}, vocabulary {hf.get('vocab_size')}, context "
+             f"{config.get('data', {}).get('seq_len')} tokens (positions up to {hf.get('max_position_embeddings')})")
+    data = "\n".join(f"- {name} (`{folder}`)" + (f", weight {weight:.4g}" if weight is not None else "")
+                     for name, folder, weight in sources)
+    rows = [f"| training loss (step {figures.get('loss_step')}) | {fmt(figures.get('loss'))} |",
+            f"| validation loss (step {figures.get('val_step')}) | {fmt(figures.get('val_loss'))} |"]
+    rows += [f"| {task} accuracy | {fmt(score)} |" for task, score in sorted(figures.get("tasks", {}).items())]
+    name = run.name if run else ckpt.name
+    return "\n".join([
+        "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+        f"# {name}", "",
+        f"A {arch} causal language model with {n_params:,} parameters ({n_params / 1e6:.2f}M), trained "
+        f"{f'from {init_from} ' if init_from else 'from scratch '}by lmrecipe for {step:,} optimizer steps on "
+        f"{int(state.get('tokens_seen', 0)):,} tokens. The weights are "
+        f"the {'trained weights' if weights == 'raw' else 'moving average of the trained weights'} of checkpoint "
+        f"`{ckpt.name}`, stored in {dtype}.", "",
+        "## Model", "", f"{shape}.", "",
+        "## Training data", "", data, "",
+        "## Results", "", "| figure | value |", "|---|---|", *rows, "",
+        "## Training command", "", "```", _training_command(run, config), "```", "",
+        "## Use", "", "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        'model = AutoModelForCausalLM.from_pretrained("PATH_TO_THIS_FOLDER")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_TO_THIS_FOLDER")',
+        'inputs = tokenizer("def main():", return_tensors="pt")',
+        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))", "```", "",
+    ])
 
 
 def _safetensors_layout(path: Path) -> tuple[dict, int]:

@@ -107,7 +107,8 @@ def host_memory_gb() -> float:
 
 
 def measured_mfu(run: str | Path) -> tuple[float, str]:
-    """The MFU a finished run's ``report.md`` states (mean of its logged intervals), and where it ran."""
+    """The MFU a finished run's ``report.md`` states (over the time in training steps of its logged intervals), and
+    where it ran."""
     out = Path(run)
     if not (out / FINAL_FILE).is_file() or not (out / METRICS_FILE).is_file():
         raise fail(f"--from-run {run}: no {FINAL_FILE} and {METRICS_FILE} there, so it is not a finished run's folder "

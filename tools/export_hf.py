@@ -4,9 +4,10 @@
     python tools/export_hf.py runs/tiny exports/tiny-fp32 --dtype fp32 --max-shard-size 500MB   # newest checkpoint
     python tools/export_hf.py runs/tiny exports/tiny-ema --weights ema   # the weight EMA (train.ema_decay > 0)
 
-Writes model-0000i-of-0000n.safetensors + model.safetensors.index.json, config.json, generation_config.json
-and the tokenizer files. ZeRO-1/2/3 shards are consolidated offline on this machine (no GPU, no DeepSpeed
-launch), whatever the number of ranks that wrote them. See lmrecipe/export.py.
+Writes model-0000i-of-0000n.safetensors + model.safetensors.index.json, config.json, generation_config.json,
+the tokenizer files and a model card (README.md: the model, its data, losses and training command). ZeRO-1/2/3
+shards are consolidated offline on this machine (no GPU, no DeepSpeed launch), whatever the number of ranks that
+wrote them. See lmrecipe/export.py.
 """
 
 import argparse

@@ -53,6 +53,25 @@ def continue_sample_order(batches, saved: dict) -> None:
         batches.use_order_version(version)
 
 
+def _uses_deepspeed(value) -> bool:
+    return value not in (None, "none", "null")
+
+
+def forgotten_settings(saved_config: dict, run_config: dict) -> list[str]:
+    """The parallel settings of a checkpoint's run (``saved_config``) that this run (``run_config``) leaves at their
+    default, each as the ``key=value`` override that restores it: a DeepSpeed config, sequence or tensor parallelism.
+    A change to another value is a choice, not listed."""
+    old, new = saved_config.get("distributed", {}), run_config.get("distributed", {})
+    forgotten = []
+    deepspeed = old.get("deepspeed_config")
+    if _uses_deepspeed(deepspeed) and not _uses_deepspeed(new.get("deepspeed_config")):
+        forgotten.append(f"distributed.deepspeed_config={deepspeed}")
+    for key in ("sequence_parallel_size", "tensor_parallel_size"):
+        if int(old.get(key, 1)) > 1 and int(new.get(key, 1)) == 1:
+            forgotten.append(f"distributed.{key}={old[key]}")
+    return forgotten
+
+
 class Resumer:
     """Loads checkpoints into this run: the resume at its start and the rollbacks during it."""
 
@@ -87,7 +106,12 @@ class Resumer:
         continue_sample_order(self.data.train_batches, saved)
         self._load(path, saved, state)
         changes = self.record.layout().changes_from(Layout.from_topology(saved["topology"]))
-        if changes:
+        if forgotten := forgotten_settings(saved["config"], self.facts.run_config):
+            logger.warning("Resumed from %s at step %d on a new layout (%s): the checkpoint's run trained with %s, this "
+                           "run without. The state was converted exactly, but if the setting was left out by mistake, "
+                           "stop and run again with %s.", path, state.step, "; ".join(changes),
+                           ", ".join(forgotten), " ".join(forgotten))
+        elif changes:
             logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
                         "step counts were loaded by parameter name; the data continues at sample %d.", path, state.step,
                         state.tokens_seen, "; ".join(changes), saved["data"]["next_sample"])

@@ -1,12 +1,13 @@
 """The one typed configuration of a run: ``sections.py`` declares it (a dataclass per section, every field
 documented with its units), ``rules.py`` holds every refused combination of settings as a table, ``loader.py``
-reads recipes (with ``base:`` inheritance) and ``key=value`` overrides into it.
+reads recipes (with ``base:`` inheritance) and ``key=value`` overrides into it, ``reference.py`` lists every key
+for ``docs/reference/keys.md`` and ``train.py --list-keys``.
 
 Precedence: dataclass defaults < recipe YAML < ``key=value`` overrides. Unknown keys, wrong types, out-of-range
 values and refused combinations raise :class:`~lmrecipe.errors.UserError` naming each key and what is allowed.
 """
 
-from lmrecipe.config.loader import BASE_KEY, RENAMED, config_from_dict, load_config, save_config
+from lmrecipe.config.loader import BASE_KEY, RENAMED, config_from_dict, config_yaml, load_config, save_config
 from lmrecipe.config.rules import RULES, Rule, check_rules
 from lmrecipe.config.sections import (
     AUTO_LOSS_CHUNK_MIN_VOCAB,
@@ -40,6 +41,6 @@ __all__ = [
     "AUTO_LOSS_CHUNK_MIN_VOCAB", "AUTO_LOSS_CHUNK_TOKENS", "BASE_KEY", "DS_CONFIG_DIR", "RENAMED", "REPO_ROOT", "RULES",
     "CheckpointConfig", "Config", "DataConfig", "DataSource", "DistributedConfig", "EvalConfig", "LoggingConfig",
     "ModelConfig", "OptimConfig", "Precision", "ProfileConfig", "Rule", "ScheduleConfig", "SpikeConfig", "TrackerName",
-    "TrainConfig", "Workload", "check_rules", "config_from_dict", "due_at", "fixed_on_resume_keys",
+    "TrainConfig", "Workload", "check_rules", "config_from_dict", "config_yaml", "due_at", "fixed_on_resume_keys",
     "flatten_config", "load_config", "parse_shard_size", "resolve_deepspeed_config", "save_config",
 ]

@@ -78,9 +78,14 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
+def config_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, every value written out (it names no base): what ``out_dir/config.yaml`` holds."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML, atomically (every value written out: it names no base)."""
-    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write :func:`config_yaml` to ``path``, atomically."""
+    write_text_atomic(path, config_yaml(cfg))
 
 
 def _recipe_chain(path: Path) -> list[tuple[Path, dict]]:

@@ -53,8 +53,10 @@ class ModelConfig:
     """RoPE base frequency."""
     tie_embeddings: bool = _fixed(False)
     """Share the input embedding and the output projection."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel passed to transformers."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel passed to transformers: sdpa (any device), eager, or a flash kernel on a CUDA GPU where its
+    package is installed (flash_attention_2: flash-attn; flash_attention_3: flash-attn-3, Hopper GPUs), checked at
+    start-up."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     extra: dict = field(default_factory=dict, metadata=_FIXED)
@@ -368,6 +370,9 @@ class LoggingConfig:
     measure_model_states: bool = False
     """Measure the bytes of weights, gradients and optimizer states each rank holds, during the second optimizer
     step, into ``out_dir/memory_rank{N}.json`` (``tools/compare_zero.py`` turns it on)."""
+    verbose: bool = False
+    """Show the start-up and per-checkpoint lines of third-party libraries (torchao, DeepSpeed, Accelerate, torch)
+    that are filtered by default; the filtered lines are listed in ``lmrecipe/observe/quiet.py``."""
 
     def validate(self) -> None:
         _positive(self, "log_every_steps")

@@ -3,6 +3,13 @@
 The reporting callback (``lmrecipe/train/callbacks/reporting.py``) calls ``step_done`` every optimizer step and
 ``eval_done`` after an evaluation; the log interval, the main-process check and the averaging over the interval
 live here, not in the loop.
+
+A row's time is the interval's *time in training steps*: the sum of the trainer's step times (data wait, forward,
+backward, optimizer, the sync point; compilation inside step 1), from the first step after the previous row to the
+logged step. Evaluation, checkpoint writes and logging, which run between steps, are not in it. So
+``tokens_per_sec = interval_steps x tokens per step / interval_time_s`` and ``step_time_s = interval_time_s /
+interval_steps`` for every row, the first included, and the run's throughput is the sum of the rows' tokens over
+the sum of their ``interval_time_s`` (:func:`lmrecipe.observe.metrics_log.throughput`).
 """
 
 from __future__ import annotations
@@ -10,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -19,16 +25,16 @@ from tqdm.auto import tqdm
 
 from lmrecipe.config import LoggingConfig, due_at
 from lmrecipe.observe import device as device_stats
-from lmrecipe.observe.metrics_log import MetricsLog, read_metrics
+from lmrecipe.observe.metrics_log import MetricsLog, read_metrics, throughput
 from lmrecipe.observe.plots import plot_training
-from lmrecipe.observe.run_meta import run_metadata, write_run_meta
+from lmrecipe.observe.run_meta import read_run_meta, run_events, run_metadata, write_run_meta
 
 logger = logging.getLogger(__name__)
 
 class Reporter:
     def __init__(self, section: LoggingConfig, accelerator, out_dir: Path, *, precision: str, max_steps: int,
                  start_step: int, tokens_per_step: int, flops_per_token: float, run_config: dict, run_meta: dict,
-                 source_tokens: Callable[[int], dict[str, int]] | None = None):
+                 launch: dict | None = None, source_tokens: Callable[[int], dict[str, int]] | None = None):
         """
         Args:
             section: the recipe's ``logging`` section (interval, trackers, progress bar, peak TFLOP/s).
@@ -36,6 +42,7 @@ class Reporter:
             tokens_per_step: tokens of one optimizer step over all ranks.
             run_config: the resolved configuration (``run_meta.json`` and the tracker's config).
             run_meta: further facts for ``run_meta.json`` (parameters, topology, resume).
+            launch: this session's entry of ``run_meta.json``'s ``launches`` (``run_meta.launch_record``).
             source_tokens: step -> ``{"tokens_seen/<name>": tokens}`` of a data mixture, added to every row.
         """
         self.section = section
@@ -50,16 +57,19 @@ class Reporter:
         if self.is_main:
             meta = run_metadata(run_config, accelerator.num_processes, precision,
                                 {**run_meta, "peak_tflops_per_device": self.peak_tflops, "peak_tflops_source": peak_source})
-            write_run_meta(out_dir, meta)
+            # What is resident before the first step (interpreter, libraries, model, data index): on a CPU, the part
+            # of the measured peak memory that the planner's estimate does not model.
+            launch = {**(launch or {}), "host_rss_gb_before_training": device_stats.host_rss_gb()}
+            write_run_meta(out_dir, meta, launch)
         self.tracker = MetricsLog(out_dir, section.trackers, section.project, section.run_name or out_dir.name,
                                   run_config, enabled=self.is_main, start_step=start_step)
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.is_main and section.progress_bar and sys.stderr.isatty()))
-        self._reset_interval(time.perf_counter())
-        device_stats.reset_peak_memory(accelerator.device)
+        self._reset_interval()
 
-    def _reset_interval(self, now: float) -> None:
-        self._interval_start = now
+    def _reset_interval(self) -> None:
+        """Start a log interval: its step count and times, and (GPU) the allocator's peak, so each row holds its own."""
+        device_stats.reset_peak_memory(self.accelerator.device)
         self._interval_steps = 0
         self._interval_step_time_s = 0.0
         self._interval_data_time_s = 0.0
@@ -86,9 +96,8 @@ class Reporter:
         grad_norm = float(grad_norm)
         # One collective per log interval: the mean loss over all ranks (this is also a device sync point).
         loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
-        now = time.perf_counter()
-        elapsed = now - self._interval_start
-        tokens_per_sec = self._interval_steps * self.tokens_per_step / elapsed
+        interval_time_s = self._interval_step_time_s
+        tokens_per_sec = self._interval_steps * self.tokens_per_step / max(interval_time_s, 1e-12)
         row = {
             "step": state.step,
             "tokens_seen": state.tokens_seen,
@@ -100,7 +109,10 @@ class Reporter:
             "mfu": device_stats.mfu(tokens_per_sec, self.flops_per_token, self.accelerator.num_processes, self.peak_tflops),
             "step_time_s": self._interval_step_time_s / self._interval_steps,
             "data_time_s": self._interval_data_time_s / self._interval_steps,
+            "interval_steps": self._interval_steps,
+            "interval_time_s": interval_time_s,
             "peak_mem_gb": device_stats.peak_memory_gb(self.accelerator.device),
+            "host_rss_gb": device_stats.host_rss_gb(),
             "skipped_steps": state.skipped_steps,
             **device_stats.device_utilisation(self.accelerator.device),
         }
@@ -113,14 +125,14 @@ class Reporter:
                 f"step {row['step_time_s']:.3f}s (data {100 * row['data_time_s'] / max(row['step_time_s'], 1e-12):.1f}%) | "
                 f"mem {row['peak_mem_gb']:.2f} GB" + (f" | skipped {interval_skips}" if interval_skips else "")
             )
-        self._reset_interval(time.perf_counter())
+        self._reset_interval()
 
     def rewind(self, step: int) -> None:
         """The run went back to ``step`` (a rollback): drop later metrics rows and restart the interval averages."""
         self.tracker.rewind(step)
         self.bar.n = step
         self.bar.refresh()
-        self._reset_interval(time.perf_counter())
+        self._reset_interval()
 
     def eval_done(self, state, val_loss: float, per_source: dict[str, float] | None = None,
                   figures: dict[str, float] | None = None) -> None:
@@ -136,13 +148,17 @@ class Reporter:
             self.bar.write(f"step {state.step:>6}/{self.max_steps} | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
                            + "".join(f" | {key} {value:.4f}" for key, value in extra.items()
                                      if not key.startswith("chance/")))
-        # Evaluation time is not training throughput.
-        self._interval_start = time.perf_counter() - self._interval_step_time_s
 
     def close(self, plot: bool) -> None:
+        """Close the logs; with ``plot``, draw ``training.png``: its title, the run's events, its throughput."""
         self.bar.close()
         self.tracker.close()
         if plot and self.is_main:
             rows = read_metrics(self.out_dir / "metrics.jsonl")
             if rows:
-                plot_training(rows, self.out_dir / "training.png")
+                meta = read_run_meta(self.out_dir)
+                tokens = max((r["tokens_seen"] for r in rows if "tokens_seen" in r), default=0)
+                params = f"{meta['n_params'] / 1e6:,.2f}M parameters, " if meta.get("n_params") else ""
+                title = f"{self.section.run_name or self.out_dir.name}: {params}{tokens:,} tokens trained"
+                plot_training(rows, self.out_dir / "training.png", title=title, events=run_events(meta),
+                              run_tokens_per_sec=throughput([r for r in rows if "loss" in r])["tokens_per_sec"])

@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import platform
 import resource
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+from lmrecipe.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -35,24 +42,79 @@ def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
-@functools.lru_cache(maxsize=4)
-def cpu_matmul_tflops(precision: str = "fp32", size: int = 1024, trials: int = 5, seconds: float = 0.1) -> float:
-    """Measured matmul TFLOP/s of this CPU with the current thread count: the peak MFU is judged against.
+PEAK_CACHE_FILE = "peak_tflops.json"
+PEAK_HISTORY = 16
+"""Probes kept per machine key in the cache; the reference is the highest of them."""
 
-    The best of several short trials, so a moment of contention from other processes lowers it less.
+
+def probe_cpu_matmul_tflops(precision: str = "fp32", size: int = 1024, trials: int = 5, seconds: float = 0.04) -> float:
+    """One probe of this CPU's matmul TFLOP/s with the current thread count: the median of ``trials`` timed bursts
+    of ``seconds`` each, after a warm-up burst (the first calls allocate, pick the kernel and wake the threads).
+
+    The median, not the best: under other processes' load the best burst swings with the moment's contention.
     """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
-    a @ b  # warm-up: first call allocates and picks the kernel
-    best = 0.0
-    for _ in range(trials):
+
+    def burst() -> float:
         n, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             a @ b
             n += 1
-        best = max(best, 2.0 * size**3 * n / (time.perf_counter() - start) / 1e12)
-    return best
+        return 2.0 * size**3 * n / (time.perf_counter() - start) / 1e12
+
+    burst()
+    return statistics.median(burst() for _ in range(trials))
+
+
+def peak_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/lmrecipe/peak_tflops.json`` (``~/.cache/lmrecipe/...`` by default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "lmrecipe" / PEAK_CACHE_FILE
+
+
+def machine_key(precision: str) -> str:
+    """What a CPU peak depends on: the CPU model, torch's version and thread count, the precision."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads | {precision}"
+
+
+def remembered_peak(path: Path, key: str, probe: float, keep: int = PEAK_HISTORY) -> tuple[float, int]:
+    """Add ``probe`` to the last ``keep`` probes cached under ``key`` and return (the highest of them, how many).
+
+    A cache that cannot be read starts empty; one that cannot be written leaves the highest of what was read.
+    """
+    try:
+        cache = json.loads(path.read_text())
+        history = [float(x) for x in cache.get(key, []) if float(x) > 0] if isinstance(cache, dict) else []
+    except (OSError, ValueError, TypeError, AttributeError):
+        cache, history = {}, []
+    history = [*history, probe][-keep:]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {**(cache if isinstance(cache, dict) else {}), key: history})
+    except OSError as err:
+        logger.debug("CPU peak cache %s not written: %s", path, err)
+    return max(history), len(history)
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_matmul_tflops(precision: str = "fp32") -> float:
+    """The CPU peak MFU is judged against: the highest of this machine's last probes (:data:`PEAK_HISTORY`, this
+    one included) under its :func:`machine_key`, cached in :func:`peak_cache_path`. Other processes on the cores
+    only ever lower a probe, so one probe swings with their load (0.03 to 0.20 TFLOP/s on one 2-core machine) while
+    the highest of the recent ones stays at what the machine can do."""
+    peak, count = remembered_peak(peak_cache_path(), machine_key(precision), probe_cpu_matmul_tflops(precision))
+    logger.debug("CPU matmul peak %.3f TFLOP/s: the highest of %d probes", peak, count)
+    return peak
 
 
 def device_peak_tflops(device: torch.device, precision: str, configured: float | None) -> tuple[float, str]:
@@ -67,7 +129,7 @@ def device_peak_tflops(device: torch.device, precision: str, configured: float |
         if peak is not None:
             return peak, f"table ({name})"
         logger.warning("No peak TFLOP/s known for %s; set logging.peak_tflops for MFU. Probing a matmul instead.", name)
-    return cpu_matmul_tflops(precision), "matmul probe"
+    return cpu_matmul_tflops(precision), f"matmul probe: the highest of up to {PEAK_HISTORY} probes cached per machine"
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -81,6 +143,13 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
+
+def host_rss_gb() -> float:
+    """The process's resident set now (host memory, GB), which the operating system can report on any device."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e9
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,4 +1,5 @@
-"""The metrics log: ``metrics.jsonl`` (one JSON object per logged step), mirrored to the experiment trackers.
+"""The metrics log: ``metrics.jsonl`` (one JSON object per logged step), mirrored to the experiment trackers, and the
+run's throughput from its rows (:func:`throughput`), which the report, the plot and the planner all use.
 """
 
 from __future__ import annotations
@@ -90,3 +91,33 @@ def read_metrics(path: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def intervals(train: list[dict]) -> list[tuple[int, float, float, float]]:
+    """(steps, seconds in training steps, tokens, MFU x seconds) of each logged interval.
+
+    A row written before rows carried ``interval_steps`` and ``interval_time_s`` counts the steps since the
+    previous row at its mean ``step_time_s``.
+    """
+    out, previous = [], 0
+    for r in train:
+        steps = r.get("interval_steps") or r["step"] - previous
+        seconds = r.get("interval_time_s")
+        seconds = steps * r.get("step_time_s", 0.0) if seconds is None else seconds
+        out.append((steps, seconds, r.get("tokens_per_sec", 0.0) * seconds, (r.get("mfu") or 0.0) * seconds))
+        previous = r["step"]
+    return out
+
+
+def throughput(train: list[dict]) -> dict:
+    """The run's throughput from its training rows: the tokens of the logged intervals over their time in training
+    steps (a row's, as ``lmrecipe/observe/console.py`` defines it), not a mean of the intervals' rates, which weighs
+    a short fast interval like a long slow one; MFU and step time over the same seconds, so throughput x step time
+    = tokens per step."""
+    parts = [p for p in intervals(train) if p[1] > 0]
+    steps, seconds = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if not seconds:
+        return {"tokens_per_sec": None, "mfu": None, "step_time_s": None, "train_time_s": None, "train_tokens": None}
+    tokens = sum(p[2] for p in parts)
+    return {"tokens_per_sec": tokens / seconds, "mfu": sum(p[3] for p in parts) / seconds,
+            "step_time_s": seconds / steps, "train_time_s": seconds, "train_tokens": tokens}

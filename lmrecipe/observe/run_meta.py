@@ -1,8 +1,11 @@
 """The run's metadata, ``out_dir/run_meta.json``: built, written and amended here only.
 
 At the start (main process): commit, package versions, hardware, container, world size, precision, model and data
-facts and the resolved configuration (:func:`write_run_meta`). At the end: how the run ended, under ``outcome``
-(:func:`record_outcome`).
+facts and the resolved configuration (:func:`write_run_meta`), and under ``launches`` one entry per session of the
+run (:func:`launch_record`: the command line, the launcher's topology, the step it started at and the checkpoint it
+resumed from), the first start's kept by every resume, and the session's events (:func:`record_event`: a
+spike's rollback, a stop before ``train.max_steps`` by a preemption's signal or an error). At the end: how the run
+ended, under ``outcome`` (:func:`record_outcome`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import logging
 import os
 import platform
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -86,15 +91,76 @@ def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> 
     }
 
 
-def write_run_meta(out_dir: Path, meta: dict) -> None:
-    """Write ``run_meta.json`` (main process, at the start of every session of the run)."""
-    write_json_atomic(out_dir / RUN_META_FILE, meta)
+LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "LMRECIPE_PROCS_PER_NODE", "SLURM_JOB_ID",
+                "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_JOB_NODELIST",
+                "CUDA_VISIBLE_DEVICES")
+"""The launcher's variables a session records: its topology, as ``torchrun`` / ``accelerate launch`` and SLURM set it."""
+
+
+def launch_record(command: Sequence[str] | None, world_size: int, start_step: int, resumed_from: str | None,
+                  environ=os.environ) -> dict:
+    """One session's entry of ``run_meta.json``'s ``launches``: the script's command line as launched
+    (``command``: its ``sys.argv``, None when training was started from Python), the time, the processes and the
+    launcher's variables of :data:`LAUNCHER_ENV`, and where it started."""
+    return {"command": list(command) if command is not None else None,
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "world_size": world_size, "launcher_env": {k: environ[k] for k in LAUNCHER_ENV if k in environ},
+            "start_step": start_step, "resumed_from": resumed_from}
+
+
+def read_run_meta(out_dir: Path) -> dict:
+    """``run_meta.json`` of ``out_dir`` ({} when there is none, or it is unreadable)."""
+    path = Path(out_dir) / RUN_META_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        logger.warning("%s is not valid JSON; its earlier content is not carried over", path)
+        return {}
+
+
+def write_run_meta(out_dir: Path, meta: dict, launch: dict | None = None) -> None:
+    """Write ``run_meta.json`` (main process, at the start of every session of the run), ``launch`` appended to the
+    earlier sessions' ``launches``. A session that starts at step 0 without a checkpoint starts the list afresh:
+    the earlier sessions trained a history this run has dropped."""
+    launches = []
+    if launch is not None:
+        fresh = launch.get("start_step") == 0 and launch.get("resumed_from") is None
+        launches = ([] if fresh else read_run_meta(out_dir).get("launches", [])) + [launch]
+    write_json_atomic(out_dir / RUN_META_FILE, {**meta, "launches": launches})
+
+
+def record_event(out_dir: Path, event: dict) -> None:
+    """Append ``event`` (``{"kind": "rollback" | "stop", "step", ...}``) to this session's ``launches`` entry."""
+    meta = read_run_meta(out_dir)
+    if meta.get("launches"):
+        meta["launches"][-1].setdefault("events", []).append(event)
+        write_json_atomic(out_dir / RUN_META_FILE, meta)
+
+
+def run_events(meta: dict) -> list[dict]:
+    """The events of the history the run kept, ``{"step", "kind", "label"}``: each resume (at the step it resumed
+    at), rollback (at the step it went back to) and preemption (at the step it stopped after). An event of a
+    session after the step the next session resumed at belongs to a continuation that was dropped, and is left out."""
+    launches = meta.get("launches", [])
+    events = []
+    for i, launch in enumerate(launches):
+        if launch.get("resumed_from"):
+            events.append({"step": launch["start_step"], "kind": "resume", "label": "resume"})
+        until = launches[i + 1].get("start_step") if i + 1 < len(launches) else None
+        for event in launch.get("events", []):
+            if until is not None and event["step"] > until:
+                continue
+            if event["kind"] == "rollback":
+                events.append({"step": event["step"], "kind": "rollback", "label": "rollback (loss spike)"})
+            elif event["kind"] == "stop" and event.get("preempted"):
+                events.append({"step": event["step"], "kind": "preemption", "label": "preemption (checkpoint saved)"})
+    return events
 
 
 def record_outcome(out_dir: Path, outcome: dict) -> dict:
     """Add how the run ended to ``run_meta.json`` (under ``outcome``); return the amended metadata."""
-    path = out_dir / RUN_META_FILE
-    meta = json.loads(path.read_text()) if path.is_file() else {}
+    meta = read_run_meta(out_dir)
     meta["outcome"] = outcome
-    write_json_atomic(path, meta)
+    write_json_atomic(out_dir / RUN_META_FILE, meta)
     return meta

@@ -16,7 +16,7 @@ from pathlib import Path
 from lmrecipe.config import Config, flatten_config, load_config
 from lmrecipe.errors import UserError
 from lmrecipe.fileio import write_json_atomic, write_text_atomic
-from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
+from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics, throughput
 from lmrecipe.observe.run_meta import record_outcome
 
 logger = logging.getLogger(__name__)
@@ -39,17 +39,13 @@ def write_run_end(out_dir: Path, outcome: dict, cost_per_device_hour: float | No
 
 
 def summarize_metrics(rows: list[dict]) -> dict:
-    """The report's figures from metrics rows (throughput and MFU: mean over the logged intervals after the
-    first, which holds start-up and compilation, when there are several)."""
+    """The report's figures from metrics rows: throughput, MFU and step time by :func:`throughput` over every
+    logged interval, and again without the first (``*_after_first``: start-up and compilation fall in step 1)."""
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
     val_ema = [r for r in val if r.get("val_loss_ema") is not None]
-    steady = train[1:] if len(train) > 1 else train
     util = [r["gpu_util_pct"] for r in train if r.get("gpu_util_pct") is not None]
-
-    def mean(key):
-        values = [r[key] for r in steady if r.get(key) is not None]
-        return sum(values) / len(values) if values else None
+    after_first = throughput(train[1:]) if len(train) > 1 else {"tokens_per_sec": None, "train_time_s": None}
 
     return {
         "last_step": train[-1]["step"] if train else None,
@@ -60,9 +56,8 @@ def summarize_metrics(rows: list[dict]) -> dict:
         "best_val_step": min(val, key=lambda r: r["val_loss"])["step"] if val else None,
         "final_val_loss_ema": val_ema[-1]["val_loss_ema"] if val_ema else None,
         "best_val_loss_ema": min((r["val_loss_ema"] for r in val_ema), default=None),
-        "tokens_per_sec": mean("tokens_per_sec"),
-        "mfu": mean("mfu"),
-        "step_time_s": mean("step_time_s"),
+        **throughput(train),
+        "tokens_per_sec_after_first": after_first["tokens_per_sec"],
         "peak_mem_gb": max((r["peak_mem_gb"] for r in train if r.get("peak_mem_gb") is not None), default=None),
         "gpu_util_pct": sum(util) / len(util) if util else None,
         "gpu_mem_used_gb": max((r["gpu_mem_used_gb"] for r in train if r.get("gpu_mem_used_gb") is not None),
@@ -131,6 +126,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
     world = meta.get("world_size", 1)
     wall_s = float(outcome.get("wall_time_s") or 0.0)
     device_hours = wall_s * world / 3600
+    tokens_seen = outcome.get("tokens_seen", figures["tokens_seen"])
     cost = f"{device_hours * cost_per_device_hour:,.2f}" if cost_per_device_hour is not None else \
         "n/a (set logging.cost_per_device_hour)"
     versions = meta.get("versions", {})
@@ -152,7 +148,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         "",
         "| | |",
         "| --- | --- |",
-        f"| tokens seen | {_fmt(outcome.get('tokens_seen', figures['tokens_seen']))} |",
+        f"| tokens seen | {_fmt(tokens_seen)} |",
         f"| parameters | {_fmt(meta.get('n_params'))} |",
         f"| training wall time (all sessions) | {_hours(wall_s)} ({wall_s:,.1f} s) |",
         f"| devices | {world} x {device} |",
@@ -163,13 +159,25 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         f"| best validation loss | {_fmt(figures['best_val_loss'])} (step {_fmt(figures['best_val_step'])}) |",
         *([f"| validation loss of the weight EMA: final, best | {_fmt(figures['final_val_loss_ema'])}, "
            f"{_fmt(figures['best_val_loss_ema'])} |"] if figures["final_val_loss_ema"] is not None else []),
-        f"| throughput (tokens/s, mean of logged intervals) | {_fmt(figures['tokens_per_sec'], 1)} |",
-        f"| MFU (mean of logged intervals) | {_fmt(None if figures['mfu'] is None else 100 * figures['mfu'], 2, ' %')} |",
+        f"| throughput (tokens/s): tokens of the logged intervals / their time in training steps | "
+        f"{_fmt(figures['tokens_per_sec'], 1)} |",
+        f"| throughput after the first logged interval (start-up and compilation left out) | "
+        f"{_fmt(figures['tokens_per_sec_after_first'], 1)} |",
+        f"| time in training steps, of the training wall time | {_fmt(figures['train_time_s'], 1, ' s')} of "
+        f"{wall_s:,.1f} s |",
+        f"| tokens seen / training wall time (evaluation and checkpoints included) | "
+        f"{_fmt(tokens_seen / wall_s if wall_s else None, 1)} |",
+        f"| MFU (over the time in training steps) | {_fmt(None if figures['mfu'] is None else 100 * figures['mfu'], 2, ' %')} |",
         f"| peak MFU reference | {_fmt(meta.get('peak_tflops_per_device'), 2)} TFLOP/s per device "
         f"({meta.get('peak_tflops_source', 'n/a')}) |",
         f"| peak memory per process | {_fmt(figures['peak_mem_gb'], 3, ' GB')} |",
         f"| GPU utilisation (NVML, mean of logged steps) | {_fmt(figures['gpu_util_pct'], 1, ' %')} |",
         f"| GPU memory in use (NVML, max) | {_fmt(figures['gpu_mem_used_gb'], 3, ' GB')} |",
+        "",
+        "Throughput counts the time inside optimizer steps (data wait, forward, backward, optimizer step, the log "
+        "step's sync), every logged interval's tokens over every logged interval's seconds. Evaluation, checkpoint "
+        "writes and logging between steps, and steps a rollback discarded, are in the wall time only. Each row of "
+        "`metrics.jsonl` holds its interval's `interval_steps`, `interval_time_s` and `tokens_per_sec` by the same rule.",
         "",
         *task_table(rows),
         *(_plan_check(prediction, figures, meta, hardware.get("gpu")) if prediction else []),
@@ -182,6 +190,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         f"- container: {_container(meta.get('container'))}",
         f"- recipe: `{meta.get('recipe') or 'none'}`; resumed from: {meta.get('resumed_from') or 'no (fresh start)'}",
         "",
+        *_launches(meta.get("launches", [])),
     ]
     from_recipe, from_defaults = config_differences(meta.get("config", {}), meta.get("recipe"))
     lines += _table("## Configuration: differences from the recipe file" if meta.get("recipe") else
@@ -210,7 +219,8 @@ def _plan_check(predicted: dict, figures: dict, meta: dict, gpu: str | None) -> 
         f"Predicted by `lmrecipe.plan.predict_run` at this run's configuration: MFU {100 * predicted['mfu']:.0f}% "
         f"assumed ({predicted['mfu_source']}), {meta.get('peak_tflops_per_device', float('nan')):.3g} TFLOP/s "
         f"per device, {_fmt(meta.get('flops_per_token'), 0)} FLOPs per token; memory by `lmrecipe.memory.estimate` "
-        f"(model states, activations of one micro-batch). Measured memory: {memory_note}.",
+        f"(model states, activations of one micro-batch). Measured memory: {memory_note}. Measured throughput, MFU "
+        "and step time: over the time in training steps of every logged interval, as in the figures above.",
         "",
         "| | predicted | measured | measured / predicted |",
         "| --- | --- | --- | --- |",
@@ -222,6 +232,45 @@ def _plan_check(predicted: dict, figures: dict, meta: dict, gpu: str | None) -> 
     if predicted.get("model_states_measured_gb") is not None:
         lines.append(row("model states per process (largest rank)", "model_states_gb", digits=3, unit=" GB",
                          measured=predicted["model_states_measured_gb"]))
+    return lines + [""] + ([] if gpu else _cpu_note(predicted, figures, meta))
+
+
+def _cpu_note(predicted: dict, figures: dict, meta: dict) -> list[str]:
+    """What the plan table means when the run trained on a CPU: the planner models an accelerator's memory and
+    judges time against the CPU's own measured matmul rate."""
+    before = [launch["host_rss_gb_before_training"] for launch in meta.get("launches", [])
+              if launch.get("host_rss_gb_before_training") is not None]
+    resident = (f" {before[-1]:,.3f} GB of it was already resident before the first step of the last session "
+                "(the interpreter, torch and the other libraries, the model, the data index)." if before else "")
+    peak = meta.get("peak_tflops_per_device")
+    return [
+        "On a CPU the planner's figures are those of the accelerator it models, and they read differently here. "
+        "Memory: the prediction counts the model states and one micro-batch's activations, as an accelerator's "
+        "allocator would hold them; the measured figure is the process's peak resident set (`ru_maxrss`), which "
+        f"also holds the Python process, its libraries and the allocator's free blocks.{resident} "
+        f"Time: the prediction is {100 * predicted['mfu']:.0f}% of this CPU's measured matmul rate "
+        f"({_fmt(peak, 4)} TFLOP/s per process: a 1024 x 1024 {meta.get('precision')} matmul on "
+        f"{meta.get('hardware', {}).get('torch_threads')} torch threads, {meta.get('peak_tflops_source', 'n/a')}); "
+        "other processes sharing the cores during training slow the steps, and the reference only as far as they "
+        "slowed the cached probes.",
+        "",
+    ]
+
+
+def _launches(launches: list[dict]) -> list[str]:
+    """The run's sessions (``run_meta.json``'s ``launches``): where each started, how, and what happened in it."""
+    if not launches:
+        return []
+    lines = ["## Sessions", "", "| started (UTC) | at step | resumed from | processes | command | events |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for launch in launches:
+        command = " ".join(launch["command"]).replace("|", "\\|") if launch.get("command") else "n/a (started from Python)"
+        events = "; ".join(f"rolled back to step {e['step']}" if e["kind"] == "rollback" else
+                           f"stopped after step {e['step']} (exit {e.get('exit_code')}"
+                           f"{', preempted' if e.get('preempted') else ''})" for e in launch.get("events", []))
+        lines.append(f"| {launch.get('started_at')} | {launch.get('start_step')} | "
+                     f"{launch.get('resumed_from') or 'no (fresh start)'} | {launch.get('world_size')} | "
+                     f"`{command}` | {events} |")
     return lines + [""]
 
 

@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Sequence
 
 from lmrecipe.checkpoint.checkpointer import Checkpointer
+from lmrecipe.checkpoint.storage import find_resume_checkpoint, read_checkpoint
 from lmrecipe.data.order import data_step
-from lmrecipe.errors import fail
+from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
+from lmrecipe.observe.quiet import quiet
+from lmrecipe.observe.run_report import FINAL_FILE
 from lmrecipe.train.callback import Callback, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
 from lmrecipe.train.callbacks.ema import WeightEMA
@@ -187,7 +190,8 @@ class Trainer:
                 **self.figures("outcome")}
 
 
-def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: str | None = None) -> list[Callback]:
+def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: str | None = None,
+                    command: list[str] | None = None) -> list[Callback]:
     """The run's callbacks (their order is their own, see the module docstring)."""
     cfg, acc = run.cfg, run.accelerator
     callbacks: list[Callback] = [
@@ -200,7 +204,7 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
                    precision=run.runtime.precision, checkpoint_every_steps=cfg.checkpoint.every_steps),
         NonFiniteStop(cfg.train.max_consecutive_skips),
         EarlyStopping(cfg.train),
-        Reporting(run, out_dir, recipe),
+        Reporting(run, out_dir, recipe, command),
         Evaluation(run),
     ]
     if cfg.train.ema_decay > 0:
@@ -215,9 +219,10 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
 
 
 def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = None, recipe: str | None = None,
-                  timer: SectionTimer | None = None, extra: Sequence[Callback] = ()) -> Trainer:
+                  timer: SectionTimer | None = None, extra: Sequence[Callback] = (),
+                  command: list[str] | None = None) -> Trainer:
     """The trainer of ``run`` with the run's callbacks, and ``extra`` ones (saved by name like the others)."""
-    callbacks = sorted([*build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe), *extra],
+    callbacks = sorted([*build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe, command), *extra],
                        key=lambda c: c.order)
     stateful = {c.name: c for c in callbacks if c.name is not None}
     batches = run.train_batches
@@ -226,12 +231,39 @@ def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = Non
     return Trainer(run, out_dir, checkpointer, callbacks, timer=timer)
 
 
-def train(cfg, recipe: str | None = None) -> TrainState:
+def finished_state(cfg, out_dir: Path) -> TrainState | None:
+    """The state of ``out_dir``'s run when it already ended at ``train.max_steps`` (its newest checkpoint, the one
+    ``checkpoint.resume=auto`` takes, is at that step and the run's end was recorded in ``final.json``); else None.
+    Reads files only: every rank answers alike."""
+    if cfg.checkpoint.resume != "auto" or not (out_dir / FINAL_FILE).is_file():
+        return None  # without final.json the end of the run (export, report) did not complete: it runs again
+    try:
+        checkpoint = find_resume_checkpoint("auto", out_dir / "checkpoints")
+        saved = read_checkpoint(checkpoint) if checkpoint is not None else None
+    except UserError:
+        return None  # a damaged checkpoint: the resume names it with its fix
+    if saved is None or int(saved["state"]["step"]) != cfg.train.max_steps:
+        return None
+    state = TrainState()
+    state.load_state_dict(saved["state"])
+    return state
+
+
+def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> TrainState:
     """Train ``cfg`` to ``train.max_steps`` (resuming as ``checkpoint.resume`` says); one run per ``out_dir``.
 
+    A run that already ended at ``train.max_steps`` is left as it is (nothing is written, not even the lock): the
+    same command run again has nothing to do.
+
     ``recipe``: the recipe file ``cfg`` was loaded from, which the run report compares the configuration with.
+    ``command``: the script's command line, which ``run_meta.json`` records for every session of the run.
     """
+    quiet(cfg.logging.verbose)
     out_dir = Path(cfg.out_dir)
+    if (finished := finished_state(cfg, out_dir)) is not None:
+        logger.info("nothing to do: %s already finished at step %d (train.max_steps=%d); raise train.max_steps to "
+                    "train further", out_dir, finished.step, cfg.train.max_steps)
+        return finished
     with removing_new_empty_dirs(out_dir, out_dir / "checkpoints"):  # a failed start leaves no empty folders
         run = build_run(cfg, out_dir)
         lock = RunLock(out_dir)
@@ -240,7 +272,7 @@ def train(cfg, recipe: str | None = None) -> TrainState:
         run.accelerator.wait_for_everyone()
         signal = PreemptionSignal()
         try:
-            return build_trainer(run, out_dir, signal, recipe).fit()
+            return build_trainer(run, out_dir, signal, recipe, command=command).fit()
         finally:
             signal.close()
             run.prefetcher.close()

@@ -4,6 +4,7 @@ background writes equal to synchronous ones, preemption, retention, bad input.""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -320,3 +321,21 @@ def test_zero_resume_is_exact_and_leaves_its_source_untouched(tmp_path_factory, 
     if stage == 3:  # a harmless change (another DeepSpeed JSON of the same stage) is allowed and listed
         assert "Resuming with changed settings (allowed)" in runs["b_stderr"]
         assert "distributed.deepspeed_config:" in runs["b_stderr"]
+
+
+def test_a_finished_run_run_again_has_nothing_to_do_and_writes_nothing(tmp_path, plain, caplog):
+    from lmrecipe.config import load_config
+    from lmrecipe.train.trainer import train
+
+    out = tmp_path / "run"
+    shutil.copytree(plain, out)  # the shared run stays untouched whatever happens here
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in [out, *out.rglob("*")]}
+    digest = tree_digest(out)
+    cfg = load_config(str(out / "config.yaml"), [f"out_dir={out}"])  # the run's own command, in this process
+    with caplog.at_level(logging.INFO, logger="lmrecipe.train.trainer"):
+        state = train(cfg)
+    assert state.step == STEPS
+    assert (f"nothing to do: {out} already finished at step {STEPS} (train.max_steps={STEPS}); raise "
+            "train.max_steps to train further") in caplog.text
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in [out, *out.rglob("*")]} == before
+    assert tree_digest(out) == digest

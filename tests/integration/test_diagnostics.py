@@ -81,23 +81,30 @@ def test_report_matches_metrics(profiled_run):
     assert f"| tokens seen | {train[-1]['tokens_seen']:,} |" in report
     assert f"| best validation loss | {min(val):,.4f} (step {best_step}) |" in report
     assert f"| final validation loss | {val[-1]:,.4f} |" in report
-    steady = train[1:]
-    assert f"{sum(r['tokens_per_sec'] for r in steady) / len(steady):,.1f}" in report
-    assert f"{100 * sum(r['mfu'] for r in steady) / len(steady):,.2f} %" in report
+    # every row: its interval's tokens over its time in training steps; the report: all tokens over all that time
+    tokens_per_step = train[0]["tokens_seen"]
+    assert all(r["tokens_per_sec"] * r["interval_time_s"] == pytest.approx(r["interval_steps"] * tokens_per_step)
+               for r in train) and sum(r["interval_steps"] for r in train) == final["step"]
+    seconds = sum(r["interval_time_s"] for r in train)
+    assert f"| {final['tokens_seen'] / seconds:,.1f} |" in report
+    assert f"{100 * sum(r['mfu'] * r['interval_time_s'] for r in train) / seconds:,.2f} %" in report
     assert f"{max(r['peak_mem_gb'] for r in train):,.3f} GB" in report
+    assert seconds <= final["wall_time_s"] and all(r["host_rss_gb"] > 0 for r in train)
     device_hours = final["wall_time_s"] / 3600
     assert final["wall_time_s"] > 0 and f"| device-hours | {device_hours:,.4f} |" in report
     assert f"| {device_hours * 2.5:,.2f} |" in report
     # differences from the recipe file: the test's overrides
     assert '| `train.max_steps` | 300 | 5 |' in report and '| `profile.first_step` | null | 2 |' in report
     assert "torch " + torch.__version__ in report
+    (launch,) = json.loads((out / "run_meta.json").read_text())["launches"]
+    assert launch["command"][0] == "train.py" and "profile.first_step=2" in launch["command"]
+    assert launch["start_step"] == 0 and launch["world_size"] == 1 and f"`{' '.join(launch['command'])}`" in report
 
 
 def test_report_sets_the_plan_against_the_measurement(profiled_run):
     out, _ = profiled_run
     meta = json.loads((out / "run_meta.json").read_text())
     train = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    steady = train[1:]
     cfg = load_config(out / "config.yaml")
     # The planner's CPU MFU (0.4) of the peak the run itself measured, at the run's FLOPs per token.
     tokens_per_sec = 0.4 * meta["peak_tflops_per_device"] * 1e12 / meta["flops_per_token"]
@@ -105,7 +112,10 @@ def test_report_sets_the_plan_against_the_measurement(profiled_run):
     shape = shape_from_config(cfg.model, int(load_meta(cfg.data.path)["vocab_size"])).memory_shape()  # = model_shape's
     peak_gb = estimate(shape, ZeroSetup(), 1, 1, "fp32", meta["accum_steps"], cfg.train.micro_batch_size,
                        cfg.data.seq_len, False).device_total / 1e9
-    measured = {key: sum(r[key] for r in steady) / len(steady) for key in ("tokens_per_sec", "mfu", "step_time_s")}
+    seconds = sum(r["interval_time_s"] for r in train)
+    measured = {"tokens_per_sec": train[-1]["tokens_seen"] / seconds,
+                "mfu": sum(r["mfu"] * r["interval_time_s"] for r in train) / seconds,
+                "step_time_s": seconds / train[-1]["step"]}
     measured_peak = max(r["peak_mem_gb"] for r in train)
     report = (out / "report.md").read_text()
     assert "## Plan against measurement" in report
@@ -116,6 +126,7 @@ def test_report_sets_the_plan_against_the_measurement(profiled_run):
             f"{measured['step_time_s'] / step_time_s:,.2f} |") in report
     assert (f"| peak memory per process | {peak_gb:,.3f} GB | {measured_peak:,.3f} GB | "
             f"{measured_peak / peak_gb:,.2f} |") in report
+    assert "On a CPU the planner's figures are those of the accelerator it models" in report
 
 
 # ---------------------------------------------------------------------------------------------- early stopping

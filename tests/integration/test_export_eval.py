@@ -88,6 +88,27 @@ def test_end_of_run_export_round_trip_in_a_fresh_process(plain):
     assert_round_trip(result, "float32", tied=False)
 
 
+def test_the_export_has_a_model_card_with_the_runs_figures(plain, tiny_data):
+    import yaml
+
+    text = (plain / "export" / "README.md").read_text()
+    _, front, body = text.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"causal-lm", "llama", "lmrecipe"} <= set(meta["tags"])
+    source = json.loads((tiny_data / "meta.json").read_text())["source"]  # the corpus folder it was prepared from
+    assert "datasets" not in meta and f"- {source} (`{tiny_data}`)" in body  # a local folder is no Hub dataset name
+    rows = read_metrics(plain / "metrics.jsonl")
+    loss = [r["loss"] for r in rows if "loss" in r][-1]
+    val_loss = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    assert f"| training loss (step {STEPS}) | {loss:.4f} |" in body
+    assert f"| validation loss (step {STEPS}) | {val_loss:.4f} |" in body
+    n_params = json.loads((plain / "run_meta.json").read_text())["n_params"]
+    assert f"{n_params:,} parameters" in body and f"{STEPS} optimizer steps" in body
+    assert "train.py" in body and "AutoModelForCausalLM.from_pretrained" in body
+    # transformers loads the folder with the card in it: test_end_of_run_export_round_trip_in_a_fresh_process
+
+
 def test_eval_of_a_checkpoint_reproduces_the_training_validation_loss(plain, tiny_data, tiny_shards):
     # 2 batches of 8 = the run's 16 validation windows (data.val_windows=16 in the tiny overrides); the same corpus
     # prepared as 3 shards alongside, which holds the same validation windows.

@@ -1,4 +1,4 @@
-"""The package's layering, as drawn in README.md ("Architecture"): a module imports only from lower layers.
+"""The package's layering, as drawn in docs/architecture.md: a module imports only from lower layers.
 
 The drawing is the one source: :func:`read_layers` parses it. The package is a tree: top-level modules and folders
 (``data/``, ``checkpoint/``, ``train/``, ...), each folder with its own order of modules. An import between two
@@ -18,8 +18,8 @@ import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "lmrecipe"
-DRAWING = ROOT / "README.md"
-"""The file whose ``## Architecture`` section holds the drawing (its first fenced block)."""
+DRAWING = ROOT / "docs" / "architecture.md"
+"""The page that holds the drawing: its first fenced block."""
 
 _LINE = re.compile(r"^(?P<indent> *)(?P<layer>\d+) (?P<names>[a-z_]+/?(?:, [a-z_]+/?)*)(?: {2,}.*)?$")
 
@@ -27,8 +27,7 @@ _LINE = re.compile(r"^(?P<indent> *)(?P<layer>\d+) (?P<names>[a-z_]+/?(?:, [a-z_
 def read_layers(text: str) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """(top-level layers, each folder's layers) from the drawing: ``LAYER NAME[, NAME...]  what they hold`` per line;
     a folder (``name/``) is followed by its own modules, indented deeper."""
-    section = text.split("## Architecture", 1)[1]
-    block = section.split("```", 2)[1].split("\n", 1)[1]
+    block = text.split("```", 2)[1].split("\n", 1)[1]
     top: dict[str, int] = {}
     inner: dict[str, dict[str, int]] = {}
     folders: list[tuple[int, str]] = []  # (indent, dotted folder) of the folders the next lines may belong to
@@ -103,7 +102,7 @@ def violation(source: str, target: str) -> str | None:
     table = LAYERS if depth == 0 else INNER.get(".".join(src[:depth]))
     where = "the package" if depth == 0 else ".".join(src[:depth]) + "/"
     if table is None or src[depth] not in table or dst[depth] not in table:
-        return f"{src[depth]!r} or {dst[depth]!r} has no layer in {where}: draw it in the README's Architecture"
+        return f"{src[depth]!r} or {dst[depth]!r} has no layer in {where}: draw it in docs/architecture.md"
     if table[dst[depth]] >= table[src[depth]]:
         return (f"{src[depth]!r} (layer {table[src[depth]]} of {where}) imports {dst[depth]!r} "
                 f"(layer {table[dst[depth]]}), which is not below it")
@@ -118,7 +117,7 @@ def test_every_module_and_folder_has_a_layer():
             table = LAYERS if depth == 0 else INNER.get(".".join(parts[:depth]), {})
             if parts[depth] not in table:
                 missing.append(".".join(parts[: depth + 1]))
-    assert not sorted(set(missing)), f"draw {sorted(set(missing))} in the README's Architecture drawing"
+    assert not sorted(set(missing)), f"draw {sorted(set(missing))} in the drawing of docs/architecture.md"
     drawn = list(LAYERS) + [f"{folder}.{name}" for folder, table in INNER.items() for name in table]
     assert [name for name in drawn if not _is_module(name)] == [], "the drawing names a module that no longer exists"
 

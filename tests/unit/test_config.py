@@ -392,3 +392,49 @@ def test_every_config_field_has_a_docstring():
 
     visit(Config)
     assert not undocumented, undocumented
+
+
+# --- flash_attention_3: a choice of the config, refused at start-up only where it cannot run
+
+def test_flash_attention_3_is_a_choice_of_the_config():
+    assert load_config(TINY, ["model.attn_implementation=flash_attention_3"]).model.attn_implementation == "flash_attention_3"
+    with pytest.raises(UserError, match="Choose one of: sdpa, eager, flash_attention_2, flash_attention_3"):
+        load_config(TINY, ["model.attn_implementation=flash_attention_4"])
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine(cuda, installed)``: this process sees a CUDA device or not, and only the modules ``installed``."""
+    from lmrecipe import attention
+
+    def pretend(cuda: bool, installed: set[str]) -> None:
+        monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+        monkeypatch.setattr(attention, "_installed", lambda module: module in installed)
+
+    return pretend
+
+
+@pytest.mark.parametrize("document_masking", [True, False])
+@pytest.mark.parametrize("cuda, installed, reason", [
+    (False, {"flash_attn_interface"}, "needs a CUDA GPU and this machine has none"),
+    (True, set(), "needs the flash-attn-3 package (module flash_attn_interface), which is not installed"),
+])
+def test_flash_attention_3_is_refused_at_start_up_where_it_cannot_run(machine, document_masking, cuda, installed,
+                                                                      reason):
+    from lmrecipe.model import build_attention
+
+    machine(cuda, installed)
+    cfg = load_config(TINY, ["model.attn_implementation=flash_attention_3", f"data.document_masking={document_masking}"])
+    with pytest.raises(UserError) as caught:
+        build_attention(cfg.model, cfg.data, hf_config=None)  # refused before the model's config is read
+    message = " ".join(str(caught.value).split())
+    assert reason in message and "set model.attn_implementation=sdpa" in message
+
+
+@pytest.mark.parametrize("installed", [{"flash_attn_interface"}, {"kernels"}])
+def test_flash_attention_3_starts_where_its_kernel_can_load(machine, installed):
+    from lmrecipe.model import build_attention
+
+    machine(True, installed)
+    cfg = load_config(TINY, ["model.attn_implementation=flash_attention_3", "data.document_masking=false"])
+    assert build_attention(cfg.model, cfg.data, hf_config=None) is None  # plain causal attention: transformers' own

@@ -132,7 +132,9 @@ def test_every_named_repository_path_exists():
 def test_the_scan_reads_the_docs_the_build_files_and_the_code_but_not_what_runs_make():
     read = files_to_read(ROOT)
     assert {"README.md", "tests/README.md", "Dockerfile", "Makefile", "containers/lmrecipe.def", ".ci/run",
-            "slurm/launch.sh", "train.py", "tests/unit/test_paths.py"} <= set(read)
+            "slurm/launch.sh", "train.py", "tests/unit/test_paths.py", "docs/architecture.md",
+            "docs/benchmarks/index.md"} <= set(read)
+    assert len([rel for rel in read if rel.startswith("docs/")]) == len(list((ROOT / "docs").rglob("*.md")))
     assert not [rel for rel in read if rel.startswith((".venv/", "runs/", "data/"))]
     pattern = mention_pattern(ROOT, top_level_entries(ROOT))
     assert "recipes/tiny.yaml" in {token for _, token in mentions((ROOT / "Makefile").read_text(), pattern)}

@@ -139,13 +139,15 @@ def test_written_recipe_loads_and_is_the_chosen_configuration(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["planned.yaml"]  # no temporary file left
 
 
-def test_from_run_takes_the_mean_mfu_of_the_logged_intervals_after_the_first(tmp_path):
-    rows = [{"step": 1, "loss": 5.0, "mfu": 0.9}, {"step": 10, "loss": 4.0, "mfu": 0.3}, {"step": 20, "loss": 3.0, "mfu": 0.5}]
+def test_from_run_takes_the_mfu_over_the_time_in_training_steps_of_the_logged_intervals(tmp_path):
+    # (steps, seconds): 1 step in 6 s, 9 in 3 s, 10 in 1 s; MFU 0.06 per step per second
+    rows = [{"step": step, "loss": 5.0, "mfu": 0.06 * steps / seconds, "interval_steps": steps, "interval_time_s": seconds}
+            for step, steps, seconds in ((1, 1, 6.0), (10, 9, 3.0), (20, 10, 1.0))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UserError, match="not a finished run's folder"):
         measured_mfu(tmp_path)
     (tmp_path / "final.json").write_text("{}")
-    assert measured_mfu(tmp_path)[0] == pytest.approx(0.4)
+    assert measured_mfu(tmp_path)[0] == pytest.approx(0.06 * 20 / 10.0)  # report.md's MFU, not a mean of the rows
 
 
 def test_run_prediction_by_hand(tmp_path):

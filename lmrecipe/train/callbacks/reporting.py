@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from lmrecipe.config import save_config
+from lmrecipe.config import DataConfig, save_config
 from lmrecipe.loss import chunked_head
 from lmrecipe.observe.console import Reporter
+from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
 from lmrecipe.plan import predict_run
 from lmrecipe.train.callback import Callback, EvalResult, Stop
@@ -25,22 +26,24 @@ logger = logging.getLogger(__name__)
 class Reporting(Callback):
     """Opens the records once the run has resumed, logs every step that stands, writes every evaluation's row,
     rewinds the history on a rollback, and at the end closes the logs and writes ``final.json`` and ``report.md``
-    (main process)."""
+    (main process). ``command``: the script's command line, recorded in ``run_meta.json``'s ``launches``."""
 
     order = 120
 
-    def __init__(self, run: Run, out_dir: Path, recipe: str | None = None):
+    def __init__(self, run: Run, out_dir: Path, recipe: str | None = None, command: list[str] | None = None):
         self.run = run
         self.out_dir = out_dir
         self.recipe = recipe
+        self.command = command
         self.reporter: Reporter | None = None
 
     def on_start(self, trainer) -> None:
         run = self.run
         if run.accelerator.is_main_process:
             save_config(run.cfg, self.out_dir / "config.yaml")
+        launch = launch_record(self.command, run.accelerator.num_processes, trainer.state.step, trainer.resumed_from)
         self.reporter = build_reporter(run, self.out_dir, trainer.state.step,
-                                       {"resumed_from": trainer.resumed_from, "recipe": self.recipe})
+                                       {"resumed_from": trainer.resumed_from, "recipe": self.recipe}, launch)
         log_start(run)
 
     def needs_sync(self, trainer, step: int) -> bool:
@@ -57,9 +60,14 @@ class Reporting(Callback):
 
     def after_rollback(self, trainer) -> None:
         self.reporter.rewind(trainer.state.step)
+        if self.run.accelerator.is_main_process:
+            record_event(self.out_dir, {"kind": "rollback", "step": trainer.state.step})
 
     def on_stop(self, trainer, stop: Stop) -> None:
-        if stop.error or stop.exit_code is not None:  # the run ends here: the plot of what it trained
+        if stop.error or stop.exit_code is not None:  # the run ends here: the record, the plot of what it trained
+            if self.run.accelerator.is_main_process:
+                record_event(self.out_dir, {"kind": "stop", "step": trainer.state.step, "preempted": stop.exit_code is not None,
+                                            "exit_code": 2 if stop.error else stop.exit_code, "message": stop.message})
             self.reporter.close(plot=True)
 
     def on_end(self, trainer) -> None:
@@ -69,11 +77,11 @@ class Reporting(Callback):
                           run_prediction(self.run, self.reporter.peak_tflops, self.out_dir))
 
 
-def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict) -> Reporter:
+def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict, launch: dict | None = None) -> Reporter:
     cfg, runtime = run.cfg, run.runtime
     return Reporter(cfg.logging, run.accelerator, out_dir, precision=runtime.precision, max_steps=cfg.train.max_steps,
                     start_step=start_step, tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
-                    run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, run_meta={
+                    run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, launch=launch, run_meta={
                         "n_params": run.n_params, "flops_per_token": run.flops_per_token,
                         "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
                         "n_train_windows": run.data.n_train_windows,
@@ -94,11 +102,24 @@ def log_start(run: Run) -> None:
         cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
         "" if (head := chunked_head(run.model)) is None else f" | loss in chunks of {head.chunk_tokens} tokens",
     )
+    if run.accelerator.is_main_process:
+        warn_capped_val_windows(cfg.data, run.data.val_sets)
     if cfg.schedule.warmup_steps > cfg.train.max_steps:
         # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
         logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
                        "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
                        run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
+
+
+def warn_capped_val_windows(data: DataConfig, val_sets: dict) -> None:
+    """Name a validation set that holds fewer windows than ``data.val_windows`` asks for (it evaluates them all)."""
+    for name, windows in val_sets.items():
+        available = len(windows.windows)
+        if data.val_windows > available:
+            logger.warning("data.val_windows=%d but the validation split of %s holds %d windows of data.seq_len=%d "
+                           "tokens: evaluating those %d. Set data.val_windows=%d to say so, or prepare the data with a "
+                           "larger --val-fraction.", data.val_windows, name, available, data.seq_len,
+                           len(windows.all_ids), available)
 
 
 def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:

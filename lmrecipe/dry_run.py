@@ -1,0 +1,212 @@
+"""``train.py --dry-run``: the checks a run makes before its first step, without training.
+
+:func:`dry_run` takes a loaded configuration (its types, ranges and rules are checked by then) and checks, going on
+past each problem so all are reported at once: the output folder and what a resume would load from it; the precision
+on this machine; the trackers' libraries; the launch (``WORLD_SIZE`` as the launcher sets it, else 1) against the
+batch sizes, the parallel splits and the DeepSpeed JSON; every data folder (``meta.json``, sizes, ``data.seq_len``,
+the vocabulary, the document index); the model against the data and its position limit, its parallel splits and its
+attention. It returns the start-up line the run would log and a memory estimate per rank; a check that needs a
+failed one's result is skipped. It builds no Accelerator and no weights (the model's shape is counted on the meta
+device) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+
+from lmrecipe.attention import check_flash_kernel
+from lmrecipe.checkpoint.storage import find_resume_checkpoint
+from lmrecipe.cli import check_output_path
+from lmrecipe.config import Config, DataConfig, ModelConfig, Workload
+from lmrecipe.config.sections import fail_all
+from lmrecipe.data.batches import BatchLayout
+from lmrecipe.data.format import open_data
+from lmrecipe.data.sources import check_sources
+from lmrecipe.distributed import (
+    ZeroSetup,
+    check_fp8,
+    check_launch,
+    check_sequence_parallel_model,
+    check_tensor_parallel_model,
+    resolve_precision,
+    world_size_from_env,
+)
+from lmrecipe.errors import UserError, fail
+from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape
+from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
+from lmrecipe.observe.trackers import check_trackers
+
+T = TypeVar("T")
+
+
+@dataclass
+class DryRunReport:
+    """What a dry run found: ``lines`` to show (the start-up line, the estimate, notes) and every ``problems``."""
+
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def check(self, what: Callable[[], T]) -> T | None:
+        """``what()``, or None with its UserError's message added to the problems."""
+        try:
+            return what()
+        except UserError as err:
+            self.problems.append(str(err))
+            return None
+
+    def text(self) -> str:
+        """The lines, and a last one saying whether a problem was found."""
+        verdict = (f"dry run: {len(self.problems)} problem(s), listed below" if self.problems else
+                   "dry run: no problem found; nothing was trained or written")
+        return "\n".join([*self.lines, verdict])
+
+    def raise_problems(self) -> None:
+        """UserError listing every problem (exit 2), if any."""
+        if self.problems:
+            raise fail_all(self.problems, heading="problems found by the dry run (nothing was trained or written)")
+
+
+def dry_run(cfg: Config) -> DryRunReport:
+    """Every start-up check of ``cfg`` that needs no training (module docstring); nothing is written."""
+    report = DryRunReport()
+    out_dir = Path(cfg.out_dir)
+    report.check(lambda: check_output_path(out_dir, "out_dir"))
+    resume_from = report.check(lambda: find_resume_checkpoint(cfg.checkpoint.resume, out_dir / "checkpoints"))
+    precision = report.check(lambda: check_precision(cfg.train.precision))
+    report.check(lambda: check_trackers(cfg.logging.trackers))
+    problems_before = len(report.problems)
+    report.check(lambda: check_flash_kernel(cfg.model.attn_implementation))
+    attention_runs = len(report.problems) == problems_before
+    world_size = world_size_from_env()
+    work = cfg.workload()
+    launch = report.check(lambda: check_launch(work, cfg.distributed.deepspeed_config_path(), world_size,
+                                               precision or "fp32"))
+    meta = report.check(lambda: check_data(cfg.data, cfg.model, report))
+    vocab_size = cfg.model.vocab_size or (int(meta["vocab_size"]) if meta else None)
+    shape = check_model(work, vocab_size, report, attention_runs) if vocab_size is not None else None
+    if shape is not None and launch is not None and precision is not None:
+        layout, ds_config = launch
+        zero = ZeroSetup.from_ds_config(ds_config)
+        report.lines.append("start-up line: " + startup_line(shape.n_params, layout, work, precision, zero, vocab_size))
+        memory = report.check(lambda: estimate_memory(shape, zero, world_size, precision, layout, work))
+        if memory is not None:
+            report.lines.append(memory_line(memory, cfg.train.gradient_checkpointing))
+            report.lines += device_notes(memory, cfg.train.precision, precision)
+    if cfg.schedule.warmup_steps > cfg.train.max_steps:  # allowed (a short smoke run of a long recipe), as in training
+        report.lines.append(f"note: schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds train.max_steps="
+                            f"{cfg.train.max_steps}: the learning rate never reaches optim.lr={cfg.optim.lr:.3g}.")
+    if resume_from is not None:
+        report.lines.append(f"note: the run resumes from {resume_from} (checkpoint.resume={cfg.checkpoint.resume}).")
+    return report
+
+
+def check_precision(requested: str) -> str:
+    """The precision ``train.precision`` resolves to on this machine, refused where training refuses it."""
+    precision = resolve_precision(requested)
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise fail("train.precision=fp16 needs a GPU; use fp32 or bf16 on a CPU.")
+    if precision == "fp8":
+        check_fp8()
+    return precision
+
+
+def device_notes(memory: MemoryEstimate, requested: str, precision: str) -> list[str]:
+    """Notes on this machine as the run's: where ``auto`` resolved without a GPU, and an estimate above the GPU's
+    memory (an estimate, so a note rather than a refusal)."""
+    if not torch.cuda.is_available():
+        return [f"note: train.precision=auto resolves to {precision} here (no GPU); on a GPU it is bf16 (fp16 on GPUs "
+                "without bf16)."] if requested == "auto" else []
+    total = torch.cuda.get_device_properties(0).total_memory
+    if memory.device_total <= total:
+        return []
+    return [f"note: the estimate ({format_bytes(memory.device_total)} per rank) exceeds this GPU's "
+            f"{format_bytes(total)}: consider train.gradient_checkpointing=true, a smaller train.micro_batch_size, or a "
+            "higher ZeRO stage (tools/estimate_memory.py compares them)."]
+
+
+def check_data(data: DataConfig, model: ModelConfig, report: DryRunReport) -> dict:
+    """Open every data folder with training's start-up checks; a note when a validation split holds fewer windows
+    than ``data.val_windows`` (the run then evaluates them all). Returns the first folder's meta.json."""
+    meta = check_sources(data)
+    check_init_tokenizer(model, data.source_list()[0].path)
+    vocab_size = model.vocab_size or int(meta["vocab_size"])
+    for i, source in enumerate(data.source_list()):
+        where = f"data.sources[{i}] ({source.resolved_name()}, {source.path}): " if data.is_mixture() else ""
+        try:
+            _, train, val = open_data(source.path, data.seq_len, vocab_size, documents=data.document_masking)
+        except UserError as err:
+            report.problems.append(f"{where}{err}")
+            continue
+        report.lines.append(f"data {source.path}: {len(train):,} training windows and {len(val):,} validation "
+                            f"windows of {data.seq_len} tokens")
+        if len(val) < data.val_windows:
+            report.lines.append(f"note: {where or source.path + ': '}the validation split holds {len(val)} windows "
+                                f"of {data.seq_len} tokens, fewer than data.val_windows={data.val_windows}; each "
+                                "evaluation reads all of them.")
+    return meta
+
+
+def check_model(work: Workload, vocab_size: int, report: DryRunReport, attention_runs: bool = True) -> ModelShape | None:
+    """The model's shape (counted on the meta device), after the checks training makes of it before building it
+    (its attention's only when ``attention_runs``: the kernel can run on this machine)."""
+    hf_config = report.check(lambda: build_hf_config(work.model, vocab_size, work.data.seq_len))
+    if hf_config is None:
+        return None
+    if work.data.seq_len > hf_config.max_position_embeddings:
+        report.problems.append(
+            f"data.seq_len={work.data.seq_len} exceeds the model's max_position_embeddings="
+            f"{hf_config.max_position_embeddings}. Lower data.seq_len or raise model.max_position_embeddings.")
+    report.check(lambda: check_sequence_parallel_model(work.distributed.sequence_parallel_size, hf_config))
+    report.check(lambda: check_tensor_parallel_model(work.distributed.tensor_parallel_size, hf_config))
+    if attention_runs:
+        report.check(lambda: build_attention(work.model, work.data, hf_config))
+    return model_shape(hf_config)
+
+
+def startup_line(n_params: int, layout: BatchLayout, work: Workload, precision: str, zero: ZeroSetup,
+                 vocab_size: int) -> str:
+    """The line a run logs at its start (``train/callbacks/reporting.py``: ``log_start``), from the config."""
+    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
+    ranks = f"{layout.world_size} processes"
+    if sp > 1:
+        ranks = f"{layout.world_size} data-parallel groups of {sp} ranks sharing each sequence"
+    elif tp > 1:
+        ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
+    chunk_tokens = work.train.chunk_tokens(vocab_size)
+    return (f"model {n_params / 1e6:.2f}M params | {ranks} x micro-batch {layout.micro_batch_size} x accumulation "
+            f"{layout.accum_steps} = {layout.global_batch_size} sequences of {work.data.seq_len} tokens | precision "
+            f"{precision} | {zero.describe()}" + (f" | loss in chunks of {chunk_tokens} tokens" if chunk_tokens else ""))
+
+
+def estimate_memory(shape: ModelShape, zero: ZeroSetup, world_size: int, precision: str, layout: BatchLayout,
+                    work: Workload) -> MemoryEstimate:
+    """Per-rank memory of the run (``lmrecipe/memory.py``), as ``tools/estimate_memory.py`` estimates it."""
+    train = work.train
+    return estimate(shape, zero, world_size, _nodes(world_size), precision, accum_steps=layout.accum_steps,
+                    micro_batch_size=train.micro_batch_size, seq_len=work.data.seq_len,
+                    gradient_checkpointing=train.gradient_checkpointing,
+                    attn_implementation=work.model.attn_implementation, ema=train.ema_decay > 0,
+                    loss_chunk_tokens=train.chunk_tokens(shape.vocab_size),
+                    sequence_parallel_size=work.distributed.sequence_parallel_size, optimizer=work.optim.name,
+                    tensor_parallel_size=work.distributed.tensor_parallel_size)
+
+
+def _nodes(world_size: int) -> int:
+    """Nodes of the launch: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` as the launcher sets them, else one."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return world_size // local if local > 0 and world_size % local == 0 else 1
+
+
+def memory_line(memory: MemoryEstimate, checkpointing: bool) -> str:
+    offloaded = f", {format_bytes(memory.cpu_per_node)} offloaded to each node's CPU memory" if memory.cpu_per_node else ""
+    activations = memory.activations_checkpointed if checkpointing else memory.activations
+    return (f"memory per rank (estimate, lmrecipe/memory.py): {format_bytes(memory.device_total)} on the device = "
+            f"model states {format_bytes(memory.model_states_device)} + activations {format_bytes(activations)} "
+            f"(activation checkpointing {'on' if checkpointing else 'off'})"
+            + (f" + ZeRO-3 gathered {format_bytes(memory.gathered)}" if memory.gathered else "")
+            + (f" + weight EMA {format_bytes(memory.ema)}" if memory.ema else "") + offloaded)
