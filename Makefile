@@ -14,7 +14,7 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 DATA := data/stdlib
 RUN := runs/tiny
 
-.PHONY: venv demo test test-quick test-unit clean
+.PHONY: venv demo test test-quick test-unit docs docs-serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ test-quick: $(VENV)/.installed-test
 # The tests that run in one process (seconds).
 test-unit: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/unit
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or #anchor.
+docs: $(VENV)/.installed-test
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.installed-test
+	$(VENV)/bin/mkdocs serve --strict
 
 clean:
 	rm -rf $(VENV) runs data
