@@ -65,6 +65,9 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
             if rank == 0:
                 print("Interrupted (Ctrl-C): stopped. Nothing half-written is left; run the command again to start "
                       "over.", file=sys.stderr, flush=True)
+        except BrokenPipeError:  # the reader of stdout went away (`train.py --list-keys | head`): not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit fails otherwise
+            code = 0
         except SystemExit as err:  # a clean stop that chose its code (preemption: 124), or argparse's
             if err.code is not None and not isinstance(err.code, int):  # a message: Python prints it, exit 1
                 _record_exit(rank, 1, str(err.code))

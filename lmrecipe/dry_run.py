@@ -31,6 +31,7 @@ from lmrecipe.distributed import (
     ZeroSetup,
     check_fp8,
     check_launch,
+    check_launched_processes,
     check_sequence_parallel_model,
     check_tensor_parallel_model,
     resolve_precision,
@@ -82,6 +83,7 @@ def dry_run(cfg: Config) -> DryRunReport:
     problems_before = len(report.problems)
     report.check(lambda: check_flash_kernel(cfg.model.attn_implementation))
     attention_runs = len(report.problems) == problems_before
+    report.check(check_launched_processes)
     world_size = world_size_from_env()
     work = cfg.workload()
     launch = report.check(lambda: check_launch(work, cfg.distributed.deepspeed_config_path(), world_size,

@@ -189,7 +189,8 @@ RULES: tuple[Rule, ...] = (
         "attention", lambda sp, c: c.model.attn_implementation == "eager",
         "model.attn_implementation=eager cannot run under sequence parallelism (eager needs the full 4D mask, and "
         "DeepSpeed's Ulysses wrapper drops it).",
-        "Use model.attn_implementation=sdpa or flash_attention_2, or set distributed.sequence_parallel_size=1."),
+        "Use model.attn_implementation=sdpa, flash_attention_2 or flash_attention_3, or set "
+        "distributed.sequence_parallel_size=1."),
     _sequence_parallel(
         "without_tasks", lambda sp, c: bool(c.eval.tasks),
         lambda sp, c: f"eval.tasks={c.eval.tasks} is not supported with distributed.sequence_parallel_size={sp}:",

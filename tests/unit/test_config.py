@@ -254,7 +254,7 @@ TRIGGERS = {
     "sequence_parallel_divides_window": ([SP2, ZERO1, "data.seq_len=33"],
                                          "Choose a seq_len that is a multiple of 2."),
     "sequence_parallel_attention": ([SP2, ZERO1, "model.attn_implementation=eager"],
-                                    "Use model.attn_implementation=sdpa or flash_attention_2"),
+                                    "Use model.attn_implementation=sdpa, flash_attention_2 or flash_attention_3"),
     "sequence_parallel_without_tasks": ([SP2, ZERO1, "eval.tasks=[next_line]"],
                                         "is not supported with distributed.sequence_parallel_size=2"),
     "tensor_parallel_needs_deepspeed": ([TP2], "runs through DeepSpeed AutoTP: choose a DeepSpeed config with ZeRO 0-2"),
