@@ -6,6 +6,7 @@
     accelerate launch --multi_gpu --num_processes 2 eval.py runs/tiny/export --data data/stdlib --generate "def "
     python eval.py runs/tiny/export --tasks next_line my_task.jsonl --data data/stdlib     # multiple choice, ours
     python eval.py runs/tiny/export --lm-eval next_line hellaswag --data data/stdlib       # through lm-eval's HFLM
+    python eval.py s3://bucket/runs/tiny --data s3://bucket/data/stdlib   # object storage: downloaded to ~/.cache first
 
 Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ..., "document_masking": ...} (plus "prompt" and
 "continuation" with --generate, whose text follows on the next lines; with several --data folders, "sources":
@@ -33,7 +34,8 @@ from lmrecipe.fileio import write_text_atomic
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="export folder (config.json + safetensors) or training checkpoint folder")
+    parser.add_argument("path", help="export folder (config.json + safetensors) or training checkpoint folder; or the URL "
+                        "of one, or of a run uploaded with checkpoint.remote (s3://..., gs://...)")
     parser.add_argument("--data", nargs="+", metavar="DATA_DIR",
                         help="prepared data folder(s); the val split of each is evaluated. Several folders are a "
                              "mixture: each is reported by its folder name, and the loss is their weighted mean. "
@@ -83,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lm-eval runs in one process: start eval.py with python, not a multi-process launcher")
     setup_logging()
     check_arguments(args)  # all of it before the evaluation, whose result would otherwise be lost
+    if "://" in args.path:  # a checkpoint or export in object storage: downloaded into the cache, then read as today
+        from lmrecipe.checkpoint.remote import fetch_remote
+
+        args.path = str(fetch_remote(args.path))
+    if any("://" in d for d in args.data or []):  # data folders in object storage: staged as training stages them
+        from lmrecipe.config import DataConfig
+        from lmrecipe.data.remote import staged_path
+
+        args.data = [staged_path(d, DataConfig.cache_dir, "--data") for d in args.data]
     from lmrecipe.evaluate import evaluate_path, evaluate_tasks  # heavy imports only after the arguments parsed
 
     result, is_main = {}, True

@@ -88,7 +88,7 @@ def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
     from lmrecipe.train import setup, trainer
     from lmrecipe.train import step as step_module
 
-    timers.wrap(step_module, "causal_lm_loss", "forward+loss")
+    timers.wrap(step_module, "training_loss", "forward+loss")
     timers.wrap(accelerate.Accelerator, "backward", "backward")
     timers.wrap(accelerate.Accelerator, "clip_grad_norm_", "clip")
     timers.wrap(data_format.TokenWindows, "batch", "data")

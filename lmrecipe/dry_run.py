@@ -4,14 +4,16 @@
 past each problem so all are reported at once: the output folder and what a resume would load from it; the precision
 on this machine; the trackers' libraries; the launch (``WORLD_SIZE`` as the launcher sets it, else 1) against the
 batch sizes, the parallel splits and the DeepSpeed JSON; every data folder (``meta.json``, sizes, ``data.seq_len``,
-the vocabulary, the document index); the model against the data and its position limit, its parallel splits and its
-attention. It returns the start-up line the run would log and a memory estimate per rank; a check that needs a
-failed one's result is skipped. It builds no Accelerator and no weights (the model's shape is counted on the meta
-device) and writes nothing.
+the vocabulary, the document index; a folder given as a URL: its remote meta.json, nothing downloaded);
+``checkpoint.remote`` (its bucket and prefix listed with the run's credentials); the model against the data and its
+position limit, its parallel splits and its attention. It returns the start-up line the run would log and a memory
+estimate per rank; a check that needs a failed one's result is skipped. It builds no Accelerator and no weights (the
+model's shape is counted on the meta device) and writes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +22,14 @@ from typing import Callable, TypeVar
 import torch
 
 from lmrecipe.attention import check_flash_kernel
-from lmrecipe.checkpoint.storage import find_resume_checkpoint
+from lmrecipe.checkpoint.remote import CheckpointMirror
+from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
 from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config, DataConfig, ModelConfig, Workload
 from lmrecipe.config.sections import fail_all
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import open_data
+from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources
 from lmrecipe.distributed import (
     ZeroSetup,
@@ -40,6 +44,7 @@ from lmrecipe.distributed import (
 from lmrecipe.errors import UserError, fail
 from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape
 from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
+from lmrecipe.objstore import check_access, is_remote
 from lmrecipe.observe.trackers import check_trackers
 
 T = TypeVar("T")
@@ -88,6 +93,12 @@ def dry_run(cfg: Config) -> DryRunReport:
     work = cfg.workload()
     launch = report.check(lambda: check_launch(work, cfg.distributed.deepspeed_config_path(), world_size,
                                                precision or "fp32"))
+    if cfg.checkpoint.remote:
+        store = report.check(lambda: check_access(cfg.checkpoint.remote, "checkpoint.remote", write=False))
+        remote = CheckpointMirror(store, out_dir / "checkpoints", rank=0, world_size=1, keep_last=1).latest() \
+            if store is not None and cfg.checkpoint.resume == "auto" else None
+        if remote is not None and (resume_from is None or (step_of_dir(resume_from.name) or -1) < remote[1]):
+            resume_from = f"{store.url}/checkpoints/{remote[0]} (newer than the local folder's: downloaded first)"
     meta = report.check(lambda: check_data(cfg.data, cfg.model, report))
     vocab_size = cfg.model.vocab_size or (int(meta["vocab_size"]) if meta else None)
     shape = check_model(work, vocab_size, report, attention_runs) if vocab_size is not None else None
@@ -133,7 +144,17 @@ def device_notes(memory: MemoryEstimate, requested: str, precision: str) -> list
 
 def check_data(data: DataConfig, model: ModelConfig, report: DryRunReport) -> dict:
     """Open every data folder with training's start-up checks; a note when a validation split holds fewer windows
-    than ``data.val_windows`` (the run then evaluates them all). Returns the first folder's meta.json."""
+    than ``data.val_windows`` (the run then evaluates them all). Returns the first folder's meta.json. A folder given
+    as a URL is not downloaded: its meta.json is read where it is."""
+    remote = [s for s in data.source_list() if is_remote(s.path)]
+    if remote:
+        metas = [check_remote_data(s.path, "data.path") for s in remote]
+        report.lines += [f"data {s.path}: in object storage; staged into data.cache_dir={data.cache_dir} before the "
+                         f"first step ({sum(m['splits'][k]['n_tokens'] for k in m['splits']):,} tokens)"
+                         for s, m in zip(remote, metas)]
+        if len(remote) == len(data.source_list()):
+            return metas[0]
+        data = dataclasses.replace(data, sources=[s for s in data.source_list() if not is_remote(s.path)], path=None)
     meta = check_sources(data)
     check_init_tokenizer(model, data.source_list()[0].path)
     vocab_size = model.vocab_size or int(meta["vocab_size"])

@@ -1,5 +1,5 @@
 """Validation loss and perplexity of an export or a training checkpoint, its multiple-choice tasks' accuracy, and
-sampling a continuation.
+sampling a continuation; the greedy continuations of a training run's ``eval.samples``.
 
 The windows are the same ``ValBatches`` the training run evaluates, split over however many processes run
 and summed with one all-reduce, so 1 and N processes report the same loss (up to float summation order).
@@ -22,8 +22,8 @@ from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.distributed import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
-from lmrecipe.loss import use_chunked_loss, validation_loss
-from lmrecipe.tasks import NEXT_LINE, describe, prepare_tasks, resolve_tasks, score_tasks
+from lmrecipe.loss import forward_kwargs, use_chunked_loss, validation_loss
+from lmrecipe.tasks import NEXT_LINE, describe, prepare_tasks, resolve_tasks, score_tasks, single_documents
 
 logger = logging.getLogger(__name__)
 
@@ -201,3 +201,25 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompt_ids: Sequence[int], new_tokens: int, eos_id: int | None, device,
+                        attention: DocumentAttention | None = None) -> list[int]:
+    """The ``new_tokens`` most likely next tokens after ``prompt_ids``, one at a time (greedy decoding, no cache), cut
+    before the first ``eos_id``: what ``generate(do_sample=False)`` gives on the same weights.
+
+    ``model`` may be the prepared one of a run (DDP, any ZeRO stage): every rank that calls this with the same
+    arguments runs the same ``new_tokens`` forwards, EOS or not, so ZeRO-3's gathers meet on every rank.
+    ``attention``: the document-masking attention the model runs (the sequence is one document).
+    """
+    was_training = model.training
+    model.eval()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    for _ in range(new_tokens):
+        kwargs = forward_kwargs(attention, single_documents(1, ids.shape[1]), device) if attention else {}
+        logits = model(input_ids=ids, **kwargs).logits
+        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    model.train(was_training)
+    out = ids[0, len(prompt_ids):].tolist()  # the one host read
+    return out[:out.index(eos_id)] if eos_id in out else out

@@ -233,20 +233,40 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
 
 
 def _export(ckpt: Path, out: Path, dtype: str, max_shard_size: str | int, overwrite: bool, weights: str) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     saved = read_checkpoint(ckpt)
-    if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
-        raise fail(f"Export folder {out} lies inside the checkpoint {ckpt}; choose a folder outside it.")
+    check_export_target(out, [ckpt], overwrite)
+    shard_bytes = parse_shard_size(max_shard_size)
+    state_dict = weights_state_dict(ckpt, DTYPES[dtype], weights, saved)
+    write_export(out, state_dict, ckpt, dtype=dtype, max_shard_size=shard_bytes,
+                 card=lambda n_params: model_card(ckpt, saved, n_params, dtype, weights),
+                 what=f"exporting {ckpt}",
+                 retry=f"python tools/export_hf.py {ckpt} {out} --dtype {dtype} --weights {weights} --overwrite")
+    logger.info("Exported %s to %s (%s, %s weights)", ckpt, out, dtype, weights)
+    return out
+
+
+def check_export_target(out: Path, checkpoints: list[Path], overwrite: bool) -> None:
+    """UserError when export folder ``out`` lies inside one of ``checkpoints`` (what it is made from), or exists and
+    is not empty without ``overwrite``."""
+    for ckpt in checkpoints:
+        if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
+            raise fail(f"Export folder {out} lies inside the checkpoint {ckpt}; choose a folder outside it.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise fail(f"{out} already exists and is not empty. Choose another folder or pass --overwrite to replace it.")
-    shard_bytes = parse_shard_size(max_shard_size)
+
+
+def write_export(out: Path, state_dict: dict[str, torch.Tensor], ckpt: Path, *, dtype: str, max_shard_size: int,
+                 card: Callable[[int], str], what: str, retry: str) -> Path:
+    """Write the Hugging Face folder ``out`` (replacing it) from ``state_dict`` (in ``dtype``) with the transformers
+    config and tokenizer of checkpoint ``ckpt``, and the model card ``card(n_params)``: built in a temporary folder
+    that is renamed into place. ``what`` and ``retry``: the work and the command to name when the disk is full."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch_dtype = DTYPES[dtype]
     hf_config, tokenizer = _hf_config_and_tokenizer(ckpt)
     hf_config.use_cache = True  # training turns the KV cache off; generation wants it
     hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     hf_config.pad_token_id = tokenizer.pad_token_id
-    state_dict = weights_state_dict(ckpt, torch_dtype, weights, saved)
     with torch.device("meta"):  # only the class, config and names are needed; the weights are state_dict
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
     state_dict = _match_model_keys(state_dict, model)
@@ -259,23 +279,22 @@ def _export(ckpt: Path, out: Path, dtype: str, max_shard_size: str | int, overwr
     try:
         with building_dir(out, overwrite=True) as tmp:
             with quiet_prints():
-                model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=shard_bytes)
+                model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
             _index_single_shard(tmp)
             for file in (ckpt / HF_DIR).iterdir():
                 if file.is_file() and file.name not in _NOT_TOKENIZER:
                     shutil.copy2(file, tmp / file.name)
             # Inside the temporary folder: the card is published with the weights it describes, or not at all.
-            write_text_atomic(tmp / CARD_FILE, model_card(ckpt, saved, n_params, dtype, weights))
+            write_text_atomic(tmp / CARD_FILE, card(n_params))
     except Exception as err:  # safetensors reports a full disk as its own error type, torch as a RuntimeError
         if not is_disk_full(err):
             raise
         kept = f"{out} is unchanged" if existed else f"nothing was left at {out}"
         raise fail(
-            f"No space left on the device while exporting {ckpt} to {out} ({err}). The partial export was removed and "
-            f"{kept}; the checkpoint is intact. Free about {size / 1e6:.1f} MB (the weights in {dtype}) or choose a "
-            f"folder on a larger disk, then run: python tools/export_hf.py {ckpt} {out} --dtype {dtype} --weights {weights} --overwrite"
+            f"No space left on the device while {what} to {out} ({err}). The partial export was removed and "
+            f"{kept}; what it is made from is intact. Free about {size / 1e6:.1f} MB (the weights in {dtype}) or choose a "
+            f"folder on a larger disk, then run: {retry}"
         ) from None
-    logger.info("Exported %s to %s (%s, %s weights)", ckpt, out, dtype, weights)
     return out
 
 
@@ -338,9 +357,10 @@ def _training_command(run: Path | None, config: dict) -> str:
     return " ".join(shlex.quote(part) for part in launcher + command)
 
 
-def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str) -> str:
+def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str, described: str | None = None) -> str:
     """The export's ``README.md``, from the checkpoint's record (``saved``) and its run folder (``config.yaml``,
-    ``run_meta.json``, ``metrics.jsonl``) when it is still beside it."""
+    ``run_meta.json``, ``metrics.jsonl``) when it is still beside it. ``described``: what the weights are, when
+    not ``weights`` of ``ckpt`` (an average of checkpoints)."""
     import yaml
 
     config, hf, state = saved["config"], saved.get("hf_config", {}), saved["state"]
@@ -367,14 +387,17 @@ def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str)
             f"| validation loss (step {figures.get('val_step')}) | {fmt(figures.get('val_loss'))} |"]
     rows += [f"| {task} accuracy | {fmt(score)} |" for task, score in sorted(figures.get("tasks", {}).items())]
     name = run.name if run else ckpt.name
+    branch = saved.get("branched_from")
     return "\n".join([
         "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
         f"# {name}", "",
         f"A {arch} causal language model with {n_params:,} parameters ({n_params / 1e6:.2f}M), trained "
         f"{f'from {init_from} ' if init_from else 'from scratch '}by lmrecipe for {step:,} optimizer steps on "
         f"{int(state.get('tokens_seen', 0)):,} tokens. The weights are "
-        f"the {'trained weights' if weights == 'raw' else 'moving average of the trained weights'} of checkpoint "
-        f"`{ckpt.name}`, stored in {dtype}.", "",
+        f"{described or ('the trained weights' if weights == 'raw' else 'the moving average of the trained weights')}"
+        f"{'' if described else f' of checkpoint `{ckpt.name}`'}, stored in {dtype}.", "",
+        *([f"Branched at step {branch.get('step')} from checkpoint `{branch.get('checkpoint')}` of the run "
+           f"`{branch.get('out_dir')}`.", ""] if branch else []),
         "## Model", "", f"{shape}.", "",
         "## Training data", "", data, "",
         "## Results", "", "| figure | value |", "|---|---|", *rows, "",

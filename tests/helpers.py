@@ -178,7 +178,8 @@ def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
     from lmrecipe.checkpoint.storage import step_dir_name
 
     export = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
-    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}"]
+    # The per-layer instruments ride along (their checks: assert_layer_norms_add_up); they do not change the training.
+    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}", "logging.layer_stats=true"]
     if stage == 2:
         a_extra = ["distributed.deepspeed_config=ds_configs/zero2.json", *export]
         b_extra = ["distributed.deepspeed_config=ds_configs/zero2.json"]
@@ -322,6 +323,21 @@ def metric_rows(out: Path, key: str) -> dict[int, float]:
     from lmrecipe.observe.metrics_log import read_metrics
 
     return {r["step"]: r[key] for r in read_metrics(out / "metrics.jsonl") if key in r}
+
+
+def assert_layer_norms_add_up(out: Path, tol: float = 1e-5) -> None:
+    """Every row of a ``logging.layer_stats`` run has every part's figures, and the parts' gradient norms add up (in
+    squares) to the logged global pre-clip ``grad_norm`` within ``tol`` (relative)."""
+    from lmrecipe.observe.metrics_log import read_metrics
+
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert rows, f"no training rows in {out}"
+    for row in rows:
+        parts = [k.partition("/")[2] for k in row if k.startswith("grad_norm/")]
+        assert parts[:2] == ["embed", "block_00"] and "final_norm" in parts, (row["step"], parts)
+        assert all(f"param_norm/{p}" in row and row[f"update_ratio/{p}"] > 0 for p in parts), row
+        total = sum(row[f"grad_norm/{p}"] ** 2 for p in parts) ** 0.5
+        assert abs(total - row["grad_norm"]) <= tol * row["grad_norm"], (row["step"], total, row["grad_norm"])
 
 
 def assert_same_run(run: Path, reference: Path, tol: float, first_step: int = 1) -> None:

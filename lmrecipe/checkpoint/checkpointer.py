@@ -22,7 +22,8 @@ from lmrecipe.distributed import ZeroSetup
 
 class Checkpointer:
     """A run's checkpoints in ``out_dir/checkpoints``: :meth:`due` and :meth:`maybe_save`, :meth:`maybe_resume`,
-    :meth:`restore` (a rollback), :meth:`wait` for a background write; ``latest``, ``best()`` and ``resumed_from``."""
+    :meth:`restore` (a rollback), :meth:`wait` for a background write; ``latest``, ``best()``, ``resumed_from`` and
+    ``branched_from``."""
 
     def __init__(self, section: CheckpointConfig, facts: RunFacts, accelerator, out_dir: Path, *, zero: ZeroSetup,
                  data: TrainingData, lr_schedule: Callable[[int], float], extras: Iterable[CheckpointState] = (),
@@ -47,7 +48,8 @@ class Checkpointer:
         self.saver = Saver(accelerator, section, facts, out_dir, record, deepspeed=zero.deepspeed, data=data,
                            probe_kwargs=probe_kwargs)
         self.store = self.saver.store
-        self.resumer = Resumer(accelerator, facts, record, resume=section.resume, root=self.store.root, data=data)
+        self.resumer = Resumer(accelerator, facts, record, resume=section.resume, root=self.store.root, data=data,
+                               branch_from=section.branch_from)
         self.resumed_from: Path | None = None
         """The checkpoint this run resumed from (never overwritten by a save), or None."""
 
@@ -59,6 +61,11 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest checkpoint this run published or resumed from."""
         return self.store.latest
+
+    @property
+    def branched_from(self) -> dict | None:
+        """The checkpoint this run branched from (``{"checkpoint", "step", "out_dir"}``), or None."""
+        return self.resumer.record.branched_from
 
     def best(self) -> Path | None:
         """The complete checkpoint with the lowest validation loss, or None."""

@@ -1,7 +1,9 @@
 """What a resume must match: the checkpoint's model shape, data meaning, sample order and fixed config keys.
 
 A change of any of them stops the resume with one message listing ``old -> new`` per key; allowed changes are listed
-in the log, and a learning rate that changes with the new schedule is a warning.
+in the log, and a learning rate that changes with the new schedule is a warning, or a refusal when the checkpoint
+is in the decay of a warmup-stable-decay schedule (a jump back up). A branch (``checkpoint.branch_from``) may change
+the data sources and the schedule: it is a new run from the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from lmrecipe.config import fixed_on_resume_keys, flatten_config
+from lmrecipe.config import ScheduleConfig, fixed_on_resume_keys, flatten_config
 from lmrecipe.data.tokenizer import tokenizer_differences
 from lmrecipe.errors import fail
 
@@ -49,9 +51,10 @@ def _describe_mixture(mixture: list[dict] | None) -> str:
 
 
 def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_config: dict, data_signature: dict,
-                            lr_schedule: Callable[[int], float]) -> None:
+                            lr_schedule: Callable[[int], float], branch: bool = False) -> None:
     """Stop (UserError) when checkpoint ``path`` (``saved``: its ``train_state.json``) cannot continue as this run:
-    ``run_config`` the resolved config, ``hf_config`` the model's transformers config, ``data_signature`` the data's."""
+    ``run_config`` the resolved config, ``hf_config`` the model's transformers config, ``data_signature`` the data's.
+    ``branch``: this run branches from the checkpoint (``checkpoint.branch_from``): other data sources are allowed."""
     fixed_keys = fixed_on_resume_keys()
     old_hf, new_hf = saved.get("hf_config", {}), hf_config
     old, new = flatten_config(saved["config"]), flatten_config(run_config)
@@ -63,10 +66,14 @@ def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_con
     tokenizer = [f"data {label}: {a!r} -> {b!r}" for label, a, b in tokenizer_differences(old_data, new_data)]
     problems += tokenizer
     old_mix, new_mix = _mixture_key(old_data.get("mixture")), _mixture_key(new_data.get("mixture"))
-    if old_mix != new_mix:
+    if old_mix != new_mix and not branch:
         problems.append(f"data sources: {_describe_mixture(old_data.get('mixture'))} -> "
                         f"{_describe_mixture(new_data.get('mixture'))}")
-    if tokenizer:
+    if branch and not tokenizer:
+        fix = ("Branch with the source's settings for these keys (they fix its weights' shape, optimizer state or "
+               f"data position), or start a new run from its weights: python tools/export_hf.py {path} EXPORT "
+               "--dtype fp32, then model.init_from=EXPORT checkpoint.branch_from=null.")
+    elif tokenizer:
         # Its weights learned the ids of its own tokenizer: a new run from them (model.init_from) needs that data too.
         fix = ("Resume on data prepared with the checkpoint's tokenizer, whose files it holds: python "
                f"tools/prepare_data.py --input CORPUS --tokenizer {path}/hf --output NEW_DATA, then data.path=NEW_DATA.")
@@ -74,12 +81,12 @@ def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_con
         fix = ("Resume with the checkpoint's settings, or start a new run from its weights: python tools/export_hf.py "
                f"{path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
     if problems:
-        raise fail(f"Cannot resume from {path}: this run differs in what the checkpoint's weights, optimizer state or "
+        raise fail(f"Cannot {'branch' if branch else 'resume'} from {path}: this run differs in what the checkpoint's weights, optimizer state or "
                    f"data position depend on ({'; '.join(problems)}). {fix}")
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if k not in fixed_keys and old.get(k) != new.get(k)]
     if changed:
-        logger.info("Resuming with changed settings (allowed): %s", "; ".join(changed))
+        logger.info("%s with changed settings (allowed): %s", "Branching" if branch else "Resuming", "; ".join(changed))
     if new_mix is None and new_data.get("train_sha256") != old_data.get("train_sha256"):
         logger.warning("The training data differs from the checkpoint's (train.bin sha256); the run continues "
                        "at the same sample index of the new data.")
@@ -91,6 +98,46 @@ def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_con
     step = saved["state"]["step"]
     lr_now = lr_schedule(step)
     lr_saved = saved["schedule"]["next_lr"]
-    if not math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
-        logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
-                       "schedule.", step, lr_saved, lr_now)
+    if math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
+        return
+    if branch:
+        logger.info("The branch's schedule trains step %d at learning rate %.6g (the source's at %.6g).", step,
+                    lr_now, lr_saved)
+        return
+    if check_decay_continues(saved, path, new, lr_now):
+        logger.info("Step %d is in the stable phase of the checkpoint's warmup-stable-decay schedule: with this "
+                    "run's schedule it trains at %.6g (the decay moved with train.max_steps).", step, lr_now)
+        return
+    logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
+                   "schedule.", step, lr_saved, lr_now)
+
+
+def check_decay_continues(saved: dict, path: Path, new: dict, lr_now: float) -> bool:
+    """Stop when checkpoint ``path`` has trained steps of the decay of its warmup-stable-decay schedule and this
+    run's schedule (``new``: its flat config) gives its next step another rate ``lr_now``: the rate would jump (a
+    longer run moves the decay only while the run is in its stable phase). True when the checkpoint is in its
+    stable phase and the new rate is its stable rate (the decay moved), else False."""
+    old_config = saved["config"]
+    old_schedule = old_config.get("schedule", {})
+    schedule = ScheduleConfig(decay_steps=old_schedule.get("decay_steps"),
+                              decay_fraction=old_schedule.get("decay_fraction"))
+    old_max = int(old_config["train"]["max_steps"])
+    start = schedule.decay_start(old_max)
+    step = int(saved["state"]["step"])
+    if start is None:
+        return False
+    if step <= start:  # no step of the decay trained yet: the rates so far are the stable ones
+        return math.isclose(lr_now, float(old_config["optim"]["lr"]), rel_tol=1e-9)
+    raise fail(f"Cannot resume from {path}: it has trained {step - start} step(s) of the decay of its "
+               f"warmup-stable-decay schedule (steps {start}..{old_max - 1} of train.max_steps={old_max}), and this "
+               f"run's schedule (train.max_steps={new.get('train.max_steps')}, schedule.decay_steps="
+               f"{_yaml(new.get('schedule.decay_steps'))}, schedule.decay_fraction="
+               f"{_yaml(new.get('schedule.decay_fraction'))}) would move its learning rate from "
+               f"{saved['schedule']['next_lr']:.6g} to {lr_now:.6g}. Resume with the checkpoint's schedule "
+               f"(train.max_steps={old_max}) to finish the decay, or branch a longer run from a checkpoint of the "
+               f"stable phase (step {start} or earlier): out_dir=NEW_DIR checkpoint.branch_from=CHECKPOINT "
+               "train.max_steps=... with the new schedule.")
+
+
+def _yaml(value) -> str:
+    return "null" if value is None else str(value)

@@ -2,8 +2,9 @@
 
 The record: the loop's core state (``state``), each extra's state by name (``extras``), the layout the optimizer
 state was cut in (``topology``; a tensor-parallel run's splits too), the model's transformers config, the resolved
-run config, the step's validation loss, the data position and signature, and the schedule's learning rates. The
-store adds the manifest and writes the file last (``storage.py``).
+run config, the step's validation loss, the data position and signature, the schedule's learning rates and, for a
+branch, the checkpoint it branched from (``branched_from``). The store adds the manifest and writes the file last
+(``storage.py``).
 
 Extras are the loop's features with state (:class:`CheckpointState`); every method of every extra is called.
 A checkpoint written before extras existed passes its flat ``state`` to each ``load_state_dict``.
@@ -104,6 +105,9 @@ class StateRecord:
                 raise ValueError(f"two checkpoint extras are named {extra.name!r}")
             self.extras[extra.name] = extra
         self.next_sample = next_sample or (lambda step: step * facts.samples_per_step)
+        self.branched_from: dict | None = None
+        """Where this run branched from (``{"checkpoint", "step", "out_dir"}``), recorded in every checkpoint; set
+        by the resume."""
 
     def layout(self) -> Layout:
         """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
@@ -138,6 +142,7 @@ class StateRecord:
                 "last_lr": self.lr_schedule(state.step - 1) if state.step else None,
                 "next_lr": self.lr_schedule(state.step),
             },
+            **({"branched_from": self.branched_from} if self.branched_from else {}),
         }
         return json.loads(json.dumps(record))
 

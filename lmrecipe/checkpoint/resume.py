@@ -7,6 +7,11 @@ stage, offload, DeepSpeed or not, sequence or tensor parallelism) is converted o
 (``portable.py``), every rank writing its share, and loaded by parameter name; the form is cached beside the
 checkpoint (never modified), or in this run's ``checkpoints/`` when the checkpoint's folder is read-only. A
 rollback loads the same way without the compatibility check. Every function is called on every rank.
+
+A branch (``checkpoint.branch_from``) is a resume from another run's checkpoint into a new ``out_dir``, with this
+run's schedule and data: the source is only read (its topology-free form, when one is needed, is cached in this run's
+``checkpoints/``; its lock and its checkpoints are not touched). Once the branch has checkpoints of its own it
+resumes from them, as any run does.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ from lmrecipe.checkpoint.portable import (
 from lmrecipe.checkpoint.readers import open_source
 from lmrecipe.checkpoint.record import LoopState, RunFacts, StateRecord
 from lmrecipe.checkpoint.rng import restore_rng
-from lmrecipe.checkpoint.storage import DS_TAG, STATE_FILE, find_resume_checkpoint, read_checkpoint, use_earlier
+from lmrecipe.checkpoint.storage import (
+    DS_TAG,
+    STATE_FILE,
+    find_resume_checkpoint,
+    looks_like_checkpoint,
+    no_checkpoint_message,
+    read_checkpoint,
+    resolve_checkpoint,
+    use_earlier,
+)
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.distributed import Layout
@@ -76,14 +90,18 @@ class Resumer:
     """Loads checkpoints into this run: the resume at its start and the rollbacks during it."""
 
     def __init__(self, accelerator, facts: RunFacts, record: StateRecord, *, resume: str, root: Path,
-                 data: TrainingData):
-        """``resume``: ``checkpoint.resume``; ``root``: this run's ``checkpoints/`` folder."""
+                 data: TrainingData, branch_from: str | None = None):
+        """``resume``: ``checkpoint.resume``; ``root``: this run's ``checkpoints/`` folder; ``branch_from``:
+        ``checkpoint.branch_from``."""
         self.accelerator = accelerator
         self.facts = facts
         self.record = record
         self.resume = resume
         self.root = root
         self.data = data
+        self.branch_from = branch_from
+        self.source: Path | None = None
+        """The other run's checkpoint this branch started from (read only), once loaded."""
         self.model = self.optimizer = None
 
     def maybe_resume(self, model, optimizer, state: LoopState) -> Path | None:
@@ -91,10 +109,17 @@ class Resumer:
         or None when there is none. ``model`` and ``optimizer`` are also what a later :meth:`restore` reloads."""
         self.model, self.optimizer = model, optimizer
         path = find_resume_checkpoint(self.resume, self.root)
+        branch = False
+        if self.branch_from is not None:
+            path, branch = self._branch_start(path)
         if path is None:
             return None
         saved = read_checkpoint(path)
         max_steps = self.facts.max_steps
+        if branch and saved["state"]["step"] >= max_steps:
+            raise fail(f"checkpoint.branch_from={path} is at step {saved['state']['step']}, and the branch's "
+                       f"train.max_steps={max_steps} leaves nothing to train: set train.max_steps above "
+                       f"{saved['state']['step']} (e.g. the step plus schedule.decay_steps).")
         if saved["state"]["step"] > max_steps:  # the loop would not run, and the end of the run would re-export
             raise fail(f"{path} is at step {saved['state']['step']}, past train.max_steps={max_steps}: there is "
                        "nothing to train. Raise train.max_steps to train on, pass checkpoint.resume=PATH of an earlier "
@@ -102,22 +127,59 @@ class Resumer:
         self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
         check_resume_compatible(saved, path, run_config=self.facts.run_config,
                                 hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
-                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule)
+                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule,
+                                branch=branch)
         continue_sample_order(self.data.train_batches, saved)
+        if branch:
+            self.source = path
         self._load(path, saved, state)
+        self.record.branched_from = (branch_record(path, saved) if branch else saved.get("branched_from"))
+        self._log_resume(path, saved, state, branch)
+        return path
+
+    def _log_resume(self, path: Path, saved: dict, state: LoopState, branch: bool) -> None:
         changes = self.record.layout().changes_from(Layout.from_topology(saved["topology"]))
+        verb = "Branched" if branch else "Resumed"
         if forgotten := forgotten_settings(saved["config"], self.facts.run_config):
-            logger.warning("Resumed from %s at step %d on a new layout (%s): the checkpoint's run trained with %s, this "
+            logger.warning("%s from %s at step %d on a new layout (%s): the checkpoint's run trained with %s, this "
                            "run without. The state was converted exactly, but if the setting was left out by mistake, "
-                           "stop and run again with %s.", path, state.step, "; ".join(changes),
+                           "stop and run again with %s.", verb, path, state.step, "; ".join(changes),
                            ", ".join(forgotten), " ".join(forgotten))
         elif changes:
-            logger.info("Resumed from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
-                        "step counts were loaded by parameter name; the data continues at sample %d.", path, state.step,
-                        state.tokens_seen, "; ".join(changes), saved["data"]["next_sample"])
+            logger.info("%s from %s at step %d (%d tokens seen) on a new layout: %s. Weights, AdamW moments and "
+                        "step counts were loaded by parameter name; the data continues at sample %d.", verb, path,
+                        state.step, state.tokens_seen, "; ".join(changes), saved["data"]["next_sample"])
         else:
-            logger.info("Resumed from %s at step %d (%d tokens seen)", path, state.step, state.tokens_seen)
-        return path
+            logger.info("%s from %s at step %d (%d tokens seen)", verb, path, state.step, state.tokens_seen)
+        if branch:
+            logger.info("The branch's source run is only read; this run's checkpoints go to %s", self.root)
+
+    def _branch_start(self, own: Path | None) -> tuple[Path | None, bool]:
+        """The checkpoint a run with ``checkpoint.branch_from`` starts from, and whether it is the source (a branch)
+        rather than the branch's own newest checkpoint ``own``. Stops when the branch would write into the source
+        run, or when ``out_dir`` holds checkpoints of another run."""
+        source = resolve_checkpoint(self.branch_from)
+        if not looks_like_checkpoint(source):
+            raise fail(f"checkpoint.branch_from={self.branch_from}: {no_checkpoint_message(Path(self.branch_from))} "
+                       "Pass a checkpoint folder of the run to branch from (OTHER_RUN/checkpoints/step_N), or its run "
+                       "folder for its newest checkpoint.")
+        source = source.resolve()
+        out_dir = self.root.parent.resolve()
+        if out_dir == source or out_dir in source.parents:
+            raise fail(f"checkpoint.branch_from={source} lies in this run's out_dir={self.root.parent}: a branch "
+                       "writes its own checkpoints and must not write into the run it branches from. Choose a new "
+                       "out_dir for the branch (e.g. out_dir=runs/NAME_decay).")
+        if own is None:
+            return source, True
+        recorded = (read_checkpoint(own).get("branched_from") or {}).get("checkpoint")
+        if recorded is not None and Path(recorded).resolve() == source:
+            logger.info("%s holds checkpoints of this branch: resuming the branch from %s (not from its source %s)",
+                        self.root.parent, own, source)
+            return own, False
+        origin = f"a branch from {recorded}" if recorded else "a run that is not a branch"
+        raise fail(f"out_dir={self.root.parent} already holds checkpoints ({own.name}) of {origin}, not of a branch "
+                   f"from checkpoint.branch_from={source}. Choose a new out_dir for the branch, or set "
+                   "checkpoint.branch_from=null to resume the run in that folder.")
 
     def restore(self, path: Path, state: LoopState) -> None:
         """Reload a checkpoint of this run in-process (a rollback), as a resume loads it, without the compatibility
@@ -131,7 +193,8 @@ class Resumer:
         converted = self.record.layout().needs_conversion_from(saved_layout)
         try:
             if converted:
-                folder = portable_form(self.accelerator, path, saved, self.model, self.root)
+                folder = portable_form(self.accelerator, path, saved, self.model, self.root,
+                                       beside=path != self.source)
                 load_portable(folder, self.model, self.optimizer, deepspeed=self.record.zero.deepspeed,
                               step=saved["state"]["step"], samples_per_step=self.facts.samples_per_step,
                               tensor_parallel=self.record.tensor_parallel(self.model))
@@ -168,16 +231,23 @@ class Resumer:
 # Converting a checkpoint to its topology-free form (every rank its share)
 
 
-def portable_form(accelerator, path: Path, saved: dict, model, root: Path) -> Path:
+def branch_record(path: Path, saved: dict) -> dict:
+    """What a branch records of its source checkpoint ``path`` (``saved``: its ``train_state.json``): the folder,
+    its step, and the source run's ``out_dir``."""
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return {"checkpoint": str(path), "step": int(saved["state"]["step"]), "out_dir": str(run)}
+
+
+def portable_form(accelerator, path: Path, saved: dict, model, root: Path, beside: bool = True) -> Path:
     """The topology-free form of checkpoint ``path`` (``saved``: its ``train_state.json``), cached beside it
-    (``step_XXXXXXXX.portable``) or else in ``root``: reused when cached, else converted once, every rank writing
-    its share of the parameters."""
+    (``step_XXXXXXXX.portable``) or else in ``root`` (only there when not ``beside``: a branch's source is only
+    read): reused when cached, else converted once, every rank writing its share of the parameters."""
     from accelerate.utils import broadcast_object_list
 
     digest = state_sha256(path, STATE_FILE)
     outcome = [None, None, None]  # (folder, the temporary folder to fill or None when cached, error)
     if accelerator.is_main_process:
-        outcome = _portable_target(path, digest, root)
+        outcome = _portable_target(path, digest, root, beside)
     broadcast_object_list(outcome)
     folder, building, error = outcome
     if error is not None:
@@ -187,10 +257,11 @@ def portable_form(accelerator, path: Path, saved: dict, model, root: Path) -> Pa
     return Path(folder)
 
 
-def _portable_target(path: Path, digest: str, root: Path) -> list:
+def _portable_target(path: Path, digest: str, root: Path, beside: bool = True) -> list:
     """Main process: [cache folder, temporary folder to build it in (None: cached), error]."""
     error = None
-    for dest in dict.fromkeys((portable_dir(path), portable_dir(path, root))):
+    places = (portable_dir(path), portable_dir(path, root)) if beside else (portable_dir(path, root),)
+    for dest in dict.fromkeys(places):
         if cached_portable(dest, digest):
             logger.info("Using the topology-free form of %s cached in %s", path, dest)
             return [str(dest), None, None]

@@ -259,12 +259,13 @@ def find_resume_checkpoint(resume: str, root: Path) -> Path | None:
     return found[-1].path if found else None
 
 
-def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the ``keep_last`` newest checkpoints and the best by validation loss; return the deleted."""
+def prune_checkpoints(root: Path, keep_last: int, pinned: frozenset[Path] = frozenset()) -> list[Path]:
+    """Delete all but the ``keep_last`` newest checkpoints, the best by validation loss and the ``pinned`` ones (an
+    upload to ``checkpoint.remote`` reading them); return the deleted."""
     saved = complete_checkpoints(root)
     scored = [c for c in saved if c.val_loss is not None and math.isfinite(c.val_loss)]
     best = min(scored, key=lambda c: c.val_loss) if scored else None
-    keep = {c.path for c in saved[-keep_last:]}
+    keep = {c.path for c in saved[-keep_last:]} | set(pinned)
     if best is not None:
         keep.add(best.path)
         write_text_atomic(root / BEST, best.path.name + "\n", durable=True)
@@ -322,6 +323,8 @@ class CheckpointStore:
         self.writer = BackgroundWriter()
         self.latest: Path | None = None
         """The newest checkpoint published (or resumed from) by this run."""
+        self.pinned: set[Path] = set()
+        """Checkpoints the next prune keeps whatever ``keep_last`` says (uploads in flight; main process)."""
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.iterdir():
@@ -470,4 +473,4 @@ class CheckpointStore:
         fsync_dir(self.root)
         write_text_atomic(self.root / LATEST, final.name + "\n", durable=True)
         logger.info("Saved checkpoint %s", final)
-        prune_checkpoints(self.root, self.keep_last)
+        prune_checkpoints(self.root, self.keep_last, frozenset(self.pinned))

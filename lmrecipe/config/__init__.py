@@ -14,10 +14,12 @@ from lmrecipe.config.sections import (
     AUTO_LOSS_CHUNK_TOKENS,
     DS_CONFIG_DIR,
     REPO_ROOT,
+    BatchSize,
     CheckpointConfig,
     Config,
     DataConfig,
     DataSource,
+    DataStage,
     DistributedConfig,
     EvalConfig,
     LoggingConfig,
@@ -39,7 +41,7 @@ from lmrecipe.config.sections import (
 
 __all__ = [
     "AUTO_LOSS_CHUNK_MIN_VOCAB", "AUTO_LOSS_CHUNK_TOKENS", "BASE_KEY", "DS_CONFIG_DIR", "RENAMED", "REPO_ROOT", "RULES",
-    "CheckpointConfig", "Config", "DataConfig", "DataSource", "DistributedConfig", "EvalConfig", "LoggingConfig",
+    "BatchSize", "CheckpointConfig", "Config", "DataConfig", "DataSource", "DataStage", "DistributedConfig", "EvalConfig", "LoggingConfig",
     "ModelConfig", "OptimConfig", "Precision", "ProfileConfig", "Rule", "ScheduleConfig", "SpikeConfig", "TrackerName",
     "TrainConfig", "Workload", "check_rules", "config_from_dict", "config_yaml", "due_at", "fixed_on_resume_keys",
     "flatten_config", "load_config", "parse_shard_size", "resolve_deepspeed_config", "save_config",

@@ -22,13 +22,13 @@ from typing import Any, Literal
 
 from lmrecipe.config import sections
 from lmrecipe.config.loader import BASE_KEY
-from lmrecipe.config.sections import Config, DataSource
+from lmrecipe.config.sections import BatchSize, Config, DataSource, DataStage
 from lmrecipe.errors import UserError
 
 REGENERATE = "python -m lmrecipe.config.reference > docs/reference/keys.md"
 """The command that writes the checked-in key reference."""
 
-ITEMS = {"data.sources": DataSource}
+ITEMS = {"data.sources": DataSource, "data.stages": DataStage, "train.batch_ramp": BatchSize}
 """List keys whose items are mappings of their own keys (documented as ``data.sources[].path``, ...)."""
 
 HF_NAMES = {

@@ -12,11 +12,13 @@ What each parallel split supports, at a glance (the rows below are the contract)
 
 - Tensor parallelism (``distributed.tensor_parallel_size`` > 1, DeepSpeed AutoTP): needs a DeepSpeed config of ZeRO
   stage 0-2 (ZeRO-3 is refused once the JSON is read); the split must divide the attention heads, the key/value heads
-  and the MLP width; not with sequence parallelism, a weight EMA, ``eval.tasks``, Muon, fp8 or ``train.compile``.
+  and the MLP width; not with sequence parallelism, a weight EMA, ``eval.tasks``, ``eval.samples``, Muon, fp8,
+  ``train.compile`` or ``logging.layer_stats``.
 - Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage,
   but not ZeRO-1 in bf16 or fp8: refused once the JSON is read); the split must divide the attention heads, divide or
   be a multiple of the key/value heads (fewer key/value heads than the split are replicated), and divide
-  ``data.seq_len``; needs an attention that takes no 4D mask (not ``eager``); not with ``eval.tasks``.
+  ``data.seq_len``; needs an attention that takes no 4D mask (not ``eager``); not with ``eval.tasks``,
+  ``eval.samples`` or ``logging.layer_stats``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def _tp_refuses(name: str, applies: Callable[[Config], bool], setting: Callable[
         f"Choose {fix}, or set distributed.tensor_parallel_size=1.")
 
 
+def _uneven_ramp_sizes(c: Config) -> list[int]:
+    """The batch-size ramp's step sizes that are not whole micro-batches."""
+    return [size for _, size in c.train.ramp_points() if size % c.train.micro_batch_size]
+
+
 def _multiple_below(value: int, unit: int) -> int:
     """The largest multiple of ``unit`` not above ``value``, at least ``unit``."""
     return max(unit, value // unit * unit)
@@ -117,10 +124,30 @@ RULES: tuple[Rule, ...] = (
     Rule("min_lr_within_lr",
          lambda c: c.optim.min_lr > c.optim.lr,
          lambda c: f"optim.min_lr={c.optim.min_lr} must not exceed optim.lr={c.optim.lr}."),
+    Rule("one_decay_length",
+         lambda c: c.schedule.decay_steps is not None and c.schedule.decay_fraction is not None,
+         lambda c: f"schedule.decay_steps={c.schedule.decay_steps} and schedule.decay_fraction="
+                   f"{c.schedule.decay_fraction} both set the length of the decay.",
+         "Keep one of them (set the other to null)."),
+    Rule("decay_after_warmup",
+         lambda c: c.schedule.is_wsd() and c.schedule.decay_length(c.train.max_steps) > (
+             c.train.max_steps - c.schedule.warmup_steps),
+         lambda c: f"The decay of {c.schedule.decay_length(c.train.max_steps)} steps (schedule.decay_steps / "
+                   f"decay_fraction) does not fit after the warmup: train.max_steps={c.train.max_steps} leaves "
+                   f"{c.train.max_steps - c.schedule.warmup_steps} steps after schedule.warmup_steps="
+                   f"{c.schedule.warmup_steps}.",
+         "Shorten the decay or the warmup, or raise train.max_steps."),
     Rule("whole_micro_batches",
          lambda c: c.train.global_batch_size % c.train.micro_batch_size != 0,
          lambda c: f"train.global_batch_size={c.train.global_batch_size} must be a multiple of "
                    f"train.micro_batch_size={c.train.micro_batch_size}."),
+    Rule("ramp_whole_micro_batches",
+         lambda c: len(c.train.ramp_points()) > 1 and bool(_uneven_ramp_sizes(c)),
+         lambda c: f"The batch-size ramp has step sizes ({', '.join(str(s) for s in _uneven_ramp_sizes(c))}) that are "
+                   f"not multiples of train.micro_batch_size={c.train.micro_batch_size}: a ramp changes the "
+                   "accumulation count, never the micro-batch.",
+         lambda c: f"Choose sizes that are multiples of {c.train.micro_batch_size} x the data-parallel processes (for "
+                   "a linear ramp: train.batch_ramp_start_size and train.batch_ramp_increment)."),
     Rule("muon_under_deepspeed_without_clipping",
          lambda c: c.optim.name == "muon" and c.optim.grad_clip > 0 and c.distributed.uses_deepspeed(),
          lambda c: f"optim.name=muon with optim.grad_clip={c.optim.grad_clip} under DeepSpeed: DeepSpeed's ZeRO writes "
@@ -147,6 +174,11 @@ RULES: tuple[Rule, ...] = (
                    f"{c.train.eval_every_steps}: the tasks are scored with the validation.",
          lambda c: f"Set eval.every_steps={_multiple_below(c.eval.every_steps, c.train.eval_every_steps)}, or null for "
                    "every validation."),
+    Rule("branch_resumes_its_own",
+         lambda c: c.checkpoint.branch_from is not None and c.checkpoint.resume != "auto",
+         lambda c: f"checkpoint.branch_from={c.checkpoint.branch_from} with checkpoint.resume={c.checkpoint.resume}: "
+                   "a branch starts from its source, then resumes from its own checkpoints (resume=auto).",
+         "Set checkpoint.resume=auto, or checkpoint.branch_from=null to resume from another checkpoint."),
     Rule("ema_export_needs_ema",
          lambda c: c.checkpoint.export_weights == "ema" and c.train.ema_decay == 0,
          "checkpoint.export_weights=ema needs a weight EMA:",
@@ -195,6 +227,16 @@ RULES: tuple[Rule, ...] = (
         "without_tasks", lambda sp, c: bool(c.eval.tasks),
         lambda sp, c: f"eval.tasks={c.eval.tasks} is not supported with distributed.sequence_parallel_size={sp}:",
         "score the tasks on the export with eval.py --tasks, or set eval.tasks=[]."),
+    _sequence_parallel(
+        "without_samples", lambda sp, c: bool(c.eval.samples),
+        lambda sp, c: f"eval.samples is not supported with distributed.sequence_parallel_size={sp}: a prompt is not "
+                      "split over the group's ranks.",
+        "Set eval.samples=[] and continue prompts on the export with eval.py --generate."),
+    _sequence_parallel(
+        "without_layer_stats", lambda sp, c: c.logging.layer_stats,
+        lambda sp, c: f"logging.layer_stats=true is not supported with distributed.sequence_parallel_size={sp}: its "
+                      "gradient norms are checked against DeepSpeed's on whole sequences only.",
+        "Set logging.layer_stats=false (the global grad_norm is still logged), or distributed.sequence_parallel_size=1."),
 
     # --- Tensor parallelism (DeepSpeed AutoTP; its ZeRO stage 0-2 is checked when the JSON is read)
     _tensor_parallel(
@@ -217,10 +259,14 @@ RULES: tuple[Rule, ...] = (
                 "train.ema_decay=0 (the EMA would average each rank's slice, not the model)"),
     _tp_refuses("without_tasks", lambda c: bool(c.eval.tasks), lambda c: f"eval.tasks={c.eval.tasks}",
                 "eval.tasks=[] and score the export with eval.py --tasks"),
+    _tp_refuses("without_samples", lambda c: bool(c.eval.samples), lambda c: f"eval.samples={c.eval.samples}",
+                "eval.samples=[] and continue prompts on the export with eval.py --generate"),
     _tp_refuses("without_muon", lambda c: c.optim.name == "muon", lambda c: "optim.name=muon", "optim.name=adamw"),
     _tp_refuses("without_fp8", lambda c: c.train.precision == "fp8", lambda c: "train.precision=fp8",
                 "train.precision=bf16"),
     _tp_refuses("without_compile", lambda c: c.train.compile, lambda c: "train.compile=true", "train.compile=false"),
+    _tp_refuses("without_layer_stats", lambda c: c.logging.layer_stats, lambda c: "logging.layer_stats=true",
+                "logging.layer_stats=false (a split matrix's norm would need its slices from every rank)"),
 )
 
 

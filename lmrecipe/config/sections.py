@@ -7,6 +7,7 @@ fields lives in ``rules.py``. Derived values (accumulation steps, ...) are metho
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import typing
@@ -100,6 +101,17 @@ class DataSource:
 
 
 @dataclass
+class DataStage:
+    """One stage of a staged mixture (``data.stages``): from optimizer step ``start_step`` on, these weights."""
+
+    start_step: int
+    """Optimizer step (0-based) the stage starts at; the first stage starts at 0, the others at increasing steps."""
+    weights: dict = field(default_factory=dict)
+    """Weight of each source by name (``data.sources[].name``), relative to the others; a source left out has weight
+    0 in this stage (it leaves, or has not entered yet), e.g. ``{web: 0.3, code: 0.7}``."""
+
+
+@dataclass
 class DataConfig:
     path: Optional[str] = "data/stdlib"
     """Folder written by ``tools/prepare_data.py`` (train.bin, val.bin, meta.json, tokenizer); null with ``sources``."""
@@ -107,10 +119,19 @@ class DataConfig:
     """A weighted mixture of prepared folders, e.g. ``[{path: data/code, weight: 0.7}, {path: data/prose, weight: 0.3}]``,
     used instead of ``path``. All must share one tokenizer. Setting one of ``path`` / ``sources`` in a recipe or on the
     command line clears the other one from lower layers; setting both in the same layer is an error."""
+    stages: list[DataStage] = field(default_factory=list, metadata=_FIXED)
+    """A staged mixture: ``[{start_step: 0, weights: {web: 1.0}}, {start_step: 9000, weights: {web: 0.5, code: 0.5}}]``
+    over the sources of ``sources`` (by name). Each stage's weights replace the sources' ``weight`` for training from
+    its ``start_step``; ``sources[].weight`` then only weighs the validation mean. Empty = the sources' weights
+    throughout. Fixed on resume."""
     seq_len: int = _fixed(256)
     """Tokens per training sequence (each window reads ``seq_len + 1`` tokens)."""
     val_windows: int = 64
     """Validation sequences evaluated each time (a fixed set, spread over val.bin), per source for a mixture."""
+    cache_dir: str = "~/.cache/lmrecipe/data"
+    """Local folder that data folders given as object-storage URLs (``data.path`` or ``data.sources[].path`` =
+    ``s3://...``, ``gs://...``) are downloaded into before the first step (one process per node, verified against
+    the sha256 in meta.json), reused by later runs and memory-mapped from there."""
     document_masking: bool = _fixed(True)
     """Train packed documents as documents: each token attends only to earlier tokens of its own document and position
     ids restart at each document start (boundaries from the folder's ``train.idx`` / ``val.idx``). Needs a model whose
@@ -139,6 +160,46 @@ class DataConfig:
         if self.sources and sum(s.weight for s in self.sources) <= 0:
             raise fail(f"The weights of data.sources sum to zero ({', '.join(str(s.weight) for s in self.sources)}): "
                        "give at least one source a positive weight.")
+        self._validate_stages(names)
+
+    def _validate_stages(self, names: dict[str, int]) -> None:
+        """The stages' steps start at 0 and increase; their weights name sources and are not all 0."""
+        if not self.stages:
+            return
+        if not self.sources:
+            raise fail("data.stages needs a mixture: list the folders in data.sources (each with a name) and give "
+                       "each stage weights by those names.")
+        if self.stages[0].start_step != 0:
+            raise fail(f"data.stages[0].start_step={self.stages[0].start_step}: the first stage must start at step 0 "
+                       "(set it to 0, or add a first stage {start_step: 0, weights: {...}}).")
+        for i, (before, stage) in enumerate(zip(self.stages, self.stages[1:]), start=1):
+            if stage.start_step <= before.start_step:
+                raise fail(f"data.stages[{i}].start_step={stage.start_step} is not after data.stages[{i - 1}]."
+                           f"start_step={before.start_step}: list the stages in increasing start_step order, each "
+                           "step once.")
+        for i, stage in enumerate(self.stages):
+            where = f"data.stages[{i}].weights"
+            for name, weight in stage.weights.items():
+                if str(name) not in names:
+                    close = difflib.get_close_matches(str(name), list(names), n=1)
+                    raise fail(f"{where} names the source {name!r}, which is not in data.sources"
+                               f"{f' (did you mean {close[0]!r}?)' if close else ''}: the sources are "
+                               f"{', '.join(names)}. Name a source of data.sources, or add the folder there.")
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                        or weight < 0:
+                    raise fail(f"{where}.{name}={weight!r} must be a finite number >= 0 (0: the source takes no "
+                               "training samples in this stage).")
+            if sum(stage.weights.values()) <= 0:
+                raise fail(f"{where} are all 0 (or empty): stage {i} (from step {stage.start_step}) would draw no "
+                           "samples. Give at least one source a positive weight.")
+
+    def stage_weights(self) -> list[tuple[int, list[float]]]:
+        """(start step, weight of each source in ``sources`` order) of each stage; without stages, one stage of the
+        sources' own weights."""
+        if not self.stages:
+            return [(0, [s.weight for s in self.source_list()])]
+        return [(stage.start_step, [float(stage.weights.get(s.resolved_name(), 0.0)) for s in self.sources])
+                for stage in self.stages]
 
     def source_list(self) -> list[DataSource]:
         """The training data as sources: ``sources``, or ``path`` as one source of weight 1."""
@@ -192,15 +253,57 @@ class OptimConfig:
 class ScheduleConfig:
     warmup_steps: int = 100
     """Optimizer steps of linear warmup: step s < warmup_steps trains at ``optim.lr x (s+1) / warmup_steps``."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay from ``optim.lr`` to ``optim.min_lr``, reached at the last step (``train.max_steps - 1``)."""
+    decay: Literal["cosine", "linear", "1-sqrt", "constant"] = "cosine"
+    """Shape of the decay from ``optim.lr`` to ``optim.min_lr``, reached at the last step (``train.max_steps - 1``).
+    1-sqrt: ``1 - sqrt(progress)``. constant: no decay; with ``decay_steps`` / ``decay_fraction``, a drop to
+    ``min_lr`` for the decay's steps."""
+    decay_steps: Optional[int] = None
+    """Warmup-stable-decay: hold ``optim.lr`` after warmup and decay only over the last this many optimizer steps
+    (steps ``max_steps - decay_steps`` .. ``max_steps - 1``; the first of them already below ``lr``); null = decay
+    over the whole run after warmup. A resume may raise ``train.max_steps`` while the run is in its stable phase:
+    the decay moves with it."""
+    decay_fraction: Optional[float] = None
+    """Warmup-stable-decay with the decay as a fraction of ``train.max_steps`` (rounded to whole steps, at least 1),
+    in (0, 1]; instead of ``decay_steps``."""
 
     def validate(self) -> None:
         _non_negative(self, "warmup_steps")
+        if self.decay_steps is not None:
+            _positive(self, "decay_steps")
+        if self.decay_fraction is not None and not 0.0 < self.decay_fraction <= 1.0:
+            raise fail(f"schedule.decay_fraction={self.decay_fraction} must be in (0, 1] (e.g. 0.2: the last 20 % "
+                       "of train.max_steps).")
+
+    def is_wsd(self) -> bool:
+        """Warmup-stable-decay: the decay covers only the last steps (``decay_steps`` or ``decay_fraction``)."""
+        return self.decay_steps is not None or self.decay_fraction is not None
+
+    def decay_length(self, max_steps: int) -> int | None:
+        """Optimizer steps of a warmup-stable-decay run's decay for a run of ``max_steps``; None without one."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        if self.decay_fraction is not None:
+            return max(1, round(self.decay_fraction * max_steps))
+        return None
+
+    def decay_start(self, max_steps: int) -> int | None:
+        """The first optimizer step (0-based) of a warmup-stable-decay run's decay; None without one."""
+        length = self.decay_length(max_steps)
+        return None if length is None else max_steps - length
 
 
 AUTO_LOSS_CHUNK_TOKENS = 1024
 AUTO_LOSS_CHUNK_MIN_VOCAB = 65_536
+
+
+@dataclass
+class BatchSize:
+    """One point of a batch-size ramp (``train.batch_ramp``)."""
+
+    step: int
+    """Optimizer step (0-based) from which the size holds."""
+    size: int
+    """Sequences per optimizer step over all processes, from ``step`` on."""
 
 
 @dataclass
@@ -242,6 +345,60 @@ class TrainConfig:
     """Decay per applied optimizer step of an exponential moving average of the weights (bias-corrected, fp32; an
     average over about ``1 / (1 - ema_decay)`` steps, e.g. 0.999: 1,000 steps), evaluated as ``val_loss_ema`` and
     saved in checkpoints (``lmrecipe/train/callbacks/ema.py``); 0 = off. In [0, 1)."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss, ``z_loss * logsumexp(logits)^2`` averaged over the target tokens and added to the
+    training objective (it keeps the logits' log-partition near 0; PaLM used 1e-4); logged as ``z_loss``, apart from
+    ``loss``. Validation, perplexity and ``eval.py`` report the language-model loss alone. 0 = off."""
+
+    batch_ramp: list[BatchSize] = field(default_factory=list, metadata=_FIXED)
+    """A batch-size ramp as points ``[{step: 0, size: 64}, {step: 500, size: 128}, {step: 1000, size: 256}]``: from
+    optimizer step ``step`` on, ``size`` sequences per step. The first point is at step 0, steps increase, and the last
+    size is ``global_batch_size`` (the run's size from there on). Sizes must be multiples of ``micro_batch_size`` x
+    the data-parallel processes: the micro-batch stays, the accumulation count changes. Empty = no ramp (or the
+    linear form ``batch_ramp_start_size``). Fixed on resume."""
+    batch_ramp_start_size: int = _fixed(0)
+    """A linear ramp: the first step's size in sequences, raised by ``batch_ramp_increment`` every
+    ``batch_ramp_steps_per_increment`` optimizer steps until it reaches ``global_batch_size``; 0 = off."""
+    batch_ramp_increment: int = _fixed(0)
+    """Sequences added to the step size at each increment of the linear ramp."""
+    batch_ramp_steps_per_increment: int = _fixed(0)
+    """Optimizer steps between two increments of the linear ramp."""
+    batch_ramp_lr_scaling: Literal["none", "sqrt"] = "none"
+    """During a batch-size ramp: none = the schedule's learning rate as it is; sqrt = scaled by
+    sqrt(step size / global_batch_size) (the rate is the schedule's at the full size)."""
+
+    def _validate_ramp(self) -> None:
+        _non_negative(self, "batch_ramp_start_size", "batch_ramp_increment", "batch_ramp_steps_per_increment")
+        if self.batch_ramp and self.batch_ramp_start_size:
+            raise fail("train.batch_ramp and train.batch_ramp_start_size are both set: describe the ramp one way, as "
+                       "points (train.batch_ramp) or linearly (train.batch_ramp_start_size, _increment, "
+                       "_steps_per_increment); set the other to [] or 0.")
+        if self.batch_ramp_start_size and (self.batch_ramp_increment <= 0 or self.batch_ramp_steps_per_increment <= 0):
+            raise fail(f"train.batch_ramp_start_size={self.batch_ramp_start_size} needs train.batch_ramp_increment and "
+                       "train.batch_ramp_steps_per_increment > 0, e.g. batch_ramp_increment=8 and "
+                       "batch_ramp_steps_per_increment=100.")
+        if self.batch_ramp_start_size > self.global_batch_size:
+            raise fail(f"train.batch_ramp_start_size={self.batch_ramp_start_size} exceeds train.global_batch_size="
+                       f"{self.global_batch_size}, the size the ramp ends at: start below it.")
+        points = self.batch_ramp
+        if not points:
+            return
+        half, full = max(1, self.global_batch_size // 2), self.global_batch_size
+        example = f"e.g. [{{step: 0, size: {half}}}, {{step: 100, size: {full}}}]"
+        if points[0].step != 0:
+            raise fail(f"train.batch_ramp[0].step={points[0].step}: the ramp must start at step 0 ({example}).")
+        for i, (before, point) in enumerate(zip(points, points[1:]), start=1):
+            if point.step <= before.step:
+                raise fail(f"train.batch_ramp[{i}].step={point.step} is not after train.batch_ramp[{i - 1}].step="
+                           f"{before.step}: list the points in increasing step order ({example}).")
+        for i, point in enumerate(points):
+            if not 0 < point.size <= self.global_batch_size:
+                raise fail(f"train.batch_ramp[{i}].size={point.size} must be in [1, train.global_batch_size="
+                           f"{self.global_batch_size}] ({example}).")
+        if points[-1].size != self.global_batch_size:
+            raise fail(f"train.batch_ramp ends at size {points[-1].size}, not at train.global_batch_size="
+                       f"{self.global_batch_size} (the run's final size): add a last point "
+                       f"{{step: N, size: {self.global_batch_size}}} ({example}).")
 
     def chunk_tokens(self, vocab_size: int) -> int:
         """Tokens per chunk of the chunked loss for a vocabulary of ``vocab_size``; 0 = the full-logits path."""
@@ -249,11 +406,24 @@ class TrainConfig:
             return self.loss_chunk_tokens
         return AUTO_LOSS_CHUNK_TOKENS if vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
 
+    def ramp_points(self) -> list[tuple[int, int]]:
+        """The step size as (first optimizer step, sequences) points, the last at ``global_batch_size``; one point
+        (0, ``global_batch_size``) without a ramp."""
+        if self.batch_ramp:
+            return [(p.step, p.size) for p in self.batch_ramp]
+        if self.batch_ramp_start_size <= 0 or self.batch_ramp_start_size >= self.global_batch_size:
+            return [(0, self.global_batch_size)]
+        sizes = range(self.batch_ramp_start_size, self.global_batch_size, max(self.batch_ramp_increment, 1))
+        points = [(k * self.batch_ramp_steps_per_increment, size) for k, size in enumerate(sizes)]
+        return points + [(len(points) * self.batch_ramp_steps_per_increment, self.global_batch_size)]
+
     def validate(self) -> None:
         _positive(self, "max_steps", "global_batch_size", "micro_batch_size", "max_consecutive_skips")
+        self._validate_ramp()
         _non_negative(self, "eval_every_steps", "early_stopping_patience", "early_stopping_min_delta")
         if self.loss_chunk_tokens is not None:
             _non_negative(self, "loss_chunk_tokens")
+        _non_negative(self, "z_loss")
         if not 0.0 <= self.ema_decay < 1.0:
             raise fail(f"train.ema_decay={self.ema_decay} must be in [0, 1): e.g. 0.999 averages over about 1,000 "
                        "optimizer steps; 0 turns the weight EMA off.")
@@ -273,9 +443,18 @@ class EvalConfig:
     """Items of the ``next_line`` task (4 choices each: chance is 25 %)."""
     seed: int = 0
     """Seed of the ``next_line`` task's items and distractors."""
+    samples: list[str] = field(default_factory=list)
+    """Prompts continued at every evaluation by greedy decoding of the live model, e.g. ``["def main(", "import "]``:
+    the texts go to ``metrics.jsonl`` (a ``samples`` row) and the last evaluation's to ``report.md``. [] = none."""
+    sample_tokens: int = 16
+    """Tokens generated for each of ``samples`` (fewer when the continuation reaches the end-of-text token)."""
 
     def validate(self) -> None:
-        _positive(self, "next_line_items")
+        _positive(self, "next_line_items", "sample_tokens")
+        for i, prompt in enumerate(self.samples):
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise fail(f"eval.samples[{i}]={prompt!r} is not a prompt: give each sample a non-empty string, e.g. "
+                           "eval.samples='[\"def main(\"]'.")
         if self.every_steps is not None:
             _positive(self, "every_steps")
         names = [Path(spec).stem for spec in self.tasks]
@@ -296,6 +475,11 @@ class CheckpointConfig:
     """Newest checkpoints kept; older ones are deleted (the best by validation loss is kept apart)."""
     resume: str = "auto"
     """auto = newest complete checkpoint in out_dir if any; none = start fresh; or a checkpoint folder."""
+    branch_from: Optional[str] = None
+    """Start this run (its own ``out_dir``) from a checkpoint of another run: weights, optimizer, step, data
+    position and RNG, as a resume takes them, with this recipe's schedule and data (a new mixture continues at the
+    same global sample index). The source is only read. Once this run has checkpoints of its own, it resumes from
+    them. Needs ``resume=auto``; null = no branch."""
     export_at_end: bool = True
     """Write a Hugging Face export (sharded safetensors + tokenizer) to ``out_dir/export`` at the end."""
     export_dtype: Literal["bf16", "fp32"] = "bf16"
@@ -309,10 +493,20 @@ class CheckpointConfig:
     YAML key ``async`` would be a Python keyword, hence the name). At most one write is in flight; ``latest`` moves
     once every rank's files are written. Under DeepSpeed the collective part of the save (ZeRO-3's gathers) still
     runs at the step; the files are written in the background."""
+    remote: Optional[str] = None
+    """Object storage the checkpoints are mirrored to, as an fsspec URL (``s3://BUCKET/PREFIX``, ``gs://...``,
+    ``file:///...``; S3 reads ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``): each published checkpoint is uploaded in the background (its ``latest`` written
+    last, ``keep_last`` applied there too), the export and report at the end; ``resume=auto`` downloads a newer
+    remote checkpoint onto a fresh node. Needs ``pip install -e ".[remote]"``. null = local only."""
+    remote_wait_s: float = 600.0
+    """Seconds the end of a run (or a crash) waits for uploads to ``remote`` still in flight; what is not uploaded by
+    then is named, and the next run with this out_dir uploads it."""
 
     def validate(self) -> None:
         _non_negative(self, "every_steps")
         _positive(self, "keep_last")
+        _non_negative(self, "remote_wait_s")
         try:
             parse_shard_size(self.max_shard_size)
         except UserError as err:
@@ -373,6 +567,13 @@ class LoggingConfig:
     verbose: bool = False
     """Show the start-up and per-checkpoint lines of third-party libraries (torchao, DeepSpeed, Accelerate, torch)
     that are filtered by default; the filtered lines are listed in ``lmrecipe/observe/quiet.py``."""
+    layer_stats: bool = False
+    """At every logged step, per part of the model (embeddings, each block, the final norm, the output layer): the
+    gradient norm before clipping, the parameter norm and the update/parameter ratio (``grad_norm/<part>``,
+    ``param_norm/<part>``, ``update_ratio/<part>``), each block's output RMS and the largest absolute logit on one
+    micro-batch (``act_rms/<block>``, ``max_abs_logit``); a heat map ``out_dir/layers.png``. Costs one copy of the
+    weights a rank owns and (DeepSpeed) one all-reduce at a logged step, nothing at the others
+    (``lmrecipe/train/callbacks/layer_stats.py``)."""
 
     def validate(self) -> None:
         _positive(self, "log_every_steps")

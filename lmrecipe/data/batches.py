@@ -1,7 +1,9 @@
 """The batches a rank trains and validates on: the batch layout, training micro-batches, the prefetcher, validation.
 
 Samples are split into accumulation micro-steps and ranks by position only (:class:`BatchLayout`), so the
-order of ``lmrecipe/data/order.py`` is the same on any number of processes. One folder (:class:`TrainBatches`) and
+order of ``lmrecipe/data/order.py`` is the same on any number of processes. A batch-size ramp (:class:`BatchRamp`)
+gives each data step its own consecutive range of samples; the micro-batch stays and the accumulation count follows.
+One folder (:class:`TrainBatches`) and
 a mixture (:class:`MixtureBatches`) share :class:`StepBatches` and differ only in that order.
 """
 
@@ -15,7 +17,7 @@ import numpy as np
 from lmrecipe.config import TrainConfig
 from lmrecipe.data.documents import DocumentBatch, stack_documents
 from lmrecipe.data.format import TokenWindows, split_rows
-from lmrecipe.data.order import MixtureOrder, SampleOrder, data_step, name_stream
+from lmrecipe.data.order import MixtureOrder, SampleOrder, StagedMixtureOrder, data_step, name_stream
 from lmrecipe.errors import fail
 
 # torch is imported where tensors are built, not here: the tokenizer workers of data preparation import the format
@@ -60,6 +62,58 @@ class BatchLayout:
         return step * self.global_batch_size + offset
 
 
+class BatchRamp:
+    """Data step ``d`` -> its samples ``[start(d), start(d) + size(d))``: consecutive ranges, none skipped or repeated.
+
+    ``points``: (first data step, size) pairs, the first at step 0, steps increasing; the last size holds from its step
+    on (``train.ramp_points()``). One point ``(0, G)`` is the ramp-free run: ``start(d) = d x G``.
+    """
+
+    def __init__(self, points: list[tuple[int, int]]):
+        if not points or points[0][0] != 0:
+            raise ValueError(f"a ramp starts at step 0: {points}")
+        self.steps = np.array([step for step, _ in points], dtype=np.int64)
+        self.sizes = np.array([size for _, size in points], dtype=np.int64)
+        lengths = np.diff(self.steps)
+        self.starts = np.concatenate([[0], np.cumsum(lengths * self.sizes[:-1])]).astype(np.int64)
+        """First sample of each point's first step."""
+
+    @classmethod
+    def from_config(cls, train: TrainConfig, layout: BatchLayout) -> "BatchRamp":
+        """The run's ramp; a UserError naming the fix when a size does not split over ``layout``'s processes."""
+        ramp = cls(train.ramp_points())
+        per_step = layout.micro_batch_size * layout.world_size
+        uneven = [int(size) for size in ramp.sizes if size % per_step]
+        if uneven:
+            raise fail(f"The batch-size ramp has step sizes ({', '.join(map(str, uneven))}) that are not multiples of "
+                       f"train.micro_batch_size={layout.micro_batch_size} x {layout.world_size} data-parallel processes "
+                       f"= {per_step}: the ramp changes the accumulation count, never the micro-batch. Choose sizes "
+                       f"(train.batch_ramp, or train.batch_ramp_start_size and _increment) that are multiples of "
+                       f"{per_step}, or change the micro-batch size.")
+        return ramp
+
+    @property
+    def is_constant(self) -> bool:
+        return len(self.sizes) == 1
+
+    def _point(self, step: int) -> int:
+        return int(np.searchsorted(self.steps, step, side="right")) - 1
+
+    def size(self, step: int) -> int:
+        """Samples of data step ``step`` (over all ranks)."""
+        return int(self.sizes[self._point(step)])
+
+    def start(self, step: int) -> int:
+        """Global sample index of data step ``step``'s first sample (= samples of the steps before it)."""
+        k = self._point(step)
+        return int(self.starts[k] + (step - self.steps[k]) * self.sizes[k])
+
+    def range(self, step: int) -> tuple[int, int]:
+        """``[first, end)`` global sample indices of data step ``step``."""
+        first = self.start(step)
+        return first, first + self.size(step)
+
+
 class MicroBatch(NamedTuple):
     """One forward's rows: inputs and next-token targets ``[rows, seq_len]`` int64, and with document masking the rows'
     document boundaries (a :class:`~lmrecipe.data.documents.DocumentBatch` of CPU tensors; None without)."""
@@ -92,13 +146,31 @@ class StepBatches:
         """Also assemble each micro-batch's document boundaries (``data.document_masking``)."""
         self.skipped: tuple[int, ...] = ()
         """Data steps never trained on (ascending), see :func:`data_step`; replaced whole, never mutated."""
+        self.ramp = BatchRamp([(0, layout.global_batch_size)])
+        """The sample range of each data step (a batch-size ramp, or blocks of ``global_batch_size``)."""
+
+    def data_position(self, step: int) -> int:
+        """The data step optimizer step ``step`` (0-based) reads, skipped data steps left out."""
+        return data_step(step, self.skipped)
+
+    def step_size(self, step: int) -> int:
+        """Samples optimizer step ``step`` (0-based) trains on, over all ranks."""
+        return self.ramp.size(self.data_position(step))
+
+    def accum_steps(self, position: int) -> int:
+        """Accumulation micro-steps of data step ``position`` on each rank."""
+        return self.ramp.size(position) // (self.layout.micro_batch_size * self.layout.world_size)
+
+    def next_sample(self, step: int) -> int:
+        """The global sample index optimizer step ``step`` (0-based) starts at: a checkpoint's data position."""
+        return self.ramp.start(self.data_position(step))
 
     def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, window) index arrays of the given global sample indices: the order."""
         raise NotImplementedError
 
     def window_ids(self, step: int, micro_step: int) -> np.ndarray:
-        return self.data_window_ids(data_step(step, self.skipped), micro_step)
+        return self.data_window_ids(self.data_position(step), micro_step)
 
     def data_window_ids(self, position: int, micro_step: int) -> np.ndarray:
         """This rank's windows in micro-step ``micro_step`` of data step ``position`` (ids: see the class)."""
@@ -107,8 +179,8 @@ class StepBatches:
 
     def micro_batches(self, step: int):
         """Yield a :class:`MicroBatch` for each accumulation micro-step of ``step`` on this rank."""
-        position = data_step(step, self.skipped)
-        for micro_step in range(self.layout.accum_steps):
+        position = self.data_position(step)
+        for micro_step in range(self.accum_steps(position)):
             yield self._batch(*self._micro_step(position, micro_step))
 
     def data_step_samples(self, position: int) -> list:
@@ -116,21 +188,23 @@ class StepBatches:
 
         Window indices for one folder, ``[source name, window]`` pairs for named sources.
         """
-        G = self.layout.global_batch_size
-        sources, windows = self._samples(position * G, G)
+        first, end = self.ramp.range(position)
+        sources, windows = self._samples(first, end - first)
         if self.names is None:
             return windows.tolist()
         return [[self.names[k], int(w)] for k, w in zip(sources, windows)]
 
     def data_step_inputs(self, position: int) -> list:
         """This rank's micro-batch inputs of data step ``position`` (the spike fault injection matches on them)."""
-        return [self._batch(*self._micro_step(position, m))[0] for m in range(self.layout.accum_steps)]
+        return [self._batch(*self._micro_step(position, m))[0] for m in range(self.accum_steps(position))]
 
     def _samples(self, first_sample: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         return self.locate(np.arange(first_sample, first_sample + count))
 
     def _micro_step(self, position: int, micro_step: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._samples(self.layout.first_sample(position, micro_step), self.layout.micro_batch_size)
+        layout = self.layout
+        offset = (micro_step * layout.world_size + layout.rank) * layout.micro_batch_size
+        return self._samples(self.ramp.start(position) + offset, layout.micro_batch_size)
 
     def _batch(self, sources: np.ndarray, windows: np.ndarray) -> MicroBatch:
         if len(self.sources) == 1:
@@ -177,11 +251,12 @@ class MixtureBatches(StepBatches):
     """Several folders: global sample ``g`` goes to a source by :class:`MixtureOrder`, then through its own permutation."""
 
     def __init__(self, windows: list[TokenWindows], names: list[str], weights: list[float], layout: BatchLayout,
-                 seed: int):
+                 seed: int, order: StagedMixtureOrder | None = None):
         super().__init__(windows, layout)
         self.names = names
         self.seed = seed
-        self.order = MixtureOrder(weights)
+        self.order = order if order is not None else MixtureOrder(weights)
+        """The source of each global sample: :class:`MixtureOrder` by ``weights``, or a staged mixture's ``order``."""
         self.orders = [SampleOrder(len(w), seed, stream=name_stream(n)) for w, n in zip(windows, names)]
 
     @property
@@ -203,13 +278,19 @@ class MixtureBatches(StepBatches):
 
     def samples_seen(self, step: int) -> np.ndarray:
         """Samples of each source trained on in steps ``[0, step)``, over all ranks (skipped data steps left out)."""
-        G = self.layout.global_batch_size
-        end = data_step(step, self.skipped)
-        seen = self.order.counts(end * G)
+        end = self.data_position(step)
+        seen = self.order.counts(self.ramp.start(end))
         for skip in self.skipped:
             if skip < end:
-                seen -= self.order.counts((skip + 1) * G) - self.order.counts(skip * G)
+                first, last = self.ramp.range(skip)
+                seen -= self.order.counts(last) - self.order.counts(first)
         return seen
+
+    def stage(self, step: int) -> int:
+        """The stage (of a staged mixture; 0 otherwise) of the samples optimizer step ``step`` (0-based) trains on."""
+        if not isinstance(self.order, StagedMixtureOrder):
+            return 0
+        return int(self.order.stage_of(np.array([self.next_sample(step)]))[0])
 
 
 class Prefetcher:

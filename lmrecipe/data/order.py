@@ -1,9 +1,12 @@
 """The order in which training reads samples: a pure function of the global sample index.
 
 The samples of optimizer step ``s`` are samples ``[s*G, (s+1)*G)`` of a permutation of window indices seeded by
-``(seed, epoch)`` (:class:`SampleOrder`); a mixture first assigns each global sample to a source by a fixed pattern
-(:class:`MixtureOrder`, see ``lmrecipe/data/sources.py``). So what a step trains on does not depend on how G is split
-(processes x micro-batch x accumulation), and resuming at step ``s`` needs no skipping.
+``(seed, epoch)`` (:class:`SampleOrder`); under a batch-size ramp, the consecutive range ``[start(s), start(s) +
+size(s))`` the ramp assigns (``lmrecipe/data/batches.py``, :class:`~lmrecipe.data.batches.BatchRamp`). A mixture
+first assigns each global sample to a source by a fixed pattern (:class:`MixtureOrder`, see
+``lmrecipe/data/sources.py``); a staged mixture by the pattern of the stage the sample falls in
+(:class:`StagedMixtureOrder`). So what a step trains on does not depend on how G is split (processes x micro-batch x
+accumulation), and resuming at step ``s`` needs no skipping.
 
 The permutation (order version 2) is a keyed Feistel network over the smallest power of four at least the number
 of windows, with cycle walking (a position that lands outside is encrypted again until it lands inside): a
@@ -12,9 +15,9 @@ Version 1, a ``numpy`` permutation materialised per epoch (memory and time linea
 15T tokens), is kept for runs whose checkpoints were written with it; they continue in it.
 
 Skipped batches. A run that rolled back from a loss spike (``lmrecipe/train/callbacks/spikes.py``) never trains on the samples
-of the offending steps again: it lists their *data steps* (blocks ``[d*G, (d+1)*G)`` of the order above) as skipped,
-and optimizer step ``s`` then reads the ``s``-th data step that is not skipped (:func:`data_step`). Without skips
-the two are equal; with them the order stays a pure function of (step, skipped list), so a resume is still exact.
+of the offending steps again: it lists their *data steps* (the sample ranges ``[start(d), start(d) + size(d))`` of
+the order above, blocks of G without a ramp) as skipped, and optimizer step ``s`` then reads the ``s``-th data step
+that is not skipped (:func:`data_step`). Without skips the two are equal; with them the order stays a pure function of (step, skipped list), so a resume is still exact.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 
 
 def data_step(step: int, skipped: tuple[int, ...] | list[int] = ()) -> int:
-    """The data step (block of G samples of the original order) that optimizer step ``step`` (0-based) trains on.
+    """The data step (sample range of the original order) that optimizer step ``step`` (0-based) trains on.
 
     ``skipped``: data steps never trained on, ascending. Step ``s`` reads the ``s``-th data step not in it, so the
     batches of skipped steps are replaced by the next unused samples and every later step moves up alike.
@@ -165,3 +168,51 @@ class MixtureOrder:
 def name_stream(name: str) -> int:
     """The seed stream of a source's permutation: stable across machines and Python versions (not ``hash()``)."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+class StagedMixtureOrder:
+    """A mixture whose weights change at stage boundaries: global sample -> (source, that source's own sample index).
+
+    ``bounds``: the first global sample of each stage (0 first, increasing); ``stage_weights``: each stage's weights,
+    one per source. Samples of stage ``k`` follow stage ``k``'s :class:`MixtureOrder` from the stage's first sample,
+    and each source's own index continues where the earlier stages left it (a source that leaves and comes back
+    resumes its permutation), so the order stays a pure function of the global sample index.
+    """
+
+    def __init__(self, bounds: list[int], stage_weights: list[list[float]], block: int = MIX_BLOCK):
+        if not bounds or bounds[0] != 0 or any(after <= before for before, after in zip(bounds, bounds[1:])):
+            raise ValueError(f"stage bounds must start at 0 and increase: {bounds}")
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        self.stages = [MixtureOrder(w, block) for w in stage_weights]
+        offsets = [np.zeros(len(stage_weights[0]), dtype=np.int64)]
+        for k, stage in enumerate(self.stages[:-1]):
+            offsets.append(offsets[-1] + stage.counts(int(self.bounds[k + 1] - self.bounds[k])))
+        self.offsets = np.stack(offsets)
+        """Samples of each source (columns) drawn before each stage (rows)."""
+
+    @property
+    def quotas(self) -> np.ndarray:
+        """The first stage's quotas (what a checkpoint's mixture record names; the stages are recorded apart)."""
+        return self.stages[0].quotas
+
+    def stage_of(self, samples: np.ndarray) -> np.ndarray:
+        """The stage index of each global sample index."""
+        return np.searchsorted(self.bounds, np.asarray(samples, dtype=np.int64), side="right") - 1
+
+    def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, per-source sample index) of each global sample index."""
+        samples = np.asarray(samples, dtype=np.int64)
+        stages = self.stage_of(samples)
+        sources = np.zeros_like(samples)
+        counters = np.zeros_like(samples)
+        for k in np.unique(stages):
+            chosen = stages == k
+            src, local = self.stages[k].assign(samples[chosen] - self.bounds[k])
+            sources[chosen], counters[chosen] = src, local + self.offsets[k][src]
+        return sources, counters
+
+    def counts(self, n_samples: int) -> np.ndarray:
+        """Samples of each source among global samples ``[0, n_samples)``."""
+        k = int(self.stage_of(np.array([n_samples]))[0]) if n_samples > 0 else 0
+        return self.offsets[k] + self.stages[k].counts(int(n_samples - self.bounds[k]))
+

@@ -7,9 +7,9 @@ live here, not in the loop.
 A row's time is the interval's *time in training steps*: the sum of the trainer's step times (data wait, forward,
 backward, optimizer, the sync point; compilation inside step 1), from the first step after the previous row to the
 logged step. Evaluation, checkpoint writes and logging, which run between steps, are not in it. So
-``tokens_per_sec = interval_steps x tokens per step / interval_time_s`` and ``step_time_s = interval_time_s /
-interval_steps`` for every row, the first included, and the run's throughput is the sum of the rows' tokens over
-the sum of their ``interval_time_s`` (:func:`lmrecipe.observe.metrics_log.throughput`).
+``tokens_per_sec = the interval's tokens (the steps' actual sizes, a batch-size ramp's included) / interval_time_s``
+and ``step_time_s = interval_time_s / interval_steps`` for every row, the first included, and the run's throughput
+is the sum of the rows' tokens over the sum of their ``interval_time_s`` (:func:`lmrecipe.observe.metrics_log.throughput`).
 """
 
 from __future__ import annotations
@@ -31,15 +31,30 @@ from lmrecipe.observe.run_meta import read_run_meta, run_events, run_metadata, w
 
 logger = logging.getLogger(__name__)
 
+def log_due(section: LoggingConfig, step: int, max_steps: int) -> bool:
+    """Whether optimizer step ``step`` (1-based) writes a metrics row: the first, every ``log_every_steps``, the last."""
+    return step == 1 or due_at(step, section.log_every_steps, max_steps)
+
+
+def read_figures(figures: dict) -> dict[str, float]:
+    """Device figures by name as floats, in one host read."""
+    if not figures:
+        return {}
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in figures.values()]).tolist()
+    return dict(zip(figures, values))
+
+
 class Reporter:
     def __init__(self, section: LoggingConfig, accelerator, out_dir: Path, *, precision: str, max_steps: int,
-                 start_step: int, tokens_per_step: int, flops_per_token: float, run_config: dict, run_meta: dict,
+                 start_step: int, tokens_per_step: int | Callable[[int], int], flops_per_token: float, run_config: dict,
+                 run_meta: dict,
                  launch: dict | None = None, source_tokens: Callable[[int], dict[str, int]] | None = None):
         """
         Args:
             section: the recipe's ``logging`` section (interval, trackers, progress bar, peak TFLOP/s).
             max_steps: the last step (always logged; the progress bar's total).
-            tokens_per_step: tokens of one optimizer step over all ranks.
+            tokens_per_step: tokens of one optimizer step over all ranks, or step (1-based) -> its tokens (a
+                batch-size ramp).
             run_config: the resolved configuration (``run_meta.json`` and the tracker's config).
             run_meta: further facts for ``run_meta.json`` (parameters, topology, resume).
             launch: this session's entry of ``run_meta.json``'s ``launches`` (``run_meta.launch_record``).
@@ -51,7 +66,7 @@ class Reporter:
         self.max_steps = max_steps
         self.is_main = accelerator.is_main_process
         self.flops_per_token = flops_per_token
-        self.tokens_per_step = tokens_per_step
+        self.tokens_of_step = tokens_per_step if callable(tokens_per_step) else (lambda step: tokens_per_step)
         self.source_tokens = source_tokens or (lambda step: {})
         self.peak_tflops, peak_source = device_stats.device_peak_tflops(accelerator.device, precision, section.peak_tflops)
         if self.is_main:
@@ -71,21 +86,27 @@ class Reporter:
         """Start a log interval: its step count and times, and (GPU) the allocator's peak, so each row holds its own."""
         device_stats.reset_peak_memory(self.accelerator.device)
         self._interval_steps = 0
+        self._interval_tokens = 0
         self._interval_step_time_s = 0.0
         self._interval_data_time_s = 0.0
         self._skipped_at_interval_start: int | None = None
 
     def should_log(self, step: int) -> bool:
-        return step == 1 or due_at(step, self.section.log_every_steps, self.max_steps)
+        return log_due(self.section, step, self.max_steps)
 
     def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | float,
-                  step_time_s: float, data_time_s: float) -> None:
+                  step_time_s: float, data_time_s: float, z_loss: torch.Tensor | None = None,
+                  figures: dict | None = None) -> None:
         """Count the step; at a log step read the loss and grad norm (their only host reads) and write a row.
+
+        ``z_loss``: this rank's z-loss term (averaged over ranks like the loss; None: off). ``figures``: further
+        figures by name, on the device and already combined over ranks (read together, in one host read).
 
         The loop syncs ``state`` (skip counters) at every log step before calling this.
         """
         self.bar.update(1)
         self._interval_steps += 1
+        self._interval_tokens += self.tokens_of_step(state.step)
         self._interval_step_time_s += step_time_s
         self._interval_data_time_s += data_time_s
         if self._skipped_at_interval_start is None:
@@ -95,14 +116,22 @@ class Reporter:
         interval_skips = state.skipped_steps - self._skipped_at_interval_start
         grad_norm = float(grad_norm)
         # One collective per log interval: the mean loss over all ranks (this is also a device sync point).
-        loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
+        if z_loss is None:
+            loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
+            extra = {}
+        else:
+            loss_value, z_value = self.accelerator.reduce(torch.stack([loss.detach().float(), z_loss.detach().float()]),
+                                                          reduction="mean").tolist()
+            extra = {"z_loss": z_value}
+        extra.update(read_figures(figures or {}))
         interval_time_s = self._interval_step_time_s
-        tokens_per_sec = self._interval_steps * self.tokens_per_step / max(interval_time_s, 1e-12)
+        tokens_per_sec = self._interval_tokens / max(interval_time_s, 1e-12)
         row = {
             "step": state.step,
             "tokens_seen": state.tokens_seen,
             **self.source_tokens(state.step),
             "loss": loss_value,
+            **extra,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_sec": tokens_per_sec,

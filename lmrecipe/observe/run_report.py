@@ -16,6 +16,7 @@ from pathlib import Path
 from lmrecipe.config import Config, flatten_config, load_config
 from lmrecipe.errors import UserError
 from lmrecipe.fileio import write_json_atomic, write_text_atomic
+from lmrecipe.observe.doctor import diagnose, report_lines
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics, throughput
 from lmrecipe.observe.run_meta import record_outcome
 
@@ -180,6 +181,8 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         "`metrics.jsonl` holds its interval's `interval_steps`, `interval_time_s` and `tokens_per_sec` by the same rule.",
         "",
         *task_table(rows),
+        *sample_lines(rows),
+        *report_lines(diagnose(rows, meta)),
         *(_plan_check(prediction, figures, meta, hardware.get("gpu")) if prediction else []),
         "## Environment",
         "",
@@ -189,6 +192,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         f"{world} process(es); accumulation {meta.get('accum_steps')}",
         f"- container: {_container(meta.get('container'))}",
         f"- recipe: `{meta.get('recipe') or 'none'}`; resumed from: {meta.get('resumed_from') or 'no (fresh start)'}",
+        *_branch_line(meta.get("branched_from")),
         "",
         *_launches(meta.get("launches", [])),
     ]
@@ -257,6 +261,14 @@ def _cpu_note(predicted: dict, figures: dict, meta: dict) -> list[str]:
     ]
 
 
+def _branch_line(branched_from: dict | None) -> list[str]:
+    """The report's line on the checkpoint a branch (``checkpoint.branch_from``) started from; none otherwise."""
+    if not branched_from:
+        return []
+    return [f"- branched from: `{branched_from.get('checkpoint')}` (step {branched_from.get('step')} of the run "
+            f"`{branched_from.get('out_dir')}`)"]
+
+
 def _launches(launches: list[dict]) -> list[str]:
     """The run's sessions (``run_meta.json``'s ``launches``): where each started, how, and what happened in it."""
     if not launches:
@@ -287,3 +299,19 @@ def _table(title: str, base_name: str, new_name: str, diffs: list) -> list[str]:
     lines += [f"| key | {base_name} | {new_name} |", "| --- | --- | --- |"]
     lines += [f"| `{k}` | {json.dumps(old)} | {json.dumps(new)} |" for k, old, new in diffs]
     return lines + [""]
+
+
+def sample_lines(rows: list[dict]) -> list[str]:
+    """The greedy continuations of ``eval.samples`` at the last evaluation that wrote them (its ``samples`` row);
+    nothing when the run sampled none."""
+    last = next((r for r in reversed(rows) if r.get("samples")), None)
+    if last is None:
+        return []
+    lines = [f"## Samples (greedy, step {last['step']})", ""]
+    for sample in last["samples"]:
+        lines += [f"- `{_one_line(sample['prompt'])}` -> `{_one_line(sample['text'])}`"]
+    return lines + [""]
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\n", "\\n").replace("`", "'")

@@ -7,6 +7,7 @@ step; the trainer (``lmrecipe/train/trainer.py``) owns the loop over it.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from lmrecipe.attention import DocumentAttention
 from lmrecipe.config import Config
-from lmrecipe.data.batches import MixtureBatches, Prefetcher, TrainBatches
+from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBatches
 from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.distributed import (
@@ -57,6 +58,9 @@ class Run:
     flops_per_token: float
     attention: DocumentAttention | None = None
     """The document-masking attention (``data.document_masking``): every forward takes its ``forward_kwargs``."""
+    accumulating_samples: int | None = None
+    """The step size (samples over all ranks) the Accelerator and a DeepSpeed engine now accumulate to; None: the
+    ``train.global_batch_size`` they were built with."""
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:
@@ -68,10 +72,40 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens of a step at ``train.global_batch_size`` (the size after any batch-size ramp)."""
         return self.cfg.train.global_batch_size * self.cfg.data.seq_len
 
+    def step_tokens(self, step: int) -> int:
+        """Tokens optimizer step ``step`` (1-based, as the log counts) trained on, over all ranks (a ramp's size)."""
+        return self.train_batches.step_size(step - 1) * self.cfg.data.seq_len
+
     def lr_at(self, step: int) -> float:
-        return lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
+        """The learning rate of optimizer step ``step`` (0-based): the schedule's, times sqrt(step size /
+        ``train.global_batch_size``) during a batch-size ramp with ``train.batch_ramp_lr_scaling=sqrt``."""
+        lr = lr_at(step, self.cfg.train.max_steps, self.cfg.optim, self.cfg.schedule)
+        if self.cfg.train.batch_ramp_lr_scaling == "sqrt":
+            lr *= math.sqrt(self.train_batches.step_size(step) / self.cfg.train.global_batch_size)
+        return lr
+
+    def accumulate_to(self, samples: int) -> None:
+        """Make the next optimizer step take ``samples`` sequences (over all ranks): the micro-batch stays, the
+        accumulation count changes. Call between optimizer steps only.
+
+        Accelerate ends an accumulation by its own counter (``accelerator.step``) and DeepSpeed by its engine's count:
+        both change together, and the counter restarts, or the updates are silently wrong (measured: the engine's
+        ``set_train_batch_size`` alone drifts the weights by 1e-1 at a change from 2 to 4 micro-steps).
+        """
+        if samples == (self.accumulating_samples or self.cfg.train.global_batch_size):
+            return
+        layout = self.runtime.layout
+        accum_steps = samples // (layout.micro_batch_size * layout.world_size)
+        if self.runtime.zero.deepspeed:
+            # DeepSpeed's batch counts every rank of its data-parallel world, as the config it was built with did.
+            ranks_per_sample = self.runtime.ds_config["train_batch_size"] // layout.global_batch_size
+            self.model.set_train_batch_size(samples * ranks_per_sample)
+        self.accelerator.gradient_accumulation_steps = accum_steps
+        self.accelerator.step = 0
+        self.accumulating_samples = samples
 
 
 def build_run(cfg: Config, out_dir: Path) -> Run:
@@ -87,7 +121,13 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     # Validation windows: split over every rank, or over the data-parallel ranks under tensor parallelism (a
     # tensor-parallel group computes one forward together).
     val_ranks = None if runtime.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
-    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed, val_ranks=val_ranks)
+    ramp = BatchRamp.from_config(cfg.train, runtime.layout)
+    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed, val_ranks=val_ranks,
+                              ramp=ramp)
+    if not ramp.is_constant:
+        logger.info("Batch-size ramp, sequences per step: %s (learning rate %s)",
+                    ", ".join(f"{size} from step {step}" for step, size in zip(ramp.steps, ramp.sizes)),
+                    "x sqrt(size / final size)" if cfg.train.batch_ramp_lr_scaling == "sqrt" else "as scheduled")
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from lmrecipe.loss import causal_lm_loss, forward_kwargs
+from lmrecipe.loss import forward_kwargs, training_loss
 from lmrecipe.observe.profiler import region
 from lmrecipe.optim import set_lr
 from lmrecipe.train.setup import Run
@@ -25,7 +25,7 @@ class StepResult:
     """What one optimizer step produced. The tensors stay on the device: reading one is a host sync."""
 
     loss: torch.Tensor
-    """Mean training loss of this rank's micro-batches."""
+    """Mean language-model loss of this rank's micro-batches (the z-loss apart)."""
     lr: float
     grad_norm: torch.Tensor | float
     """Global gradient norm before clipping."""
@@ -33,6 +33,14 @@ class StepResult:
     """The update was skipped (non-finite loss or gradient norm)."""
     data_time_s: float
     """Seconds the step waited for its batches (prefetched in the background) and their copy to the device."""
+    tokens: int | None = None
+    """Training tokens of this step over all ranks (a batch-size ramp's size x ``data.seq_len``); None: a step of
+    ``train.global_batch_size`` (``Run.tokens_per_step``)."""
+    z_loss: torch.Tensor | None = None
+    """Mean z-loss term of this rank's micro-batches (``train.z_loss``, already times its coefficient); None: off."""
+    figures: dict = field(default_factory=dict)
+    """Further figures of a logged step by name, on the device and already combined over ranks (the per-layer
+    instruments' ``grad_norm/<part>``, ...: ``lmrecipe/train/callbacks/layer_stats.py``), written with the step's row."""
 
 
 SectionTimer = Callable[[str, float], None]
@@ -40,8 +48,9 @@ SectionTimer = Callable[[str, float], None]
 
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None,
-                          model_kwargs: dict | None = None) -> torch.Tensor:
-    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary).
+                          model_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary): the language-model
+    loss and the z-loss term (None when ``train.z_loss`` is 0), whose sum is backpropagated.
 
     ``model_kwargs``: the forward's document keywords (``loss.forward_kwargs``), already on the device.
     """
@@ -49,16 +58,17 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     with accelerator.accumulate(model):
         start = time.perf_counter()
         with region("forward"):
-            loss = causal_lm_loss(model, inputs, targets, model_kwargs=model_kwargs)
+            loss, z_term = training_loss(model, inputs, targets, run.cfg.train.z_loss, model_kwargs)
+            objective = loss if z_term is None else loss + z_term
         forward_done = time.perf_counter()
         with region("backward"):
             # Sequence parallelism: scaled to how DeepSpeed reduces the group's gradients (SequenceParallel).
             sequence = run.runtime.sequence
-            accelerator.backward(loss if sequence is None else loss / sequence.loss_divisor)
+            accelerator.backward(objective if sequence is None else objective / sequence.loss_divisor)
     if timer is not None:
         timer("forward+loss", forward_done - start)
         timer("backward", time.perf_counter() - forward_done)
-    return loss.detach()
+    return loss.detach(), None if z_term is None else z_term.detach()
 
 
 def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
@@ -99,6 +109,8 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     No host synchronisation happens here without DeepSpeed (the loss, norm and skip flag stay on the device);
     the batches of the next step are assembled in the background meanwhile.
     """
+    samples = run.train_batches.step_size(step)
+    run.accumulate_to(samples)  # a batch-size ramp: this step's accumulation count
     lr = run.lr_at(step)
     set_lr(run.optimizer, lr)
     device = run.accelerator.device
@@ -107,6 +119,7 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
         micro_batches = run.prefetcher.get(step)
     data_time_s = time.perf_counter() - fetch_start
     loss_sum = torch.zeros((), device=device)
+    z_loss_sum = torch.zeros((), device=device) if run.cfg.train.z_loss else None
     sequence = run.runtime.sequence
     for inputs, targets, documents in micro_batches:
         copy_start = time.perf_counter()
@@ -116,7 +129,10 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
                 inputs, targets, model_kwargs = sequence.shard(inputs, targets, model_kwargs, device)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         data_time_s += time.perf_counter() - copy_start
-        loss_sum += forward_backward_step(run, inputs, targets, timer, model_kwargs)
+        loss, z_term = forward_backward_step(run, inputs, targets, timer, model_kwargs)
+        loss_sum += loss
+        if z_term is not None:
+            z_loss_sum += z_term
     optimizer_start = time.perf_counter()
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
@@ -124,4 +140,6 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     if timer is not None:
         timer("data", data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)
-    return StepResult(loss_sum / len(micro_batches), lr, grad_norm, skipped, data_time_s)
+    return StepResult(loss_sum / len(micro_batches), lr, grad_norm, skipped, data_time_s,
+                      tokens=samples * run.cfg.data.seq_len,
+                      z_loss=None if z_loss_sum is None else z_loss_sum / len(micro_batches))

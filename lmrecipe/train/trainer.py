@@ -10,6 +10,7 @@ of a run, in the order they run at every hook (:attr:`Callback.order`):
   30  FaultInjection         tests' injected faults (``LMRECIPE_FAULT_*``), only when asked for
   40  Preemption             a signal (or a lost launcher) stops the run after this step's checkpoint; a lost
                              peer process is named
+  45  RemoteResume           ``checkpoint.remote`` (access checked when built): a newer remote checkpoint downloaded
   50  Checkpointing          resume at the start; save at the save point; wait for a background write at the end
   60  SpikeGuard             a loss spike rolls the run back to the checkpoint before it
   70  NonFiniteStop          too many non-finite updates in a row end the run (exit 2)
@@ -17,8 +18,11 @@ of a run, in the order they run at every hook (:attr:`Callback.order`):
   90  TaskEval               multiple-choice tasks scored at evaluations
  100  EarlyStopping          evaluations without improvement end the run
  110  ExportAtEnd            the Hugging Face export of the last (or best) checkpoint
+ 115  RemoteUpload           ``checkpoint.remote``: each checkpoint uploaded in the background; at the end, the export
  120  Reporting              config.yaml, the live log, metrics and trackers, the plot, the run's report
+ 125  LayerStats             per-layer gradient, weight and update norms at logged steps; layers.png
  130  Evaluation             the validation loss, after the step's log line
+ 140  RemoteReport           ``checkpoint.remote``: the run's report uploaded last
 ====  =====================  =============================================================================
 
 A new feature is a new :class:`Callback` in ``lmrecipe/train/callbacks/``, added in :func:`build_callbacks`.
@@ -33,7 +37,6 @@ from typing import Sequence
 
 from lmrecipe.checkpoint.checkpointer import Checkpointer
 from lmrecipe.checkpoint.storage import find_resume_checkpoint, read_checkpoint
-from lmrecipe.data.order import data_step
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.observe.quiet import quiet
@@ -43,9 +46,11 @@ from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, b
 from lmrecipe.train.callbacks.ema import WeightEMA
 from lmrecipe.train.callbacks.evaluation import Evaluation
 from lmrecipe.train.callbacks.faults import FaultInjection
+from lmrecipe.train.callbacks.layer_stats import LayerStats
 from lmrecipe.train.callbacks.oom import OOMDiagnosis
 from lmrecipe.train.callbacks.preemption import Preemption, PreemptionSignal
 from lmrecipe.train.callbacks.profiling import StepProfiling
+from lmrecipe.train.callbacks.remote import build_remote_callbacks
 from lmrecipe.train.callbacks.reporting import Reporting
 from lmrecipe.train.callbacks.spikes import SpikeGuard
 from lmrecipe.train.callbacks.stopping import EarlyStopping, NonFiniteStop
@@ -113,7 +118,9 @@ class Trainer:
                 self.step()
             self.call("on_end")
         except BaseException as err:
-            replacement = next((r for c in self.callbacks if (r := c.on_error(self, err)) is not None), None)
+            # Every callback hears of the error (one may clean up or finish an upload); the first replacement wins.
+            replacements = [c.on_error(self, err) for c in self.callbacks]
+            replacement = next((r for r in replacements if r is not None), None)
             if replacement is None:
                 raise
             raise replacement from None
@@ -133,7 +140,7 @@ class Trainer:
         self.running_step = self.state.step + 1
         self.call("before_step")
         result = train_step(self.run, self.state.step, self.timer)
-        self.state.record_step(result.skipped, self.run.tokens_per_step)
+        self.state.record_step(result.skipped, self.run.tokens_per_step if result.tokens is None else result.tokens)
         self.running_step = None
         self.call("after_step", result)
         # Host reads happen only at sync points: a logged, evaluated or saved step.
@@ -213,8 +220,11 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
                                    device=acc.device))
     if cfg.eval.tasks:
         callbacks.append(TaskEval(cfg.eval, cfg.train, run))
+    if cfg.logging.layer_stats:
+        callbacks.append(LayerStats(run, out_dir))
     if (faults := FaultInjection.from_environment(run.train_batches, acc)) is not None:
         callbacks.append(faults)
+    callbacks += build_remote_callbacks(cfg.checkpoint, acc, out_dir, progress=cfg.logging.progress_bar)
     return callbacks
 
 
@@ -225,9 +235,9 @@ def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = Non
     callbacks = sorted([*build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe, command), *extra],
                        key=lambda c: c.order)
     stateful = {c.name: c for c in callbacks if c.name is not None}
-    batches = run.train_batches
+    batches = run.train_batches  # a checkpoint's data position: where the next step's sample range starts
     checkpointer = build_checkpointer(run, out_dir, stateful,
-                                      next_sample=lambda step: data_step(step, batches.skipped) * batches.layout.global_batch_size)
+                                      next_sample=batches.next_sample)
     return Trainer(run, out_dir, checkpointer, callbacks, timer=timer)
 
 

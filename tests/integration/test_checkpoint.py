@@ -20,6 +20,7 @@ from helpers import (
     ROOT,
     STEPS,
     TINY_OVERRIDES,
+    assert_layer_norms_add_up,
     cached_run,
     launch_cmd,
     losses,
@@ -312,6 +313,8 @@ def test_zero_resume_is_exact_and_leaves_its_source_untouched(tmp_path_factory, 
     print(f"ZeRO-{stage}, 2 processes: max |loss difference| after resume = {diff:.3g}")
     assert diff <= LOSS_TOL
     assert tree_digest(runs["source"]) == runs["source_digest"]
+    for run in (runs["a"], runs["b"]):  # the per-layer gradient norms, read before the engine steps, add up
+        assert_layer_norms_add_up(run)
     saved = read_checkpoint(runs["a"] / "checkpoints" / step_dir_name(STEPS))
     assert saved["topology"] == {"world_size": 2, "deepspeed": True, "zero_stage": stage, "offload_optimizer": False,
                                  "offload_param": False, "sequence_parallel_size": 1,

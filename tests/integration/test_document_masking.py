@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import HALF, LOSS_TOL, STEPS, losses, max_loss_diff, run_script, run_train
+from helpers import HALF, LOSS_TOL, STEPS, assert_layer_norms_add_up, losses, max_loss_diff, run_script, run_train
 
 from lmrecipe.observe.metrics_log import read_metrics
 
@@ -55,8 +55,11 @@ def test_zero_stages_on_two_processes_agree_with_one_process_under_masking(maske
     # The mask lives in the forward: ZeRO-1 (partitioned optimizer) and ZeRO-3 (partitioned, gathered parameters)
     # bracket it; ZeRO-2 differs from ZeRO-1 only in the gradients' partitioning.
     _, reference = masked_runs("masked-plain-1", ())
-    _, two = masked_runs(f"masked-{ds}-2", (f"distributed.deepspeed_config=ds_configs/{ds}.json",), nproc=2)
+    # The per-layer instruments ride along: they do not change the training, and their norms add up under each stage.
+    out, two = masked_runs(f"masked-{ds}-2", (f"distributed.deepspeed_config=ds_configs/{ds}.json",
+                                              "logging.layer_stats=true"), nproc=2)
     assert max_loss_diff(two, reference) <= LOSS_TOL
+    assert_layer_norms_add_up(out)
 
 
 def test_a_masked_resume_is_exact_and_masking_is_fixed_on_resume(masked_runs, tmp_path):

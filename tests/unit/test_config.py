@@ -31,6 +31,8 @@ def test_every_recipe_loads_and_round_trips(recipe, tmp_path):
     raw = yaml.safe_load(recipe.read_text())
     # Every value the recipe sets is what the config holds.
     for section, values in raw.items():
+        if section == "base":  # the recipe it starts from, merged beneath it (loader.py)
+            continue
         if isinstance(values, dict):
             for key, value in values.items():
                 got = getattr(getattr(cfg, section), key)
@@ -234,8 +236,13 @@ TRIGGERS = {
                                 "data.seq_len=32 exceeds the model's max_position_embeddings=16. Lower data.seq_len"),
     "some_data": (["data.path=null"], "No training data: set data.path to a prepared folder"),
     "min_lr_within_lr": (["optim.min_lr=0.01"], "optim.min_lr=0.01 must not exceed optim.lr=0.002."),
+    "one_decay_length": (["schedule.decay_steps=30", "schedule.decay_fraction=0.1"],
+                         "schedule.decay_steps=30 and schedule.decay_fraction=0.1 both set the length of the decay. Keep"),
+    "decay_after_warmup": (["schedule.decay_steps=299"], "train.max_steps=300 leaves 298 steps after schedule.warmup_steps=2"),
     "whole_micro_batches": (["train.micro_batch_size=3"],
                             "train.global_batch_size=8 must be a multiple of train.micro_batch_size=3."),
+    "ramp_whole_micro_batches": (["train.batch_ramp=[{step: 0, size: 6}, {step: 5, size: 8}]"],
+                                 "step sizes (6) that are not multiples of train.micro_batch_size=4"),
     "muon_under_deepspeed_without_clipping": (["optim.name=muon", ZERO1], "Set optim.grad_clip=0"),
     "early_stopping_checkpoints_every_evaluation": (["train.early_stopping_patience=2", "checkpoint.every_steps=0"],
                                                     "must be a positive multiple of checkpoint.every_steps=0. Set "
@@ -243,6 +250,8 @@ TRIGGERS = {
     "tasks_with_the_validation": (["eval.tasks=[next_line]", "eval.every_steps=150"],
                                   "eval.every_steps=150 must be a multiple of train.eval_every_steps=100: the tasks are "
                                   "scored with the validation. Set eval.every_steps=100, or null"),
+    "branch_resumes_its_own": (["checkpoint.branch_from=runs/a", "checkpoint.resume=none"],
+                               "Set checkpoint.resume=auto, or checkpoint.branch_from=null"),
     "ema_export_needs_ema": (["checkpoint.export_weights=ema"], "checkpoint.export_weights=ema needs a weight EMA"),
     "spike_history_within_window": (["spike.window=10", "spike.min_history=20"],
                                     "spike.min_history=20 exceeds spike.window=10"),
@@ -257,17 +266,23 @@ TRIGGERS = {
                                     "Use model.attn_implementation=sdpa, flash_attention_2 or flash_attention_3"),
     "sequence_parallel_without_tasks": ([SP2, ZERO1, "eval.tasks=[next_line]"],
                                         "is not supported with distributed.sequence_parallel_size=2"),
+    "sequence_parallel_without_samples": ([SP2, ZERO1, 'eval.samples=["def "]'], "a prompt is not split over the group"),
+    "sequence_parallel_without_layer_stats": ([SP2, ZERO1, "logging.layer_stats=true"],
+                                              "Set logging.layer_stats=false (the global grad_norm is still logged)"),
     "tensor_parallel_needs_deepspeed": ([TP2], "runs through DeepSpeed AutoTP: choose a DeepSpeed config with ZeRO 0-2"),
     "tensor_parallel_divides_model": ([TP2, ZERO1, "model.intermediate_size=129"],
                                       "and model.intermediate_size=129: each rank holds an equal share"),
     "tensor_parallel_without_sequence_parallel": ([TP2, SP2, ZERO1], "Choose one of the two splits"),
     "tensor_parallel_without_ema": ([TP2, ZERO1, "train.ema_decay=0.99"], "with train.ema_decay=0.99 in this recipe"),
     "tensor_parallel_without_tasks": ([TP2, ZERO1, "eval.tasks=[next_line]"], "Choose eval.tasks=[] and score the export"),
+    "tensor_parallel_without_samples": ([TP2, ZERO1, 'eval.samples=["def "]'], "Choose eval.samples=[] and continue"),
     "tensor_parallel_without_muon": ([TP2, ZERO1, "optim.name=muon", "optim.grad_clip=0"], "Choose optim.name=adamw"),
     "tensor_parallel_without_fp8": ([TP2, ZERO1, "train.precision=fp8"], "Choose train.precision=bf16"),
     "tensor_parallel_without_compile": ([TP2, ZERO1, "train.compile=true"],
                                         "cannot be combined with train.compile=true in this recipe. Choose "
                                         "train.compile=false, or set distributed.tensor_parallel_size=1."),
+    "tensor_parallel_without_layer_stats": ([TP2, ZERO1, "logging.layer_stats=true"],
+                                            "cannot be combined with logging.layer_stats=true in this recipe"),
 }
 
 

@@ -26,7 +26,8 @@ def count_syncs(tiny_data, out_dir, max_steps: int, overrides: tuple[str, ...] =
     return counter
 
 
-@pytest.mark.parametrize("overrides", [(), ("train.ema_decay=0.99",)], ids=["plain", "weight_ema"])
+@pytest.mark.parametrize("overrides", [(), ("train.ema_decay=0.99",), ("logging.layer_stats=true", "train.z_loss=1e-4")],
+                         ids=["plain", "weight_ema", "layer_stats_and_z_loss"])
 def test_unlogged_steps_make_no_host_sync(tmp_path, tiny_data, overrides):
     """Two runs with the same sync points (step 1, the last) differ only by 8 unlogged steps: their counts must match."""
     short = count_syncs(tiny_data, tmp_path / "short", 3, overrides)

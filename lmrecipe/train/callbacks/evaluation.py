@@ -3,14 +3,28 @@
 Each evaluation asks the callbacks for their figures first (``eval_figures``: the weight EMA's loss, the tasks'
 accuracy), then measures the validation loss of the trained weights (per source of a mixture), records it in the
 training state, and hands the whole to every callback's ``after_eval`` (the log, early stopping).
+
+With ``eval.samples``, each evaluation also continues those prompts by greedy decoding (``eval.sample_tokens``
+tokens) on the live model, decoded with the data's tokenizer. Every rank runs the same forwards (ZeRO-3 gathers
+the weights on all of them); the texts travel in the result's figures under ``"samples"`` (a list of
+``{"prompt", "text"}``), which the reporting callback writes as a ``samples`` row of ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import logging
+
 from lmrecipe.config import due_at
+from lmrecipe.errors import fail
+from lmrecipe.evaluate import greedy_continuation
 from lmrecipe.loss import validation_loss
 from lmrecipe.train.callback import Callback, EvalResult
 from lmrecipe.train.setup import Run
+
+logger = logging.getLogger(__name__)
+
+SAMPLES = "samples"
+"""The figure (and ``metrics.jsonl`` row key) that carries the generated texts."""
 
 
 class Evaluation(Callback):
@@ -20,6 +34,7 @@ class Evaluation(Callback):
         self.run = run
         self.every_steps = run.cfg.train.eval_every_steps
         self.max_steps = run.cfg.train.max_steps
+        self.samples = PromptSamples(run) if run.cfg.eval.samples else None
 
     def needs_sync(self, trainer, step: int) -> bool:
         return due_at(step, self.every_steps, self.max_steps)
@@ -38,8 +53,41 @@ class Evaluation(Callback):
         figures = trainer.figures("eval_figures", lambda: data.val_loss(self._losses()))
         per_source = self._losses()
         val_loss = data.val_loss(per_source)
+        if self.samples is not None:
+            figures = {**figures, SAMPLES: self.samples.generate(trainer.state.step)}
         best_before = trainer.state.best_val_loss
         trainer.state.record_eval(val_loss)
         result = EvalResult(val_loss, best_before, per_source if data.is_mixture else None, figures)
         trainer.call("after_eval", result)
         return result
+
+
+class PromptSamples:
+    """``eval.samples`` tokenized once at the start (a prompt too long for the model stops the run before its first
+    step), and continued greedily at each evaluation."""
+
+    def __init__(self, run: Run):
+        from transformers import AutoTokenizer
+
+        section = run.cfg.eval
+        self.model, self.accelerator, self.attention = run.model, run.accelerator, run.attention
+        self.new_tokens = section.sample_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(run.data.tokenizer_dir)
+        self.prompts = [(prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids) for prompt in section.samples]
+        room = self.accelerator.unwrap_model(self.model).config.max_position_embeddings
+        for i, (prompt, ids) in enumerate(self.prompts):
+            if not ids or len(ids) + self.new_tokens > room:
+                raise fail(f"eval.samples[{i}]={prompt!r} is {len(ids)} tokens and eval.sample_tokens="
+                           f"{self.new_tokens}: the model holds {room} positions (data.seq_len). Shorten the prompt or "
+                           "lower eval.sample_tokens.")
+
+    def generate(self, step: int) -> list[dict[str, str]]:
+        out = []
+        for prompt, ids in self.prompts:
+            tokens = greedy_continuation(self.model, ids, self.new_tokens, self.tokenizer.eos_token_id,
+                                         self.accelerator.device, self.attention)
+            out.append({"prompt": prompt, "text": self.tokenizer.decode(tokens, skip_special_tokens=True)})
+        if self.accelerator.is_main_process:
+            for sample in out:
+                logger.info("sample at step %d: %r -> %r", step, sample["prompt"], sample["text"])
+        return out

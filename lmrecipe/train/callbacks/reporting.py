@@ -43,7 +43,8 @@ class Reporting(Callback):
             save_config(run.cfg, self.out_dir / "config.yaml")
         launch = launch_record(self.command, run.accelerator.num_processes, trainer.state.step, trainer.resumed_from)
         self.reporter = build_reporter(run, self.out_dir, trainer.state.step,
-                                       {"resumed_from": trainer.resumed_from, "recipe": self.recipe}, launch)
+                                       {"resumed_from": trainer.resumed_from, "recipe": self.recipe,
+                                        "branched_from": trainer.checkpointer.branched_from}, launch)
         log_start(run)
 
     def needs_sync(self, trainer, step: int) -> bool:
@@ -53,10 +54,14 @@ class Reporting(Callback):
         if trainer.state.step == 1 and self.run.cfg.train.compile:
             logger.info("Step 1 took %.1f s, torch.compile's compilation included", trainer.step_time_s)
         self.reporter.step_done(trainer.state, result.loss, result.lr, result.grad_norm, trainer.step_time_s,
-                                result.data_time_s)
+                                result.data_time_s, result.z_loss, result.figures)
 
     def after_eval(self, trainer, result: EvalResult) -> None:
-        self.reporter.eval_done(trainer.state, result.val_loss, result.per_source, figures=result.figures)
+        figures = dict(result.figures)
+        samples = figures.pop("samples", None)  # eval.samples' texts (callbacks/evaluation.py): a row of their own
+        self.reporter.eval_done(trainer.state, result.val_loss, result.per_source, figures=figures)
+        if samples:
+            self.reporter.tracker.log({"step": trainer.state.step, "samples": samples})
 
     def after_rollback(self, trainer) -> None:
         self.reporter.rewind(trainer.state.step)
@@ -80,7 +85,7 @@ class Reporting(Callback):
 def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict, launch: dict | None = None) -> Reporter:
     cfg, runtime = run.cfg, run.runtime
     return Reporter(cfg.logging, run.accelerator, out_dir, precision=runtime.precision, max_steps=cfg.train.max_steps,
-                    start_step=start_step, tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
+                    start_step=start_step, tokens_per_step=run.step_tokens, flops_per_token=run.flops_per_token,
                     run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, launch=launch, run_meta={
                         "n_params": run.n_params, "flops_per_token": run.flops_per_token,
                         "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,

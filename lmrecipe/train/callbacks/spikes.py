@@ -21,8 +21,9 @@ On a spike, at that sync point, every rank:
 1. waits for a checkpoint write in flight, then reloads the newest checkpoint (``Trainer.roll_back``, as a
    resume does). Checkpoints are saved at sync points after this check, so the newest one precedes every flagged
    step; the weights it holds were trained only on steps before the spike;
-2. adds the *data steps* (blocks of ``train.global_batch_size`` samples of the original order,
-   :func:`lmrecipe.data.order.data_step`) of the flagged steps to the guard's ``skipped_batches``. Optimizer step ``s``
+2. adds the *data steps* (sample ranges of the original order: blocks of ``train.global_batch_size`` samples, or
+   the ranges a batch-size ramp assigns; :func:`lmrecipe.data.order.data_step`) of the flagged steps to the guard's
+   ``skipped_batches``. Optimizer step ``s``
    then reads the ``s``-th data step not skipped: the rolled-back steps between the checkpoint and the spike
    train on the same samples as before, the flagged ones' samples are replaced by the next unused ones, and the
    run still ends at ``train.max_steps``. The list is part of every later checkpoint, so a resume keeps skipping;
@@ -167,7 +168,7 @@ class SpikeGuard(Callback):
         self.window: list | None = None
         """The rule's window of recent steps' ``[loss, grad_norm]`` as of the last sync point."""
         self.skipped_batches: list[int] = []
-        """Data steps (blocks of ``train.global_batch_size`` samples of the original order) never trained on, because
+        """Data steps (sample ranges of the original order, see the module docstring) never trained on, because
         a loss spike was rolled back; ascending. Step s reads the s-th data step not listed."""
         self.rollbacks = 0
         """Rollbacks after loss spikes over the run."""
@@ -233,8 +234,7 @@ class SpikeGuard(Callback):
                 "the records name, or raise spike.max_rollbacks; then resume from the last checkpoint "
                 "(checkpoint.resume=auto).", error=True))
         positions = [data_step(row["step"] - 1, self.skipped_batches) for row in flagged]
-        G = self.batches.layout.global_batch_size
-        record["skipped"] = [{"step": row["step"], "data_step": d, "samples": [d * G, (d + 1) * G],
+        record["skipped"] = [{"step": row["step"], "data_step": d, "samples": list(self.batches.ramp.range(d)),
                               "windows": self.batches.data_step_samples(d)} for row, d in zip(flagged, positions)]
         kept = (sorted(set(self.skipped_batches) | set(positions)), self.rollbacks + 1)
         trainer.roll_back(target)  # also reloads this guard's state as the checkpoint saved it

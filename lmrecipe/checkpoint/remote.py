@@ -1,0 +1,250 @@
+"""The run's checkpoints mirrored to object storage (``checkpoint.remote``): uploads, the remote ``latest``, remote
+retention, and the download of the newest complete one onto a fresh node.
+
+Layout under the URL: ``checkpoints/step_N/...`` (the local folder's files), ``checkpoints/latest`` and
+``checkpoints/best`` (names, as locally), ``checkpoints/.uploads/step_N/rank_NNNNN`` (markers while an upload is in
+flight), ``export/`` and the run's report files (uploaded at the end).
+
+Commit order of an upload, after the local atomic publish: every rank uploads the files it owns (:func:`owner`: the
+files that name its rank; the main process also the shared ones), then writes its marker holding the checkpoint's
+identity (the sha256 of the local ``train_state.json``); the main process waits for every rank's marker, uploads
+``train_state.json`` (a remote checkpoint is complete once it is there), then replaces ``latest``, then prunes. A
+crash or an outage at any moment leaves ``latest`` naming a complete checkpoint. A download verifies the files
+against the manifest (sizes, sha256 of the small ones, safetensors headers) before publishing them locally with the
+local store's own atomic rename.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from lmrecipe.checkpoint.storage import (
+    BEST,
+    LATEST,
+    STATE_FILE,
+    TMP_PREFIX,
+    read_checkpoint,
+    step_of_dir,
+)
+from lmrecipe.data.format import file_sha256
+from lmrecipe.fileio import fsync_dir, write_text_atomic
+from lmrecipe.objstore import Store, retrying
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+UPLOADS = ".uploads"
+_RANK_IN_NAME = re.compile(r"(?:rank_|zero_pp_rank_)(\d+)")
+
+
+def owner(rel: str, world_size: int) -> int:
+    """The rank that uploads (and downloads) file ``rel`` of a checkpoint: the rank its name holds (``rng/
+    rank_00001.safetensors``, DeepSpeed's ``zero_pp_rank_1_...``), modulo the processes; the main process otherwise."""
+    match = _RANK_IN_NAME.search(rel.rsplit("/", 1)[-1])
+    return int(match.group(1)) % world_size if match else 0
+
+
+def manifest_of(folder: Path) -> dict[str, int]:
+    """A published checkpoint's files (its ``train_state.json``'s manifest) by relative path, with their sizes."""
+    return {str(k): int(v) for k, v in json.loads((folder / STATE_FILE).read_text())["manifest"].items()}
+
+
+class CheckpointMirror:
+    """Checkpoints of the local folder ``root`` mirrored under ``store`` (its ``checkpoints/``) by rank ``rank`` of
+    ``world_size``. Uploads run on the caller's thread (the callback's worker); every remote call retries through an
+    outage until ``should_stop()``."""
+
+    def __init__(self, store: Store, root: Path, *, rank: int, world_size: int, keep_last: int,
+                 should_stop: Callable[[], bool] = lambda: False, after_file: Callable[[str, str], None] | None = None):
+        self.store = store.child(CHECKPOINTS)
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self.should_stop = should_stop
+        self.after_file = after_file
+        """Called with (checkpoint name, file) after each upload (tests' fault injection)."""
+        self.bytes_done = 0
+        self.superseded: Callable[[], bool] = lambda: False
+        """True when a newer checkpoint waits to be uploaded: the main process then stops waiting for the other
+        ranks' parts of this one (they may have skipped it for the newer)."""
+
+    def _retry(self, operation, what: str):
+        return retrying(operation, what, should_stop=self.should_stop)
+
+    # ---- upload
+
+    def upload(self, folder: Path) -> None:
+        """Upload this rank's files of the published checkpoint ``folder``; on the main process, wait for the others,
+        then commit (``train_state.json``, ``latest``) and prune. FileNotFoundError when the local folder was pruned
+        meanwhile."""
+        name = folder.name
+        identity = file_sha256(folder / STATE_FILE)
+        manifest = manifest_of(folder)
+        # A re-save of this step (after a rollback) must not leave the old train_state.json claiming new files.
+        self._retry(lambda: self.store.remove(f"{name}/{STATE_FILE}"), f"preparing the upload of {name}")
+        for rel in sorted(manifest):
+            if owner(rel, self.world_size) != self.rank:
+                continue
+            self._retry(lambda rel=rel: self.store.put_file(folder / rel, f"{name}/{rel}"), f"uploading {name}/{rel}")
+            self.bytes_done += manifest[rel]
+            if self.after_file is not None:
+                self.after_file(name, rel)
+        self._retry(lambda: self.store.write_text(self._marker(name, self.rank), identity), f"finishing {name}")
+        if self.rank == 0:
+            self._commit(folder, identity)
+
+    def _marker(self, name: str, rank: int) -> str:
+        return f"{UPLOADS}/{name}/rank_{rank:05d}"
+
+    def _commit(self, folder: Path, identity: str) -> None:
+        name = folder.name
+        for rank in range(self.world_size):
+            while self._retry(lambda r=rank: self.store.read_text(self._marker(name, r)), f"waiting for rank {rank}'s "
+                              f"part of {name}") != identity:
+                if self.should_stop() or self.superseded():
+                    raise TimeoutError(f"rank {rank} did not finish uploading its part of {name}")
+                time.sleep(0.2)
+        self._retry(lambda: self.store.put_file(folder / STATE_FILE, f"{name}/{STATE_FILE}"), f"committing {name}")
+        self._retry(lambda: self.store.write_text(LATEST, name + "\n"), f"pointing the remote latest at {name}")
+        logger.info("Uploaded checkpoint %s to %s", name, self.store.url_of(name))
+        self._retry(lambda: self.store.remove(f"{UPLOADS}/{name}"), f"removing the upload markers of {name}")
+        self._retry(lambda: self.prune(name), "pruning remote checkpoints")
+
+    def prune(self, newest: str) -> None:
+        """Keep the ``keep_last`` newest complete remote checkpoints and the best (the one the local ``best``
+        names); delete the others, and incomplete uploads older than ``newest``."""
+        newest_step = step_of_dir(newest)
+        steps = {n: step_of_dir(n) for n in self.store.names() if step_of_dir(n) is not None}
+        complete = sorted((s, n) for n, s in steps.items() if self.store.exists(f"{n}/{STATE_FILE}"))
+        keep = {n for _, n in complete[-self.keep_last:]}
+        best_file = self.root / BEST
+        best = best_file.read_text().strip() if best_file.is_file() else None
+        if best in dict(complete).values():
+            keep.add(best)
+            self.store.write_text(BEST, best + "\n")
+        for n, s in sorted(steps.items(), key=lambda item: item[1]):
+            if n not in keep and s <= newest_step and self.store.files(n):  # an empty prefix is no checkpoint
+                logger.info("Removing %s (checkpoint.keep_last=%d, applied remotely too)", self.store.url_of(n),
+                            self.keep_last)
+                self.store.remove(n)
+
+    # ---- download
+
+    def latest(self) -> tuple[str, int] | None:
+        """(name, step) of the checkpoint the remote ``latest`` names, when it is complete; else None."""
+        text = self._retry(lambda: self.store.read_text(LATEST), "reading the remote latest")
+        name = (text or "").strip()
+        if step_of_dir(name) is None or not self._retry(lambda: self.store.exists(f"{name}/{STATE_FILE}"),
+                                                        f"reading {name}"):
+            return None
+        return name, step_of_dir(name)
+
+    def fetch_state(self, name: str, tmp: Path) -> dict[str, int]:
+        """Main process: a fresh ``tmp`` holding the remote ``train_state.json`` of ``name``; its manifest."""
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self._retry(lambda: self.store.get_file(f"{name}/{STATE_FILE}", tmp / STATE_FILE), f"downloading {name}")
+        return manifest_of(tmp)
+
+    def download_share(self, name: str, tmp: Path) -> int:
+        """This rank's files of remote checkpoint ``name`` into ``tmp`` (its state file already there); bytes."""
+        manifest = manifest_of(tmp)
+        done = 0
+        for rel, size in sorted(manifest.items()):
+            if owner(rel, self.world_size) != self.rank:
+                continue
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            self._retry(lambda rel=rel: self.store.get_file(f"{name}/{rel}", tmp / rel), f"downloading {name}/{rel}")
+            done += size
+        return done
+
+    def publish_download(self, tmp: Path, final: Path) -> None:
+        """Main process: verify ``tmp`` against its manifest, then rename it to ``final`` and point ``latest`` at it."""
+        read_checkpoint(tmp)  # sizes, sha256 of the small files, safetensors headers; UserError when damaged
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, final.name + "\n", durable=True)
+
+
+def download_dir(root: Path, name: str) -> Path:
+    """The temporary folder a download of checkpoint ``name`` is written into (removed by the store at the next start
+    when left by a crash)."""
+    return root / f"{TMP_PREFIX}{name}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a remote checkpoint or export (eval.py, tools/export_hf.py)
+
+CHECKPOINT_CACHE = "~/.cache/lmrecipe/checkpoints"
+_LISTING_MARKER = ".listing_sha256"
+
+
+def fetch_remote(url: str, cache_dir: str = CHECKPOINT_CACHE) -> Path:
+    """A local copy of what ``url`` names: a checkpoint folder, a run (or its ``checkpoints/``) for the checkpoint its
+    ``latest`` names, or an export folder. Downloaded into ``cache_dir`` (reused while the remote files are the same;
+    one process per machine downloads), a checkpoint verified against its manifest. UserError naming the URL and the
+    fix when nothing there is a checkpoint or an export."""
+    import hashlib
+
+    from lmrecipe.errors import fail
+    from lmrecipe.fileio import install_dir, remove_path, temp_dir_for
+    from lmrecipe.objstore import node_lock, retrying
+
+    store = Store.open(url)
+
+    def read(rel: str) -> str | None:
+        try:
+            return retrying(lambda: store.read_text(rel), f"reading {store.url_of(rel)}", deadline=time.monotonic() + 60)
+        except PermissionError as err:
+            raise fail(f"{url}: access denied ({str(err)[:200]}). Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to "
+                       "credentials that may read it (AWS_ENDPOINT_URL for an S3-compatible server).") from None
+
+    source, checkpoint = store, True
+    if read(STATE_FILE) is None:
+        for pointer in (f"{CHECKPOINTS}/{LATEST}", LATEST):
+            name = (read(pointer) or "").strip()
+            if step_of_dir(name) is not None:
+                source = store.child(pointer.rsplit("/", 1)[0] + "/" + name if "/" in pointer else name)
+                break
+        else:
+            if read("config.json") is None:
+                raise fail(f"{url} holds no training checkpoint (no {STATE_FILE}, no checkpoints/{LATEST}) and no "
+                           "export (no config.json). Pass the URL of a run uploaded with checkpoint.remote, of one of "
+                           "its checkpoints/step_N, or of its export/.")
+            checkpoint = False
+    files = retrying(source.files, f"listing {source.url}", deadline=time.monotonic() + 60)
+    if checkpoint:
+        files = {rel: size for rel, size in files.items() if not rel.startswith(".")}
+    digest = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+    name = source.url.rstrip("/").rsplit("/", 1)[-1]
+    dest = Path(cache_dir).expanduser() / f"{hashlib.sha256(source.url.encode()).hexdigest()[:12]}" / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with node_lock(dest.parent / ".lock"):
+        marker = dest / _LISTING_MARKER
+        if marker.is_file() and marker.read_text().strip() == digest:
+            logger.info("Using %s, downloaded before from %s", dest, source.url)
+            return dest
+        tmp = temp_dir_for(dest)
+        try:
+            for rel in sorted(files):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                retrying(lambda rel=rel: source.get_file(rel, tmp / rel), f"downloading {source.url_of(rel)}",
+                         deadline=time.monotonic() + 600)
+            if checkpoint:
+                read_checkpoint(tmp)
+            (tmp / _LISTING_MARKER).write_text(digest + "\n")
+            install_dir(tmp, dest, overwrite=True)
+        finally:
+            remove_path(tmp)
+    logger.info("Downloaded %s (%.1f MB) to %s", source.url, sum(files.values()) / 1e6, dest)
+    return dest

@@ -1,0 +1,101 @@
+"""Decay branches (``checkpoint.branch_from``): a branch from a stable checkpoint trains exactly as the run that
+started its decay there, reads its source without writing to it, records where it came from, resumes from its own
+checkpoints, and is refused with the fix where it cannot be one.
+
+Run A (WSD, 16 steps, decay from step 10) and run B (24 steps, decay from step 18) are shared with
+test_schedule_wsd.py (``build_once``). The topology-free path of a branch (a source of another layout) is tested
+here in-process at the level of its cache location; a branch from a 2-process ZeRO-2 checkpoint runs in
+tests/integration/test_branch.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import TINY_OVERRIDES, build_once, metric_rows, tree_digest
+
+from lmrecipe.config import load_config
+from lmrecipe.errors import UserError
+
+WSD = ["schedule.decay_steps=6", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "train.eval_every_steps=0"]
+
+
+def train_tiny(out_dir: Path, data: Path, *overrides: str) -> Path:
+    from lmrecipe.train.trainer import train
+
+    train(load_config("recipes/tiny.yaml", [f"out_dir={out_dir}", f"data.path={data}", *TINY_OVERRIDES, *WSD,
+                                            *overrides]))
+    return out_dir
+
+
+def wsd_run(tmp_path_factory, data: Path, max_steps: int) -> Path:
+    return build_once(tmp_path_factory, f"wsd_{max_steps}",
+                      lambda out: train_tiny(out, data, f"train.max_steps={max_steps}"))
+
+
+def test_a_branch_from_the_stable_phase_trains_exactly_as_the_run_that_decayed_there(
+        tmp_path, tmp_path_factory, tiny_data, monkeypatch):
+    a, b = wsd_run(tmp_path_factory, tiny_data, 16), wsd_run(tmp_path_factory, tiny_data, 24)
+    source = b / "checkpoints" / "step_00000010"
+    before = tree_digest(b)
+    branch = ["train.max_steps=16", f"checkpoint.branch_from={source}", "checkpoint.export_at_end=true",
+              "checkpoint.export_dtype=fp32"]
+    # Interrupted at step 16 (after its checkpoint of step 15), then the same command again: it resumes from its own
+    # step 15, not from the source.
+    monkeypatch.setenv("LMRECIPE_FAULT_OOM_AT_STEP", "16")
+    with pytest.raises(UserError, match="out of memory"):
+        train_tiny(tmp_path / "c", tiny_data, *branch)
+    monkeypatch.delenv("LMRECIPE_FAULT_OOM_AT_STEP")
+    c = train_tiny(tmp_path / "c", tiny_data, *branch)
+
+    for key in ("loss", "lr"):
+        got, want = metric_rows(c, key), metric_rows(a, key)
+        assert sorted(got) == list(range(11, 17))
+        assert {s: got[s] for s in got} == {s: want[s] for s in got}, key  # exactly: Δ 0 in fp32
+    assert tree_digest(b) == before  # the source run is only read: no file added, changed or pruned
+    meta = json.loads((c / "run_meta.json").read_text())
+    expected = {"checkpoint": str(source.resolve()), "step": 10, "out_dir": str(b.resolve())}
+    assert meta["branched_from"] == expected
+    assert [launch["resumed_from"] for launch in meta["launches"]] == [
+        str(source.resolve()), str(c / "checkpoints" / "step_00000015")]
+    own = json.loads((c / "checkpoints" / "step_00000016" / "train_state.json").read_text())
+    assert own["branched_from"] == expected and own["config"]["schedule"]["decay_steps"] == 6
+    assert f"branched from: `{source.resolve()}` (step 10 of the run `{b.resolve()}`)" in (c / "report.md").read_text()
+    assert f"Branched at step 10 from checkpoint `{source.resolve()}`" in (c / "export" / "README.md").read_text()
+
+
+def test_a_branch_that_cannot_be_one_is_refused_before_its_first_step(tmp_path, tmp_path_factory, tiny_data):
+    b = wsd_run(tmp_path_factory, tiny_data, 24)
+    source = b / "checkpoints" / "step_00000010"
+    branch = ["train.max_steps=16", f"checkpoint.branch_from={source}"]
+    before = tree_digest(b)
+    with pytest.raises(UserError, match="model.hidden_size: 64 -> 32.*Branch with the source's settings"):
+        train_tiny(tmp_path / "wide", tiny_data, *branch, "model.hidden_size=32")
+    with pytest.raises(UserError, match="lies in this run's out_dir.*Choose a new out_dir"):
+        train_tiny(b, tiny_data, *branch)
+    with pytest.raises(UserError, match="leaves nothing to train: set train.max_steps above 10"):
+        train_tiny(tmp_path / "short", tiny_data, "train.max_steps=10", "schedule.decay_steps=4",
+                   f"checkpoint.branch_from={source}")
+    with pytest.raises(UserError, match="does not exist. Pass a checkpoint folder of the run to branch from"):
+        train_tiny(tmp_path / "none", tiny_data, "train.max_steps=16", f"checkpoint.branch_from={tmp_path / 'no'}")
+    with pytest.raises(UserError, match="a branch starts from its source, then resumes from its own"):
+        load_config(None, [f"checkpoint.branch_from={source}", "checkpoint.resume=none"])
+    other = train_tiny(tmp_path / "other", tiny_data, "train.max_steps=5", "schedule.decay_steps=2")
+    with pytest.raises(UserError, match=r"already holds checkpoints \(step_00000005\) of a run that is not a branch"):
+        train_tiny(other, tiny_data, *branch)
+    assert tree_digest(b) == before
+
+
+def test_the_topology_free_form_of_a_branch_source_is_cached_in_the_branch_only(tmp_path):
+    from lmrecipe.checkpoint.resume import _portable_target
+
+    source = tmp_path / "run" / "checkpoints" / "step_00000010"
+    source.mkdir(parents=True)
+    root = tmp_path / "branch" / "checkpoints"
+    dest, building, error = _portable_target(source, "digest", root, beside=False)
+    assert error is None and Path(dest) == root / "step_00000010.portable" and Path(building).parent == root
+    assert sorted(p.name for p in source.parent.iterdir()) == ["step_00000010"]  # nothing written beside the source
+    dest, _, _ = _portable_target(source, "digest", tmp_path / "resumed" / "checkpoints")
+    assert Path(dest) == source.parent / "step_00000010.portable"  # a resume caches it beside the checkpoint
