@@ -33,7 +33,6 @@ import torch
 
 from lmrecipe.loss import ChunkedLossHead
 from lmrecipe.observe.console import log_due
-from lmrecipe.observe.layer_plots import plot_layers
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.train.callback import Callback
 from lmrecipe.train.setup import Run
@@ -294,4 +293,6 @@ class LayerStats(Callback):
             return
         rows = read_metrics(self.out_dir / METRICS_FILE)
         if any(key.startswith("grad_norm/") for row in rows for key in row):
+            from lmrecipe.observe.layer_plots import plot_layers  # matplotlib only when the plot is drawn
+
             plot_layers(rows, self.out_dir / LAYERS_PLOT, title=self.run.cfg.logging.run_name or self.out_dir.name)

@@ -1,0 +1,108 @@
+"""What the GPU machine lacks, installed from the packed folder (``bench/gpu/pack.sh``) with no network.
+
+Everything goes into one folder (``--target``) that the kit's processes put first on ``PYTHONPATH``, so the
+machine's own packages (torch, accelerate, triton) stay as they are and its transformers 5.17 is shadowed by the
+pinned one. pip's ``--target`` ignores what is installed, hence ``--no-deps`` and the exact file list of the pack.
+DeepSpeed comes as its sdist, built there with ``DS_BUILD_OPS=0`` (no CUDA op compiled, so no nvcc needed; ops would
+be built at first use, and the recipe's ZeRO stages use none) and without build isolation (its setup.py imports
+torch), with the packed setuptools on the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = ".installed"
+
+
+def pinned(requirement: str) -> tuple[str, str]:
+    name, _, version = requirement.partition("==")
+    return name.strip(), version.strip()
+
+
+def project_pins() -> dict[str, str]:
+    """``name -> version`` of the ``==`` pins of pyproject.toml's dependencies."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    return {m.group(1).lower(): m.group(2) for m in re.finditer(r'"([A-Za-z0-9_.-]+)==([^"]+)"', text)}
+
+
+def check_packed(packed: Path) -> dict:
+    """The packed folder's file list and pins, checked against pyproject.toml; ValueError naming what is wrong."""
+    if not (packed / "files.txt").is_file():
+        raise ValueError(f"{packed} holds no files.txt: run bash bench/gpu/pack.sh on a machine with network")
+    files = (packed / "files.txt").read_text().split()
+    missing = [f for f in files if not (packed / f).is_file()]
+    if missing:
+        raise ValueError(f"{packed} lacks {', '.join(missing)}: run bash bench/gpu/pack.sh again")
+    requirements = (packed / "requirements.txt").read_text().split()
+    pins = project_pins()
+    stale = [r for r in requirements if pins.get(pinned(r)[0].lower()) not in (None, pinned(r)[1])]
+    if stale:
+        raise ValueError(f"{packed} was packed for {', '.join(stale)}, pyproject.toml pins otherwise: run pack.sh again")
+    size_mb = sum((packed / f).stat().st_size for f in files) / 1e6
+    return {"files": files, "requirements": requirements, "size_mb": round(size_mb, 1)}
+
+
+def _digest(packed: Path) -> str:
+    return hashlib.sha256((packed / "files.txt").read_bytes() + (packed / "requirements.txt").read_bytes()).hexdigest()
+
+
+def pythonpath(target: Path | None) -> str:
+    parts = ([str(target)] if target else []) + [str(ROOT)]
+    if os.environ.get("PYTHONPATH"):
+        parts.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(parts)
+
+
+def install(packed: Path, target: Path, log) -> dict:
+    """Install the packed files into ``target`` (once: a marker records what was installed)."""
+    info = check_packed(packed)
+    marker = target / MARKER
+    if marker.is_file() and marker.read_text() == _digest(packed):
+        return {**info, "installed": "already, from an earlier call"}
+    start = time.perf_counter()
+    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade", "--target", str(target),
+           "--disable-pip-version-check", "--no-warn-conflicts"]
+    wheels = [str(packed / f) for f in info["files"] if f.endswith(".whl")]
+    sdists = [str(packed / f) for f in info["files"] if not f.endswith(".whl")]
+    env = {**os.environ, "PYTHONPATH": pythonpath(target), "DS_BUILD_OPS": "0", "PIP_NO_INPUT": "1"}
+    for step, files, flags in (("wheels", wheels, []), ("sdists", sdists, ["--no-build-isolation"])):
+        log(f"install: {len(files)} {step} into {target}")
+        args = [*flags, *files]
+        proc = subprocess.run([*pip, *args], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pip install of the {step} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+    marker.write_text(_digest(packed))
+    return {**info, "installed": f"in {time.perf_counter() - start:.0f} s"}
+
+
+def versions() -> dict:
+    """The versions this process imports (the worker's, with the installed folder first on its path), and the device."""
+    import importlib
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers", "triton", "flash_attn",
+                 "safetensors", "numpy", "pydantic"):
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except Exception as exc:  # a missing or broken package is a fact to record, not a reason to stop
+            out[name] = f"missing ({type(exc).__name__})"
+    import torch
+
+    out["cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out["device"] = {"name": props.name, "count": torch.cuda.device_count(),
+                         "memory_gib": round(props.total_memory / 2**30, 1),
+                         "capability": list(torch.cuda.get_device_capability(0))}
+    return out

@@ -1,0 +1,298 @@
+"""The GPU kit: one command on a lent H100/H200 that installs what the machine lacks, prepares data and measures
+every GPU figure of the recipe, writing them as it goes.
+
+    python3 bench/gpu/run.py --out $OUT                          # on the GPU machine: the default stages
+    python3 bench/gpu/run.py --out $OUT --stages zero_stages,flash,document_masking,compile,checkpoint_stall
+    .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # here, on a CPU: every stage, tiny recipe, 2 steps
+
+1. install: the packed folder (``bench/gpu/pack.sh``) into ``--work``/site with no network (``install.py``);
+2. data: the embedded corpus prepared by ``tools/prepare_data.py`` (BPE of 8,192 ids), trained with
+   ``model.vocab_size=128256`` so that the model keeps the Llama-3 vocabulary's shape and cost;
+3. the stages (``stages.py``), each a set of sides; each side is measured in a fresh process (``worker.py``: the
+   trainer's own ``build_run`` and ``train_step``) on ``recipes/llama_1b.yaml`` at global batch 16 (accumulation 2);
+4. after every stage: ``gpu_kit.json`` (every figure, the device, versions, commit) and ``gpu_kit.md`` (one row per
+   stage) under ``--out``, so a call cut short still returns what it measured.
+
+``--dry-run``: no GPU; the same stages and sides on ``recipes/tiny.yaml`` for 2 steps in one worker process, with the
+install checked (not done) and TorchDynamo off (compiling takes minutes on a CPU); figures are CPU figures and say
+so. Exit status: 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import install as I  # noqa: E402
+import stages as S  # noqa: E402
+
+GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"
+GPU_BASE = ("model.vocab_size=128256", "train.global_batch_size=16", "train.micro_batch_size=8")
+# The tests' tiny model (tests/helpers.py: TINY_OVERRIDES): on a CPU, fp8's emulated float8 matmuls are slow at
+# the tiny recipe's own width.
+DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
+            "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
+JSON_NAME, MD_NAME = "gpu_kit.json", "gpu_kit.md"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_kit.json and gpu_kit.md")
+    parser.add_argument("--stages", default="default",
+                        help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' ({', '.join(S.DEFAULT_STAGES)}) "
+                             "or 'all' (default: %(default)s)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe, 2 steps: check every stage builds and runs")
+    parser.add_argument("--packed", type=Path, default=HERE / "packed", help="the folder pack.sh filled")
+    parser.add_argument("--work", type=Path, default=HERE / "work", help="installed packages, data, runs (default: %(default)s)")
+    parser.add_argument("--data", type=Path, default=None, help="a prepared data folder (default: prepared under --work)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per side (default: 20; dry run 2)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="steps before measuring (default: 5; dry run 0)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="start no side after this many seconds of the call (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        args.selected = S.select(args.stages)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: --stages: {exc}\n")
+    args.steps = args.steps or (2 if args.dry_run else 20)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (0 if args.dry_run else 5)
+    return args
+
+
+def commit(packed: Path) -> str:
+    """The commit of the tree, from git where the tree has its .git, else from what pack.sh recorded."""
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode == 0:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return proc.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    recorded = packed / "commit.txt"
+    return recorded.read_text().strip() + " (recorded by pack.sh)" if recorded.is_file() else "unknown"
+
+
+class Record:
+    """gpu_kit.json and gpu_kit.md, rewritten whole after every step (atomically: a call cut short leaves both)."""
+
+    def __init__(self, out: Path, args: argparse.Namespace):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.data = {"mode": "dry run (CPU, tiny recipe: not GPU figures)" if args.dry_run else "gpu",
+                     "command": " ".join(["python3", "bench/gpu/run.py", *map(shlex.quote, sys.argv[1:])]),
+                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(args.packed),
+                     "recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base_overrides": list(args.base),
+                     "warmup_steps": args.warmup_steps, "steps": args.steps, "setup": {}, "versions": {}, "stages": []}
+
+    def log(self, text: str) -> None:
+        print(f"[gpu-kit {datetime.now(timezone.utc):%H:%M:%S}] {text}", flush=True)
+
+    def save(self) -> None:
+        for name, text in ((JSON_NAME, json.dumps(self.data, indent=2, default=str) + "\n"), (MD_NAME, self.markdown())):
+            tmp = self.out / (name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.out / name)
+
+    def markdown(self) -> str:
+        d, v = self.data, self.data["versions"]
+        device = v.get("device", {}).get("name", "no GPU")
+        lines = [f"# GPU kit: {d['mode']}", "",
+                 f"{device}; torch {v.get('torch')} (CUDA {v.get('cuda')}), transformers {v.get('transformers')}, "
+                 f"accelerate {v.get('accelerate')}, deepspeed {v.get('deepspeed')}, torchao {v.get('torchao')}, "
+                 f"flash-attn {v.get('flash_attn')}; commit {d['commit']}; {d['recipe']} {' '.join(d['base_overrides'])}, "
+                 f"{d['warmup_steps']} warm-up + {d['steps']} measured steps per side; started {d['started']}", "",
+                 "| stage | what | figure | target | met | planner: measured / predicted | status |",
+                 "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in d["stages"]:
+            met = {True: "yes", False: "no", None: ""}[row.get("met")]
+            lines.append(f"| {row['stage']} | {row['what']} | {row.get('figure', '')} | {row['target']} | {met} | "
+                         f"{row.get('planner', '')} | {row['status']} |")
+        return "\n".join(lines) + "\n"
+
+
+def worker_env(args: argparse.Namespace, target: Path | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": I.pythonpath(target), "ACCELERATE_DISABLE_RICH": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if args.dry_run:
+        env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+                   TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    return env
+
+
+def setup(args: argparse.Namespace, record: Record) -> dict:
+    """Install (GPU) or check the pack (dry run), read the versions, prepare the data; returns the workers' env."""
+    setup_info = record.data["setup"]
+    target = None
+    try:
+        if args.dry_run:
+            setup_info["install"] = {"checked": I.check_packed(args.packed), "installed": "no (dry run)"}
+        else:
+            target = args.work / "site"
+            setup_info["install"] = I.install(args.packed, target, record.log)
+    except (ValueError, RuntimeError) as exc:
+        setup_info["install"] = {"error": str(exc)}
+        record.log(f"install: {exc}")
+    env = worker_env(args, target)
+    args.data = args.data or prepare_data(args, env, record)
+    setup_info["data"] = str(args.data)
+    record.save()
+    return env
+
+
+def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
+    """The embedded corpus (Python's standard library) prepared once under --work: its first 1,000 documents, millions
+    of tokens, far more than the kit's steps read (the dry run: 100 documents)."""
+    data = args.work / ("data_dry" if args.dry_run else "data")
+    if (data / "meta.json").is_file():
+        return data
+    cmd = [sys.executable, "tools/prepare_data.py", "--output", str(data), "--overwrite"]
+    cmd += (["--vocab-size", "384", "--max-documents", "100", "--val-fraction", "0.1"] if args.dry_run
+            else ["--vocab-size", "8192", "--max-documents", "1000"])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        record.data["setup"]["data_error"] = proc.stderr[-4000:]
+        record.save()
+        raise SystemExit(f"preparing the data failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    record.data["setup"]["prepare_s"] = round(time.perf_counter() - start, 1)
+    return data
+
+
+def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
+    """The distinct runs the selected stages need, keyed by overrides; a run that several stages name measures
+    what each of them asks for (its syncs, its checkpoint stall) after its timed steps."""
+    groups: dict[str, dict] = {}
+    for stage in selected:
+        for side in stage.sides:
+            key = " ".join(side.overrides)
+            group = groups.setdefault(key, {**dataclasses.asdict(side), "key": key, "overrides": list(side.overrides)})
+            group["count_syncs"] |= side.count_syncs
+            group["checkpoint_stall"] |= side.checkpoint_stall
+    return groups
+
+
+def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, timeout_s: float) -> tuple[dict, dict | None]:
+    """Measure ``groups`` in one worker process: their results by key (an error for each that gave none), and the
+    versions the worker imported."""
+    work = args.work / "runs" / name
+    work.mkdir(parents=True, exist_ok=True)
+    job = {"recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base": list(args.base), "data": str(args.data),
+           "work": str(work), "result": str(work / "result.json"), "sides": groups,
+           "warmup_steps": args.warmup_steps, "steps": args.steps}
+    (work / "job.json").write_text(json.dumps(job, indent=2))
+    (work / "result.json").unlink(missing_ok=True)
+    log = work / "worker.log"
+    try:
+        with open(log, "w") as sink:
+            proc = subprocess.run([sys.executable, str(HERE / "worker.py"), str(work / "job.json")], cwd=ROOT, env=env,
+                                  stdout=sink, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1))
+        failure = None if proc.returncode == 0 else f"worker exited {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        failure = f"worker stopped after {timeout_s:.0f} s (the call's budget)"
+    results = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+    versions = results.pop("_versions", None)
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    tail = text[-1500:]
+    (args.out / "logs").mkdir(exist_ok=True)  # the work folder stays on the machine: the log's end comes back
+    (args.out / "logs" / f"{name}.log").write_text(text[-200_000:])
+    for group in groups:
+        results.setdefault(group["key"], {"label": group["label"], "error": f"{failure or 'no result'}: {tail}"})
+    return results, versions
+
+
+def measure_sides(args, env: dict, record: Record, groups: list[dict], name: str, timeout_s: float) -> dict:
+    """``run_job``, recording the versions its worker imported the first time."""
+    results, versions = run_job(args, env, groups, name, timeout_s)
+    if versions and not record.data["versions"]:
+        record.data["versions"] = versions
+        record.log(f"versions: {json.dumps(versions)}")
+    return results
+
+
+def planner_text(results: list[dict]) -> str:
+    parts = []
+    for r in results:
+        ratio = r.get("measured_over_predicted") or {}
+        prediction = r.get("prediction") or {}
+        if ratio.get("tokens_per_sec") is None:
+            continue
+        memory = "" if ratio.get("peak_mem") is None else (
+            f", peak memory {ratio['peak_mem']:.2f}x of {prediction['peak_mem_gb']:.1f} GB")
+        parts.append(f"{r['label']}: tokens/s {ratio['tokens_per_sec']:.2f}x of {prediction['tokens_per_sec']:,.0f}"
+                     f"{memory}")
+    return "; ".join(parts)
+
+
+def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
+    results = {side.label: done[" ".join(side.overrides)] for side in stage.sides}
+    row = {"stage": stage.name, "what": stage.what, "target": stage.target, "sides": results}
+    problems = [f"{label}: {r['error'].splitlines()[0][:300]}" for label, r in results.items() if "error" in r]
+    skipped = [f"{label}: {r['skipped']}" for label, r in results.items() if "skipped" in r]
+    if problems or skipped:
+        row.update(status=("failed: " + "; ".join(problems)) if problems else "skipped: " + "; ".join(skipped),
+                   met=None, figure="")
+        return row
+    try:
+        row.update(stage.summarize(results))
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        row.update(status=f"failed: summary ({type(exc).__name__}: {exc})", met=None, figure="")
+        return row
+    row["planner"] = planner_text(list(results.values()))
+    row["status"] = "dry run (CPU, tiny recipe, not a GPU figure)" if dry_run else "measured"
+    if dry_run:
+        row["met"] = None
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.base = DRY_BASE if args.dry_run else GPU_BASE
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("run.py: no CUDA device is visible: on a machine without a GPU, run with --dry-run", file=sys.stderr)
+            return 2
+    start = time.perf_counter()
+    args.work.mkdir(parents=True, exist_ok=True)
+    record = Record(args.out, args)
+    record.save()
+    record.log(f"stages: {', '.join(s.name for s in args.selected)}; results in {args.out}")
+    env = setup(args, record)
+    groups = side_groups(args.selected)
+    done: dict[str, dict] = {}
+    if args.dry_run:  # one process for every side: each starts its own Accelerator (worker._forget_run)
+        done.update(measure_sides(args, env, record, list(groups.values()), "dry_run", args.budget_s))
+    for stage in args.selected:
+        for side in stage.sides:
+            key = " ".join(side.overrides)
+            if key in done:
+                continue
+            left = args.budget_s - (time.perf_counter() - start)
+            if left <= 30:
+                done[key] = {"label": side.label, "error": f"not run: the call's budget of {args.budget_s:.0f} s was spent"}
+                continue
+            record.log(f"{stage.name}: measuring {side.label} ({key or 'the base recipe'})")
+            done.update(measure_sides(args, env, record, [groups[key]], f"side{len(done)}", left))
+        row = stage_row(stage, done, args.dry_run)
+        record.data["stages"].append(row)
+        record.data["elapsed_s"] = round(time.perf_counter() - start, 1)
+        record.save()
+        record.log(f"{stage.name}: {row.get('figure') or row['status']}")
+    record.log(f"done in {time.perf_counter() - start:.0f} s: {args.out / JSON_NAME}, {args.out / MD_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

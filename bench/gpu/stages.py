@@ -1,0 +1,177 @@
+"""The GPU kit's stages: which runs each one measures (its sides) and the figure it turns them into.
+
+A side is one configuration of the recipe (``key=value`` overrides on top of the kit's base), trained for a few
+steps by ``lmrecipe.train``'s own ``build_run`` and ``train_step`` (``bench/gpu/worker.py``). Sides with the same
+overrides are measured once per invocation and shared by the stages that name them (the bf16 ZeRO-2 run is the MFU
+stage's, the fp8 stage's baseline and the data-wait stage's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+ZERO1, ZERO2, ZERO3 = ("distributed.deepspeed_config=zero1",), ("distributed.deepspeed_config=zero2",), \
+    ("distributed.deepspeed_config=zero3",)
+NO_DEEPSPEED = ("distributed.deepspeed_config=null",)
+FLASH = ("model.attn_implementation=flash_attention_2",)
+# Micro-batch 4 for both sides of the loss stage: full logits of 8 x 2,048 tokens over 128,256 ids would add
+# 8.4 GB in fp32 (and their gradient) to a 1B ZeRO-2 step, too close to 80 GB to compare peaks.
+LOSS_MICRO = ("train.micro_batch_size=4",)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One measured configuration."""
+
+    label: str
+    overrides: tuple[str, ...] = ()
+    count_syncs: bool = False
+    """Count host synchronisations over the measured steps (slows them: their time is not a throughput figure)."""
+    checkpoint_stall: bool = False
+    """Measure the loop time blocked by one synchronous and one background checkpoint instead of throughput."""
+    needs: str | None = None
+    """A module the side needs (``flash_attn``); without it the side is skipped, and says so."""
+
+    @property
+    def key(self) -> str:
+        flags = ("syncs" if self.count_syncs else "") + ("ckpt" if self.checkpoint_stall else "")
+        return " ".join(self.overrides) + (f" [{flags}]" if flags else "")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    what: str
+    target: str
+    sides: tuple[Side, ...]
+    summarize: Callable[[dict[str, dict]], dict] = field(repr=False)
+    """Results by side label -> {"figure": text, "value": number or None, "met": bool or None}."""
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, fmt: str = ",.0f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _mfu(results):
+    r = results["bf16 ZeRO-2"]
+    return {"figure": f"{_num(r['tokens_per_sec'])} tokens/s, MFU {_pct(r['mfu'])}, step {r['step_time_s']:.3f} s",
+            "value": r["mfu"], "met": None if r["mfu"] is None else r["mfu"] >= 0.45}
+
+
+def _throughputs(results):
+    parts = [f"{label}: {_num(r['tokens_per_sec'])} tokens/s, MFU {_pct(r['mfu'])}" for label, r in results.items()]
+    return {"figure": "; ".join(parts), "value": None, "met": None}
+
+
+def _pair(base: str, other: str, target: float | None = None):
+    def summarize(results):
+        a, b = results[base], results[other]
+        ratio = _ratio(b["tokens_per_sec"], a["tokens_per_sec"])
+        figure = (f"{other} / {base} tokens/s: {_num(ratio, '.3f')}x ({_num(b['tokens_per_sec'])} against "
+                  f"{_num(a['tokens_per_sec'])})")
+        return {"figure": figure, "value": ratio, "met": None if ratio is None or target is None else ratio >= target}
+    return summarize
+
+
+def _ratios(base: str):
+    """Each other side's tokens/s over ``base``'s."""
+    def summarize(results):
+        a = results[base]
+        parts = [f"{label} / {base}: {_num(_ratio(r['tokens_per_sec'], a['tokens_per_sec']), '.3f')}x "
+                 f"({_num(r['tokens_per_sec'])} tokens/s)" for label, r in results.items() if label != base]
+        return {"figure": f"{base} {_num(a['tokens_per_sec'])} tokens/s; " + "; ".join(parts), "value": None, "met": None}
+    return summarize
+
+
+def _syncs(results):
+    parts, met = [], None
+    for label, r in results.items():
+        s = r["host_syncs"]
+        parts.append(f"{label}: {s['per_step']:g} per step (counter, {s['by_kind'] or 'none'}), "
+                     f"torch.cuda sync warnings {_num(s['cuda_per_step'], 'g')} per step")
+    sync_free = results["no DeepSpeed"]["host_syncs"]
+    met = sync_free["per_step"] == 0 and sync_free["cuda_per_step"] in (0, None)
+    return {"figure": "; ".join(parts), "value": sync_free["per_step"], "met": met}
+
+
+def _loss(results):
+    full, chunked = results["full logits"], results["chunked loss"]
+    ratio = _ratio(full["step_peak_gib"], chunked["step_peak_gib"])
+    figure = (f"step peak {_num(full['step_peak_gib'], '.2f')} GiB full logits, {_num(chunked['step_peak_gib'], '.2f')} "
+              f"GiB chunked: {_num(ratio, '.2f')}x lower")
+    return {"figure": figure, "value": ratio, "met": None if ratio is None else ratio >= 4}
+
+
+def _stall(results):
+    r = results["bf16 ZeRO-2 checkpoints"]["checkpoint_stall"]
+    ratio = _ratio(r["sync"]["blocked_s"], r["background"]["blocked_s"])
+    figure = (f"loop blocked {1e3 * r['sync']['blocked_s']:,.0f} ms synchronous, {1e3 * r['background']['blocked_s']:,.0f} "
+              f"ms background per checkpoint ({_num(ratio, '.2f')}x; {r['checkpoint_gb']:.1f} GB)")
+    return {"figure": figure, "value": ratio, "met": None}
+
+
+def _data_wait(results):
+    r = results["bf16 ZeRO-2"]
+    figure = f"{1e3 * r['data_wait_s_per_step']:.2f} ms per step, {_pct(r['data_share'])} of the step"
+    return {"figure": figure, "value": r["data_share"], "met": r["data_share"] < 0.01}
+
+
+BF16_ZERO2 = Side("bf16 ZeRO-2", ZERO2)
+STAGES = (
+    Stage("mfu_zero2", "MFU and tokens/s, 1B recipe, bf16, ZeRO-2, SDPA", ">= 45% MFU", (BF16_ZERO2,), _mfu),
+    Stage("host_syncs", "host syncs per unlogged step, 1B recipe (HostSyncCounter + torch.cuda sync debug mode)",
+          "0 (no DeepSpeed)", (Side("no DeepSpeed", NO_DEEPSPEED, count_syncs=True),
+                               Side("ZeRO-2", ZERO2, count_syncs=True)), _syncs),
+    Stage("chunked_loss", "one step's peak memory at a 128,256 vocabulary, full logits against the chunked loss "
+          "(micro-batch 4)", ">= 4x lower",
+          (Side("full logits", ZERO2 + LOSS_MICRO + ("train.loss_chunk_tokens=0",)),
+           Side("chunked loss", ZERO2 + LOSS_MICRO + ("train.loss_chunk_tokens=1024",))), _loss),
+    Stage("fp8", "fp8 (torchao float8 linears) against bf16, ZeRO-2", ">= 1.2x tokens/s",
+          (BF16_ZERO2, Side("fp8 ZeRO-2", ZERO2 + ("train.precision=fp8",))), _pair("bf16 ZeRO-2", "fp8 ZeRO-2", 1.2)),
+    Stage("data_wait", "data wait per step (prefetched batches and their copy), bf16 ZeRO-2", "< 1% of the step",
+          (BF16_ZERO2,), _data_wait),
+    Stage("zero_stages", "tokens/s and MFU per ZeRO stage, bf16, SDPA", "(table)",
+          (Side("ZeRO-1", ZERO1), Side("ZeRO-2", ZERO2), Side("ZeRO-3", ZERO3)), _throughputs),
+    Stage("flash", "flash-attn 2 against SDPA, bf16 ZeRO-2, document masking on (variable-length path)",
+          "(comparison)", (BF16_ZERO2, Side("flash ZeRO-2", ZERO2 + FLASH, needs="flash_attn")),
+          _pair("bf16 ZeRO-2", "flash ZeRO-2")),
+    Stage("flash3", "flash-attn 3 (Hopper) against SDPA, bf16 ZeRO-2, document masking on (variable-length path)",
+          "(comparison)", (BF16_ZERO2, Side("flash-3 ZeRO-2", ZERO2 + ("model.attn_implementation=flash_attention_3",),
+                                            needs="flash_attn_interface")), _pair("bf16 ZeRO-2", "flash-3 ZeRO-2")),
+    Stage("document_masking", "document masking on against off, bf16 ZeRO-2, SDPA", "(cost of masking)",
+          (BF16_ZERO2, Side("masking off", ZERO2 + ("data.document_masking=false",))),
+          _pair("bf16 ZeRO-2", "masking off")),
+    Stage("compile", "torch.compile against eager, bf16 and fp8, ZeRO-2", "(comparison)",
+          (BF16_ZERO2, Side("compiled ZeRO-2", ZERO2 + ("train.compile=true",)),
+           Side("fp8 compiled ZeRO-2", ZERO2 + ("train.precision=fp8", "train.compile=true"))), _ratios("bf16 ZeRO-2")),
+    Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
+          "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
+)
+DEFAULT_STAGES = ("mfu_zero2", "host_syncs", "chunked_loss", "fp8", "data_wait")
+"""What one call on a lent machine runs, most wanted first: it fits one 10-minute command with the install."""
+BY_NAME = {stage.name: stage for stage in STAGES}
+
+
+def select(spec: str) -> list[Stage]:
+    """Stages named in a comma-separated ``spec`` (``default``, ``all`` or names); ValueError naming the choices."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    chosen: list[str] = []
+    for name in names:
+        expanded = DEFAULT_STAGES if name == "default" else tuple(BY_NAME) if name == "all" else (name,)
+        for each in expanded:
+            if each not in BY_NAME:
+                raise ValueError(f"unknown stage {each!r}: choose from {', '.join(BY_NAME)}, or 'default' or 'all'")
+            if each not in chosen:
+                chosen.append(each)
+    if not chosen:
+        raise ValueError(f"no stage named: choose from {', '.join(BY_NAME)}, or 'default' or 'all'")
+    return [BY_NAME[name] for name in chosen]

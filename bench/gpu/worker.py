@@ -1,0 +1,230 @@
+"""One side of a GPU-kit stage, measured in this process: ``build_run`` and ``train_step`` of ``lmrecipe.train``.
+
+The side's configuration is the kit's base recipe with the side's overrides (``bench/gpu/stages.py``). After
+``warmup_steps`` steps (allocation, autotuning, compilation), ``steps`` steps run back to back with one device sync
+before and one after, so the time is the loop's as it trains (``train_step`` itself makes no host sync without
+DeepSpeed). Figures:
+
+- tokens/s = steps x ``Run.tokens_per_step`` / seconds, and MFU from ``lmrecipe.observe.device`` (the bf16 peak
+  of the device's table for bf16 and fp8, as ``train.py`` reports it);
+- the step peak: the largest ``torch.cuda.max_memory_allocated`` over the measured steps less what was allocated
+  before them (what a step adds to the weights and optimizer states);
+- data wait: ``StepResult.data_time_s`` per step (waiting for prefetched batches and their copy to the device);
+- host syncs (``count_syncs``): ``lmrecipe.observe.host_syncs.HostSyncCounter`` (the counter of the CPU test) and
+  the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (every synchronising CUDA call, C++ ones included);
+- the checkpoint stall (``checkpoint_stall``): ``Checkpointer.maybe_save`` + ``wait`` of the trainer's own
+  ``build_checkpointer``, once synchronous and once in the background, with steps in between;
+- the planner's prediction at this configuration (``lmrecipe.plan.predict_run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GIB = 1024**3
+SYNC_STEPS = 5
+"""Steps whose host syncs are counted (after the timed ones: counting slows every tensor call)."""
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _count_syncs(run, first_step: int, steps: int) -> dict:
+    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings."""
+    import torch
+
+    from lmrecipe.observe.host_syncs import HostSyncCounter
+    from lmrecipe.train.step import train_step
+
+    device = run.accelerator.device
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with HostSyncCounter() as counter:
+                for step in range(first_step, first_step + steps):
+                    train_step(run, step)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    cuda_syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
+            "sources": counter.sources, "in_optimizer": counter.in_optimizer,
+            "cuda_per_step": len(cuda_syncs) / steps if device.type == "cuda" else None,
+            "cuda_sources": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in cuda_syncs})[:20]}
+
+
+def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
+    """Loop time blocked by one save of each kind (``bench/checkpoint_stall.py``'s round, once per side)."""
+    from lmrecipe.train.callbacks.checkpointing import build_checkpointer
+    from lmrecipe.train.state import TrainState
+    from lmrecipe.train.step import train_step
+
+    state = TrainState(step=first_step)
+    device = run.accelerator.device
+    result = {}
+    for kind in ("sync", "background"):
+        cfg = dataclasses.replace(run.cfg, checkpoint=dataclasses.replace(
+            run.cfg.checkpoint, every_steps=1, keep_last=1, background_save=kind == "background"))
+        checkpointer = build_checkpointer(dataclasses.replace(run, cfg=cfg), out_dir / kind)
+        _sync(device)
+        start = time.perf_counter()
+        checkpointer.maybe_save(run.model, state)
+        save_s = time.perf_counter() - start
+        for _ in range(steps_between):
+            step_result = train_step(run, state.step)
+            state.record_step(step_result.skipped, run.tokens_per_step)
+        _sync(device)
+        start = time.perf_counter()
+        checkpointer.wait()
+        wait_s = time.perf_counter() - start
+        result[kind] = {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s}
+        # A 1B checkpoint with its optimizer state is 15-20 GB: one at a time on the machine's disk.
+        result["checkpoint_gb"] = sum(p.stat().st_size for p in (out_dir / kind).rglob("*") if p.is_file()) / 1e9
+        shutil.rmtree(out_dir / kind)
+    result["steps_between"] = steps_between
+    return result
+
+
+def _prediction(run, peak_tflops: float) -> dict:
+    import torch
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from lmrecipe.plan import predict_run
+
+    # As the trainer's report does once training is over: a live ZeRO-3 config would make building the shape on the
+    # meta device enter zero.Init.
+    unset_hf_deepspeed_config()
+    device = run.accelerator.device
+    runtime = run.runtime
+    return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, world_size=1,
+                       precision=runtime.precision, zero=runtime.zero, accum_steps=runtime.layout.accum_steps,
+                       flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
+                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+
+
+def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int) -> dict:
+    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks."""
+    import torch
+
+    from lmrecipe.observe.device import device_peak_tflops, mfu
+    from lmrecipe.train.setup import build_run
+    from lmrecipe.train.step import train_step
+
+    start = time.perf_counter()
+    run = build_run(cfg, out_dir)
+    device = run.accelerator.device
+    build_s = time.perf_counter() - start
+    try:
+        for step in range(warmup_steps):
+            train_step(run, step)
+        _sync(device)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device) if cuda else None
+        data_s, last = 0.0, None
+        start = time.perf_counter()
+        for step in range(warmup_steps, warmup_steps + steps):
+            last = train_step(run, step)
+            data_s += last.data_time_s
+        _sync(device)
+        seconds = time.perf_counter() - start
+        peak_tflops, peak_source = device_peak_tflops(device, run.runtime.precision, None)
+        tokens_per_sec = steps * run.tokens_per_step / seconds
+        result = {
+            "label": side["label"], "overrides": side["overrides"], "device": str(device),
+            "precision": run.runtime.precision, "zero": run.runtime.zero.describe(),
+            "attention": cfg.model.attn_implementation, "document_masking": cfg.data.document_masking,
+            "n_params": run.n_params, "tokens_per_step": run.tokens_per_step,
+            "micro_batch_size": cfg.train.micro_batch_size, "accum_steps": run.runtime.layout.accum_steps,
+            "warmup_steps": warmup_steps, "steps": steps, "build_s": build_s, "step_time_s": seconds / steps,
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": mfu(tokens_per_sec, run.flops_per_token, 1, peak_tflops) if cuda else None,
+            "peak_tflops": peak_tflops, "peak_source": peak_source,
+            "step_peak_gib": (torch.cuda.max_memory_allocated(device) - held) / GIB if cuda else None,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+            "held_gib": held / GIB if cuda else None,
+            "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds,
+            "loss": float(last.loss),
+        }
+        next_step = warmup_steps + steps
+        if side["count_syncs"]:
+            sync_steps = min(steps, SYNC_STEPS)
+            result["host_syncs"] = _count_syncs(run, next_step, sync_steps)
+            next_step += sync_steps
+        if side["checkpoint_stall"]:
+            result["checkpoint_stall"] = _checkpoint_stall(run, out_dir / "checkpoints", next_step, 2)
+        prediction = _prediction(run, peak_tflops)
+        result["prediction"] = prediction
+        result["measured_over_predicted"] = {
+            "tokens_per_sec": tokens_per_sec / prediction["tokens_per_sec"],
+            "peak_mem": (result["peak_gib"] * GIB / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
+        return result
+    finally:
+        run.prefetcher.close()
+
+
+def _forget_run() -> None:
+    """Let the next side of this process build its own Accelerator and DeepSpeed engine (the dry run's sides share
+    a process; on a GPU every side has a process of its own)."""
+    import gc
+
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    gc.collect()
+
+
+def main(argv: list[str]) -> int:
+    """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
+    job = json.loads(Path(argv[0]).read_text())
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common as C
+
+    import install
+
+    logging.basicConfig(level=logging.WARNING)
+    results = {"_versions": install.versions()}
+    for i, side in enumerate(job["sides"]):
+        out_dir = Path(job["work"]) / f"side{i}"
+        cfg = C.bench_config(job["recipe"], [*job["base"], *side["overrides"]], str(out_dir), job["data"])
+        if side["needs"] and importlib.util.find_spec(side["needs"]) is None:
+            results[side["key"]] = {"label": side["label"], "skipped": f"{side['needs']} is not installed"}
+            Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+            continue
+        try:
+            results[side["key"]] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"])
+        except Exception as exc:  # one side's failure is a figure too: the stage reports it
+            logging.getLogger(__name__).exception("side %s failed", side["label"])
+            results[side["key"]] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+        if i + 1 < len(job["sides"]):
+            _forget_run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
