@@ -66,21 +66,26 @@ def ds_config_path(name: str) -> str | None:
 def config_overrides(name: str) -> list[str]:
     """The recipe overrides of a config's ``+option`` suffixes: ``zero3+sp2`` trains ZeRO-3 with
     ``distributed.sequence_parallel_size=2``; ``zero2+tp2`` with DeepSpeed AutoTP over 2 ranks
-    (``distributed.tensor_parallel_size=2``); ``zero2+fp8`` with ``train.precision=fp8``; ``zero2+muon`` with
-    ``optim.name=muon`` (and ``optim.grad_clip=0``, which Muon under DeepSpeed needs)."""
+    (``distributed.tensor_parallel_size=2``); ``zero2+ep2`` with DeepSpeed AutoEP splitting an MoE model's experts
+    over 2 ranks (``distributed.expert_parallel_size=2``); ``zero2+fp8`` with ``train.precision=fp8``;
+    ``zero2+muon`` with ``optim.name=muon`` (and ``optim.grad_clip=0``, which Muon under DeepSpeed needs)."""
     overrides = []
     for option in name.split("+")[1:]:
         if option.startswith("sp") and option[2:].isdigit():
             overrides.append(f"distributed.sequence_parallel_size={int(option[2:])}")
         elif option.startswith("tp") and option[2:].isdigit():
             overrides.append(f"distributed.tensor_parallel_size={int(option[2:])}")
+        elif option.startswith("ep") and option[2:].isdigit():
+            overrides.append(f"distributed.expert_parallel_size={int(option[2:])}")
         elif option == "fp8":
             overrides.append("train.precision=fp8")
         elif option == "muon":
             overrides += ["optim.name=muon", "optim.grad_clip=0"]
         else:
             raise fail(f"Config {name!r}: unknown option +{option}. Options: +spN (Ulysses sequence parallelism over "
-                       "N ranks, e.g. zero3+sp2), +tpN (AutoTP tensor parallelism over N ranks, e.g. zero2+tp2), +fp8 (train.precision=fp8), +muon (optim.name=muon).")
+                       "N ranks, e.g. zero3+sp2), +tpN (AutoTP tensor parallelism over N ranks, e.g. zero2+tp2), +epN (AutoEP "
+                       "expert parallelism over N ranks, an MoE recipe, e.g. zero2+ep2), +fp8 (train.precision=fp8), "
+                       "+muon (optim.name=muon).")
     return overrides
 
 
@@ -297,7 +302,7 @@ def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | Non
         seq_len=work.data.seq_len, gradient_checkpointing=work.train.gradient_checkpointing,
         attn_implementation=work.model.attn_implementation, ema=work.train.ema_decay > 0,
         loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
-        optimizer=work.optim.name, tensor_parallel_size=tp,
+        optimizer=work.optim.name, tensor_parallel_size=tp, expert_parallel_size=work.distributed.expert_parallel_size,
     )
 
 

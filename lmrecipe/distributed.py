@@ -6,6 +6,7 @@ the filled DeepSpeed config and its :class:`ZeroSetup`; every other component re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,8 +33,20 @@ RECIPE_OWNED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
 RECIPE_PARALLELISM = {
     "sequence_parallel_size": "distributed.sequence_parallel_size",
     "tensor_parallel": "distributed.tensor_parallel_size",
-    "expert_parallel": None,
 }
+
+# The keys of DeepSpeed AutoEP's ``expert_parallel`` section a ds_configs/*.json may set: how the all-to-alls and the
+# expert matmuls run. ``enabled`` and ``autoep_size`` come from the recipe (distributed.expert_layer,
+# distributed.expert_parallel_size), the routing from the model's own config; AutoEP's ``load_balance_coeff`` is not
+# supported (the router's auxiliary loss is model.router_aux_loss_coef's).
+AUTOEP_SYSTEMS_KEYS = ("comm_backend", "use_grouped_mm", "disable_triton_grouped_mm", "combine_impl",
+                       "row_weighting_impl", "gate_up_impl", "async_split_plan", "comm_num_sm", "comm_qp_margin",
+                       "comm_max_tokens_per_rank")
+
+
+def autoep_group_name(expert_parallel_size: int) -> str:
+    """DeepSpeed AutoEP's name of the expert-parallel process group (and of its optimizer groups)."""
+    return f"ep_size_{expert_parallel_size}"
 
 
 def resolve_precision(requested: str) -> str:
@@ -181,6 +194,7 @@ def load_deepspeed_config(path: str | Path, optim: OptimConfig, distributed: Dis
         ds["sequence_parallel_size"] = distributed.sequence_parallel_size
     if distributed.tensor_parallel_size > 1:
         ds["tensor_parallel"] = {"autotp_size": distributed.tensor_parallel_size}
+    _fill_expert_parallel(ds, distributed, path)
     _fit_optimizer(ds, optim.name, path)
     # fp8: bf16 master path (DeepSpeed's bf16 optimizer), float8 only inside the converted linear layers.
     ds.setdefault("bf16", {})["enabled"] = precision in ("bf16", "fp8")
@@ -195,6 +209,30 @@ def load_deepspeed_config(path: str | Path, optim: OptimConfig, distributed: Dis
     return ds
 
 
+def _fill_expert_parallel(ds: dict, distributed: DistributedConfig, path: str | Path) -> None:
+    """DeepSpeed AutoEP's ``expert_parallel`` section from the recipe (``distributed.expert_layer`` autoep, or auto
+    with ``expert_parallel_size`` > 1): on, at ``expert_parallel_size``, with the JSON's own systems keys
+    (:data:`AUTOEP_SYSTEMS_KEYS`) kept. Exit 2 on any other key in the JSON's section, or on a section in a run
+    whose MoE layers are not AutoEP's."""
+    section = ds.get("expert_parallel")
+    if section is not None:
+        foreign = sorted(set(section) - set(AUTOEP_SYSTEMS_KEYS)) if isinstance(section, dict) else ["(not an object)"]
+        if foreign:
+            raise fail(f"""
+                {path} sets {', '.join(foreign)} in its 'expert_parallel' section. The JSON keeps only how AutoEP
+                runs ({', '.join(AUTOEP_SYSTEMS_KEYS)}); whether it is on and its size come from the recipe: remove
+                them and set distributed.expert_parallel_size=N (and distributed.expert_layer=autoep for N=1)
+                instead. AutoEP's load_balance_coeff is not supported: the router's auxiliary loss is
+                model.router_aux_loss_coef.""")
+    if not distributed.uses_autoep():
+        if section is not None:
+            raise fail(f"""
+                {path} has an 'expert_parallel' section, but this run's MoE layers are not DeepSpeed AutoEP's: set
+                distributed.expert_layer=autoep (or distributed.expert_parallel_size > 1), or remove the section.""")
+        return
+    ds["expert_parallel"] = {**(section or {}), "enabled": True, "autoep_size": distributed.expert_parallel_size}
+
+
 def _refuse_parallelism_sections(ds: dict, path: str | Path) -> None:
     """Exit 2 when the JSON sets a parallel split itself (:data:`RECIPE_PARALLELISM`): DeepSpeed would split the model
     while the recipe feeds, counts and checkpoints the ranks as its own keys say (DeepSpeed's assertions, or a run
@@ -202,11 +240,6 @@ def _refuse_parallelism_sections(ds: dict, path: str | Path) -> None:
     for key, setting in RECIPE_PARALLELISM.items():
         if key not in ds:
             continue
-        if setting is None:
-            raise fail(f"""
-                {path} has an {key!r} section, but this recipe's models have no mixture-of-experts layers and the
-                recipe has no expert-parallel setting yet: remove the section (parallel splits come from the recipe's
-                distributed.* keys, not from the DeepSpeed JSON).""")
         size = ds[key].get("autotp_size") if isinstance(ds[key], dict) else ds[key]
         size = size if isinstance(size, int) and size > 0 else "N"
         raise fail(f"""
@@ -279,7 +312,6 @@ def shrunk_launch(environ: dict, parent_argv: list[str] | None) -> int | None:
     launch_args = _launch_arguments(parent_argv)
     if launch_args is None:
         return None
-    import contextlib
     import io
 
     from accelerate.commands.launch import launch_command_parser
@@ -348,6 +380,24 @@ class Runtime:
     """This rank's share of each sequence (``distributed.sequence_parallel_size`` > 1); None: whole sequences."""
     tensor_parallel_size: int = 1
     """Consecutive ranks that split each layer's matrices (DeepSpeed AutoTP) and read the same samples."""
+    expert_parallel_size: int = 1
+    """Consecutive ranks that split each MoE layer's experts (DeepSpeed AutoEP); each reads its own samples."""
+    autoep: bool = False
+    """The MoE layers are DeepSpeed AutoEP's (``distributed.expert_layer``), at any ``expert_parallel_size``."""
+
+    def expert_group(self) -> str | None:
+        """The optimizer's name for the expert parameters' groups under AutoEP (:func:`autoep_group_name`)."""
+        return autoep_group_name(self.expert_parallel_size) if self.autoep else None
+
+    def describe_experts(self) -> str:
+        """The expert-parallel groups, for the start-up line ('' without AutoEP)."""
+        return describe_expert_groups(self.expert_parallel_size, self.layout.world_size) if self.autoep else ""
+
+
+def describe_expert_groups(ep: int, world_size: int) -> str:
+    """DeepSpeed AutoEP's expert-parallel groups of ``world_size`` ranks in words: ``ep`` consecutive ranks each."""
+    groups = ", ".join(f"[{g * ep}-{g * ep + ep - 1}]" if ep > 1 else f"[{g}]" for g in range(world_size // ep))
+    return f"AutoEP expert parallel {ep}: expert groups {groups}"
 
 
 def build_runtime(cfg: Config) -> Runtime:
@@ -364,6 +414,8 @@ def build_runtime(cfg: Config) -> Runtime:
     sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
     shared = sp * tp
     layout, ds_config = check_launch(cfg.workload(), cfg.distributed.deepspeed_config_path(), world_size, precision)
+    check_autoep_export(cfg.distributed.uses_autoep(), ZeroSetup.from_ds_config(ds_config),
+                        cfg.checkpoint.export_at_end, cfg.distributed.deepspeed_config)
     plugin = None
     if ds_config is not None:
         _ensure_single_process_env()
@@ -375,7 +427,7 @@ def build_runtime(cfg: Config) -> Runtime:
     rank = accelerator.process_index
     sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
     return Runtime(accelerator, precision, replace(layout, rank=rank // shared), ZeroSetup.from_ds_config(ds_config),
-                   ds_config, sequence, tp)
+                   ds_config, sequence, tp, cfg.distributed.expert_parallel_size, cfg.distributed.uses_autoep())
 
 
 def check_launch(work: Workload, ds_path: str | Path | None, world_size: int,
@@ -387,6 +439,7 @@ def check_launch(work: Workload, ds_path: str | Path | None, world_size: int,
     sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
     check_sequence_parallel_topology(sp, world_size)
     check_tensor_parallel_topology(tp, world_size)
+    check_expert_parallel_topology(work.distributed.expert_parallel_size, world_size)
     # Data-parallel ranks: the ranks of one sequence- or tensor-parallel group read the same samples.
     layout = BatchLayout.from_config(work.train, world_size // (sp * tp))
     if ds_path is None:
@@ -455,6 +508,55 @@ def check_tensor_parallel_topology(tp: int, world_size: int) -> None:
         raise fail(f"distributed.tensor_parallel_size={tp} does not divide the world size {world_size} (the processes "
                    f"launched): each group of {tp} consecutive ranks splits the model's matrices. Launch a multiple of "
                    f"{tp} processes, or choose a divisor of {world_size}.")
+
+
+def check_expert_parallel_topology(ep: int, world_size: int) -> None:
+    """What ``distributed.expert_parallel_size`` needs of the launch, checked before any process group exists (what it
+    needs of the recipe: ``lmrecipe/config/rules.py``)."""
+    if world_size % ep:
+        raise fail(f"distributed.expert_parallel_size={ep} does not divide the world size {world_size} (the processes "
+                   f"launched): each group of {ep} consecutive ranks splits every MoE layer's experts. Launch a multiple "
+                   f"of {ep} processes, or choose a divisor of {world_size}.")
+
+
+def check_autoep_export(autoep: bool, zero: ZeroSetup, export_at_end: bool, ds_name: str | None) -> None:
+    """DeepSpeed AutoEP under ZeRO-3 keeps each expert partitioned in its checkpoints, and no reader of this recipe
+    (nor DeepSpeed's ``zero_to_fp32``) gathers them back: the end-of-run export is refused before the first step.
+    The stage is read from the DeepSpeed JSON, so it is checked here."""
+    if autoep and zero.stage == 3 and export_at_end:
+        raise fail(f"""
+            checkpoint.export_at_end=true cannot export DeepSpeed AutoEP's experts under ZeRO-3
+            (distributed.deepspeed_config={ds_name}): their checkpoints keep each expert partitioned. Set
+            checkpoint.export_at_end=false, or train under distributed.deepspeed_config=zero1 or zero2 (exported with
+            the experts gathered), or with the model class's own MoE block (distributed.expert_parallel_size=1,
+            distributed.expert_layer=hf).""")
+
+
+@contextlib.contextmanager
+def autoep_registry_compat():
+    """Where this recipe works around DeepSpeed 0.19.8 AutoEP and transformers 5.23 disagreeing, and only there.
+
+    AutoEP re-points the models' router-logit recorders through transformers' ``_CAN_RECORD_REGISTRY``, calling
+    ``registry.get(class_name, default)`` on it as on a plain dict; transformers 5.23 changed that method to
+    ``get(model)`` (keyed by a model's class), so the call fails with "_CanRecordRegistry.get() takes 2 positional
+    arguments" (and a class name alone would find nothing). While the engine is built, the method also takes a class
+    name and a default, as a dict's does. ``tests/unit/test_moe.py`` fails once transformers or DeepSpeed no longer
+    disagree, so that this can go.
+    """
+    from transformers.utils.output_capturing import _CanRecordRegistry
+
+    original = _CanRecordRegistry.get
+
+    def get(registry, key, *default):
+        if isinstance(key, str):
+            return dict.get(registry, key, *default)
+        return original(registry, key)
+
+    _CanRecordRegistry.get = get
+    try:
+        yield
+    finally:
+        _CanRecordRegistry.get = original
 
 
 def check_tensor_parallel_stage(tp: int, zero: ZeroSetup, path: Path) -> None:

@@ -38,6 +38,7 @@ from lmrecipe.distributed import (
     check_launched_processes,
     check_sequence_parallel_model,
     check_tensor_parallel_model,
+    describe_expert_groups,
     resolve_precision,
     world_size_from_env,
 )
@@ -105,7 +106,8 @@ def dry_run(cfg: Config) -> DryRunReport:
     if shape is not None and launch is not None and precision is not None:
         layout, ds_config = launch
         zero = ZeroSetup.from_ds_config(ds_config)
-        report.lines.append("start-up line: " + startup_line(shape.n_params, layout, work, precision, zero, vocab_size))
+        report.lines.append("start-up line: " + startup_line(shape.n_params, layout, work, precision, zero, vocab_size,
+                                                             shape.active() if shape.expert_params else None))
         memory = report.check(lambda: estimate_memory(shape, zero, world_size, precision, layout, work))
         if memory is not None:
             report.lines.append(memory_line(memory, cfg.train.gradient_checkpointing))
@@ -192,16 +194,21 @@ def check_model(work: Workload, vocab_size: int, report: DryRunReport, attention
 
 
 def startup_line(n_params: int, layout: BatchLayout, work: Workload, precision: str, zero: ZeroSetup,
-                 vocab_size: int) -> str:
-    """The line a run logs at its start (``train/callbacks/reporting.py``: ``log_start``), from the config."""
+                 vocab_size: int, n_active: int | None = None) -> str:
+    """The line a run logs at its start (``train/callbacks/reporting.py``: ``log_start``), from the config
+    (``n_active``: an MoE model's parameters per token)."""
     sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
     ranks = f"{layout.world_size} processes"
     if sp > 1:
         ranks = f"{layout.world_size} data-parallel groups of {sp} ranks sharing each sequence"
     elif tp > 1:
         ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
+    elif work.distributed.uses_autoep():
+        ranks = (f"{layout.world_size} processes ("
+                 f"{describe_expert_groups(work.distributed.expert_parallel_size, layout.world_size)})")
     chunk_tokens = work.train.chunk_tokens(vocab_size)
-    return (f"model {n_params / 1e6:.2f}M params | {ranks} x micro-batch {layout.micro_batch_size} x accumulation "
+    params = f"{n_params / 1e6:.2f}M params" + (f" ({n_active / 1e6:.2f}M active per token)" if n_active else "")
+    return (f"model {params} | {ranks} x micro-batch {layout.micro_batch_size} x accumulation "
             f"{layout.accum_steps} = {layout.global_batch_size} sequences of {work.data.seq_len} tokens | precision "
             f"{precision} | {zero.describe()}" + (f" | loss in chunks of {chunk_tokens} tokens" if chunk_tokens else ""))
 
@@ -216,7 +223,8 @@ def estimate_memory(shape: ModelShape, zero: ZeroSetup, world_size: int, precisi
                     attn_implementation=work.model.attn_implementation, ema=train.ema_decay > 0,
                     loss_chunk_tokens=train.chunk_tokens(shape.vocab_size),
                     sequence_parallel_size=work.distributed.sequence_parallel_size, optimizer=work.optim.name,
-                    tensor_parallel_size=work.distributed.tensor_parallel_size)
+                    tensor_parallel_size=work.distributed.tensor_parallel_size,
+                    expert_parallel_size=work.distributed.expert_parallel_size)
 
 
 def _nodes(world_size: int) -> int:

@@ -42,10 +42,10 @@ from lmrecipe.checkpoint.storage import (
 )
 from lmrecipe.checkpoint.storage import follow_pointer as follow_pointer_file
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
-from lmrecipe.config import parse_shard_size
+from lmrecipe.config import autoep_size_of, parse_shard_size
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic, write_text_atomic
-from lmrecipe.model import bare_parameter_name
+from lmrecipe.model import MOE_ARCHS, bare_parameter_name
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.observe.quiet import quiet_prints
 from lmrecipe.observe.run_report import config_differences
@@ -74,6 +74,8 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = N
         tp = int(saved.get("topology", {}).get("tensor_parallel_size", 1))
         if tp > 1:
             return _tensor_parallel_state_dict(ckpt, saved, tp, dtype)
+        if autoep_size_of(saved.get("config", {})) is not None:
+            return autoep_state_dict(ckpt / DS_TAG, dtype, saved["config"]["model"]["arch"])
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
@@ -97,6 +99,59 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = N
     from safetensors.torch import load_file
 
     return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
+
+
+AUTOEP_MODEL_FILE = "mp_rank_00_model_states.pt"
+"""The module weights of a DeepSpeed ZeRO-1/2 checkpoint; beside it, AutoEP writes one file per expert."""
+
+
+
+def autoep_state_dict(ds_dir: Path, dtype: torch.dtype, arch: str) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a ZeRO-1/2 checkpoint of DeepSpeed AutoEP layers of model class ``arch``, in
+    ``dtype``: the module weights of ``mp_rank_00_model_states.pt`` (the training precision: fp32 runs hold their
+    exact weights), each MoE layer's router and shared expert under the class's names (``mlp.gate.weight``,
+    ``model.MOE_ARCHS``), and its experts gathered back from AutoEP's files of one expert each
+    (``layer_{L}_expert_{E}_...``: gate ``w1`` and up ``w3`` ``[ffn, hidden]``, down ``w2`` ``[hidden, ffn]``) into
+    the class's fused ``gate_up_proj [experts, 2 ffn, hidden]`` and ``down_proj``. ZeRO-3 AutoEP checkpoints keep the
+    experts partitioned and are refused at start-up (distributed.py)."""
+    state = torch.load(ds_dir / AUTOEP_MODEL_FILE, map_location="cpu", weights_only=False)
+    layers = state.get("ds_autoep_layers") or []
+    if not layers or any(layer.get("checkpoint_format") != "per_expert_files" for layer in layers):
+        raise fail(f"{ds_dir} holds no AutoEP experts in files of one expert each (a ZeRO-1/2 checkpoint of "
+                   "distributed.expert_layer=autoep): it cannot be exported as a Hugging Face model.")
+    paths = [layer["module_path"] for layer in layers]
+    renamed = dict(zip(("shared_experts", "shared_experts_gate"), MOE_ARCHS[arch].shared_modules))
+    out = {}
+    for name, tensor in state["module"].items():
+        name = bare_parameter_name(name)
+        path = next((p for p in paths if name.startswith(f"{p}.")), None)
+        if path is None:
+            out[name] = tensor.to(dtype, copy=True)
+            continue
+        module, _, rest = name[len(path) + 1:].partition(".")
+        if module in renamed:
+            out[f"{path}.{renamed[module]}.{rest}"] = tensor.to(dtype, copy=True)
+    for layer in layers:
+        path = layer["module_path"]
+        out[f"{path}.gate.weight"] = state["module"][f"{path}.router.gate.weight"].to(dtype, copy=True)
+        out.update(_gathered_experts(ds_dir, layer, dtype))
+    return out
+
+
+def _gathered_experts(ds_dir: Path, layer: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One AutoEP layer's experts from their files, in the model class's fused layout (:func:`autoep_state_dict`)."""
+    from deepspeed.checkpoint.autoep_universal import resolve_expert_ckpt_path
+
+    path, prefix = layer["module_path"], layer["expert_key_prefix"]
+    gate_up, down = [], []
+    for expert in range(layer["num_experts"]):
+        weights = torch.load(resolve_expert_ckpt_path(str(ds_dir), layer["moe_layer_id"], expert),
+                             map_location="cpu", weights_only=False)
+        w1, w2, w3 = (weights[f"{prefix}.{w}.{expert}"] for w in ("w1", "w2", "w3"))
+        gate_up.append(torch.cat([w1, w3], dim=0))
+        down.append(w2)
+    return {f"{path}.experts.gate_up_proj": torch.stack(gate_up).to(dtype),
+            f"{path}.experts.down_proj": torch.stack(down).to(dtype)}
 
 
 def _tensor_parallel_state_dict(ckpt: Path, saved: dict, tp: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -22,6 +22,10 @@ adds it to the training objective only; validation, perplexity and ``eval.py`` u
 language-model loss alone. The chunked path takes it from the log-sum-exp it already keeps (a second output of
 :class:`ChunkedCrossEntropy`), so no logits are held for it either.
 
+**An MoE model's router** (``model.num_experts`` > 0): its load-balancing loss, as the model class returns it
+(``aux_loss``), times ``model.router_aux_loss_coef`` is a third term of the training objective, logged apart; the
+routers' logits also give the tokens each expert received (:func:`expert_tokens`, the load balance of a logged step).
+
 With document masking (``data.document_masking``), every forward also receives the keyword arguments that carry the
 batch's document boundaries (``DocumentAttention.forward_kwargs``): position ids restarting at each document and
 the mask or the variable-length offsets of the attention path.
@@ -30,7 +34,7 @@ the mask or the variable-length offsets of the attention path.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -200,26 +204,72 @@ IGNORE_INDEX = -100
 """A target that counts in no average (``F.cross_entropy``'s default): the z-loss skips the tokens the loss skips."""
 
 
+class LossTerms(NamedTuple):
+    """The training objective's terms for one micro-batch; their sum is backpropagated, each is logged apart."""
+
+    lm: torch.Tensor
+    """The mean language-model loss (what validation, perplexity and ``eval.py`` report)."""
+    z: torch.Tensor | None = None
+    """The z-loss term, already times ``train.z_loss``; None: off."""
+    aux: torch.Tensor | None = None
+    """The router's load-balancing loss, already times ``model.router_aux_loss_coef``; None: a dense model or off."""
+    expert_tokens: torch.Tensor | None = None
+    """Tokens routed to each expert of each MoE layer, ``[layers, experts]`` (fp32, this rank's micro-batch, never
+    read on the host here); None: a dense model."""
+
+    def objective(self) -> torch.Tensor:
+        """The sum that is backpropagated: the language-model loss and the terms that are on."""
+        total = self.lm
+        for term in (self.z, self.aux):
+            if term is not None:
+                total = total + term
+        return total
+
+
+def expert_tokens(router_logits, experts_per_token: int) -> torch.Tensor | None:
+    """Tokens routed to each expert of each layer, ``[layers, experts]``, from the routers' logits (a tuple of
+    ``[tokens, experts]``, one per MoE layer): each token counts once for each of its top ``experts_per_token``
+    experts. A scatter-add, so nothing is read on the host. None without router logits (a dense model)."""
+    if not router_logits:
+        return None
+    counts = []
+    for logits in router_logits:
+        chosen = logits.detach().topk(experts_per_token, dim=-1).indices.flatten()
+        counts.append(torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen, dtype=torch.float32)))
+    return torch.stack(counts)
+
+
 def training_loss(model, inputs: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
-                  model_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The training objective's two terms: the mean language-model loss (:func:`causal_lm_loss`) and the z-loss
-    ``z_loss * mean(logsumexp(logits)^2)`` over the same target tokens (None when ``z_loss`` is 0: the objective is
-    then exactly the language-model loss). The caller backpropagates their sum and logs them apart.
+                  model_kwargs: dict | None = None, aux_loss_coef: float = 0.0,
+                  experts_per_token: int = 0) -> LossTerms:
+    """The training objective's terms: the mean language-model loss (:func:`causal_lm_loss`'s), the z-loss
+    ``z_loss * mean(logsumexp(logits)^2)`` over the same target tokens (None when ``z_loss`` is 0), and an MoE model's
+    router load-balancing loss times ``aux_loss_coef`` (None when 0 or when the model returns none). The caller
+    backpropagates their sum (:meth:`LossTerms.objective`) and logs them apart. ``experts_per_token`` > 0 (an MoE
+    model): the tokens each expert received are counted too (:func:`expert_tokens`).
     """
-    if z_loss == 0:
-        return causal_lm_loss(model, inputs, targets, model_kwargs=model_kwargs), None
-    counted = targets != IGNORE_INDEX
     head = chunked_head(model)
+    with_lse = z_loss != 0
     if head is not None:
-        with head.targets_set(targets, with_lse=True):
-            per_token = model(input_ids=inputs, **(model_kwargs or {})).logits
-        lm_loss, lse = per_token[..., 0].mean(), per_token[..., 1]
+        with head.targets_set(targets, with_lse=with_lse):
+            outputs = model(input_ids=inputs, **(model_kwargs or {}))
+        per_token = outputs.logits
+        lm_loss = (per_token[..., 0] if with_lse else per_token).mean()
+        lse = per_token[..., 1] if with_lse else None
     else:
-        logits = model(input_ids=inputs, **(model_kwargs or {})).logits.float()
+        outputs = model(input_ids=inputs, **(model_kwargs or {}))
+        logits = outputs.logits.float()
         lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        lse = torch.logsumexp(logits, dim=-1)
-    z_term = z_loss * (lse.square() * counted).sum() / counted.sum().clamp_min(1)
-    return lm_loss, z_term
+        lse = torch.logsumexp(logits, dim=-1) if with_lse else None
+    z_term = None
+    if lse is not None:
+        counted = targets != IGNORE_INDEX
+        z_term = z_loss * (lse.square() * counted).sum() / counted.sum().clamp_min(1)
+    aux = getattr(outputs, "aux_loss", None)
+    aux_term = aux_loss_coef * aux if aux_loss_coef and isinstance(aux, torch.Tensor) else None
+    counts = expert_tokens(getattr(outputs, "router_logits", None), experts_per_token) if experts_per_token else None
+    return LossTerms(lm_loss, z_term, aux_term, counts)
 
 
 @torch.no_grad()

@@ -90,7 +90,8 @@ from torch import nn
 
 from lmrecipe.distributed import ZeroSetup
 from lmrecipe.fileio import write_json_atomic
-from lmrecipe.optim import muon_split
+from lmrecipe.model import param_counts
+from lmrecipe.optim import expert_params, muon_split
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,25 @@ class ModelShape:
     """Elements of the hidden 2-D matrices, which ``optim.name=muon`` trains with Muon (one moment, not two)."""
     tp_split_params: int = 0
     """Elements of the linear layers' weights, which tensor parallelism (AutoTP) splits over its ranks."""
+    expert_params: int = 0
+    """Elements of the routed experts' weights (an MoE model), which expert parallelism (AutoEP) splits over its
+    ranks; 0 for a dense model."""
+    active_params: int = 0
+    """Parameters one token passes through (the routed experts counted ``experts_per_token`` of ``num_experts``);
+    0 means all of ``n_params`` (a dense model)."""
+
+    def active(self) -> int:
+        """Parameters one token passes through (all of them for a dense model)."""
+        return self.active_params or self.n_params
+
+    def split_experts(self, ep: int) -> tuple["ModelShape", "ModelShape"]:
+        """The parameters outside the routed experts, and one of ``ep`` expert-parallel ranks' share of the experts:
+        ZeRO partitions the first over every data-parallel rank and the second over ``world_size / ep`` ranks."""
+        dense = replace(self, n_params=self.n_params - self.expert_params, expert_params=0,
+                        muon_params=max(0, self.muon_params - self.expert_params))
+        experts = replace(self, n_params=self.expert_params // ep, expert_params=self.expert_params // ep,
+                          largest_layer_params=-(-self.largest_layer_params // ep), param_sizes=(), muon_params=0)
+        return dense, experts
 
     def per_tensor_parallel_rank(self, tp: int) -> "ModelShape":
         """The parameters one of ``tp`` tensor-parallel ranks holds: its share of the split matrices, the rest whole."""
@@ -307,6 +327,10 @@ def model_shape(hf_config) -> ModelShape:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    experts = sum(p.numel() for p in expert_params(model))
+    mlp_size = getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size
+    if experts:  # a token passes through experts_per_token experts of their width
+        mlp_size = hf_config.num_experts_per_tok * (getattr(hf_config, "moe_intermediate_size", None) or mlp_size)
     return ModelShape(
         n_params=sum(unique.values()),
         largest_layer_params=largest,
@@ -314,11 +338,13 @@ def model_shape(hf_config) -> ModelShape:
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         kv_size=(getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim,
-        mlp_size=getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
+        mlp_size=mlp_size,
         num_heads=heads,
         vocab_size=hf_config.vocab_size,
         muon_params=sum(p.numel() for p in muon_split(model, False)[0]),
         tp_split_params=_linear_params(model),
+        expert_params=experts,
+        active_params=param_counts(model)["active"] if experts else 0,
     )
 
 
@@ -473,10 +499,13 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
 def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: int, precision: str,
              accum_steps: int, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
              attn_implementation: str = "sdpa", ema: bool = False, loss_chunk_tokens: int = 0,
-             sequence_parallel_size: int = 1, optimizer: str = "adamw", tensor_parallel_size: int = 1) -> MemoryEstimate:
+             sequence_parallel_size: int = 1, optimizer: str = "adamw", tensor_parallel_size: int = 1,
+             expert_parallel_size: int = 1) -> MemoryEstimate:
     """The per-rank memory budget of one ZeRO setup (``ema``: with a weight EMA; ``loss_chunk_tokens``: the chunked
     loss, 0 = full logits; ``sequence_parallel_size``: ranks sharing each window; ``optimizer``: ``optim.name``;
-    ``tensor_parallel_size``: ranks splitting each matrix, whose states ZeRO divides over the data-parallel ranks)."""
+    ``tensor_parallel_size``: ranks splitting each matrix, whose states ZeRO divides over the data-parallel ranks;
+    ``expert_parallel_size``: ranks splitting an MoE model's experts, whose states ZeRO divides over the
+    ``world_size / expert_parallel_size`` ranks that hold the same experts)."""
     if world_size % num_nodes or world_size % tensor_parallel_size:
         raise ValueError(f"world_size={world_size} is not a multiple of num_nodes={num_nodes} and "
                          f"tensor_parallel_size={tensor_parallel_size}")
@@ -484,6 +513,14 @@ def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: in
     shape = shape.per_tensor_parallel_rank(tensor_parallel_size)
     states = estimate_model_states(shape, setup, world_size // tensor_parallel_size, world_size // num_nodes,
                                    precision, accum_steps, optimizer)
+    if expert_parallel_size > 1 and shape.expert_params:
+        dense, experts = shape.split_experts(expert_parallel_size)
+        apart = [estimate_model_states(dense, setup, world_size, world_size // num_nodes, precision, accum_steps,
+                                       optimizer),
+                 estimate_model_states(experts, setup, world_size // expert_parallel_size, world_size // num_nodes,
+                                       precision, accum_steps, optimizer)]
+        states = {key: apart[0][key] + apart[1][key] for key in states}
+        shape = replace(shape, n_params=dense.n_params + experts.n_params)
     gathered = 2.0 * weight_bytes(precision, setup.stage) * shape.largest_layer_params if setup.stage == 3 else 0.0
     full, checkpointed = estimate_activations(activation_shape, micro_batch_size, seq_len, precision,
                                               attn_implementation, loss_chunk_tokens, sequence_parallel_size,

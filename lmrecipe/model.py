@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,7 @@ from lmrecipe.attention import DocumentAttention, build_document_attention, chec
 from lmrecipe.config import DataConfig, ModelConfig, TrainConfig
 from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.errors import fail
+from lmrecipe.optim import expert_params, moe_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,49 @@ def bare_parameter_name(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class MoeKeys:
+    """The ``transformers`` config keys an MoE architecture takes the ``model.num_experts`` ... keys under."""
+
+    experts: str
+    """The routed expert count."""
+    expert_width: str
+    """One expert's MLP width."""
+    shared_width: str | None = None
+    """The shared expert's width (None: the architecture has no shared experts)."""
+    shared_modules: tuple = ()
+    """The MoE block's shared expert and its gate, as the class names them (DeepSpeed AutoEP names them
+    ``shared_experts`` and ``shared_experts_gate``)."""
+    extra: tuple = ()
+    """Further fixed keys: (name, value) pairs."""
+
+
+MOE_ARCHS: dict[str, MoeKeys] = {
+    # Every layer an MoE layer (decoder_sparse_step 1, no MLP-only layers), as in Qwen3-30B-A3B.
+    "qwen3_moe": MoeKeys("num_experts", "moe_intermediate_size", extra=(("decoder_sparse_step", 1),
+                                                                       ("mlp_only_layers", []))),
+    "qwen2_moe": MoeKeys("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                         ("shared_expert", "shared_expert_gate"),
+                         extra=(("decoder_sparse_step", 1), ("mlp_only_layers", []))),
+    "mixtral": MoeKeys("num_local_experts", "intermediate_size"),
+}
+"""The MoE architectures a recipe can build (``model.num_experts`` > 0), each with a DeepSpeed AutoEP preset."""
+
+
+def moe_config_kwargs(m: ModelConfig) -> dict:
+    """The ``AutoConfig`` keywords of the ``model`` section's MoE keys (none for a dense model). The router's logits
+    are returned so that its auxiliary loss and the load balance can be read (``output_router_logits``)."""
+    if not m.is_moe():
+        return {}
+    keys = MOE_ARCHS[m.arch]
+    kwargs = {keys.experts: m.num_experts, "num_experts_per_tok": m.experts_per_token,
+              keys.expert_width: m.expert_size(), "router_aux_loss_coef": m.router_aux_loss_coef,
+              "output_router_logits": True, **dict(keys.extra)}
+    if keys.shared_width is not None:
+        kwargs[keys.shared_width] = m.shared_experts * m.expert_size()
+    return kwargs
+
+
 def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
     """The ``transformers`` config of the model: from ``model.init_from`` or built from the recipe's ``model``
     section (``seq_len``, ``data.seq_len``: the position limit when ``model.max_position_embeddings`` is null)."""
@@ -46,22 +91,21 @@ def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
                 "folder (e.g. an export of this recipe, or a downloaded model). Set model.init_from=null to train from scratch."
             )
         return AutoConfig.from_pretrained(m.init_from)
+    kwargs = dict(
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.kv_heads(),
+        intermediate_size=m.mlp_size(),
+        vocab_size=vocab_size,
+        max_position_embeddings=m.max_position_embeddings or seq_len,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=m.tie_embeddings,
+        initializer_range=m.init_std,
+        use_cache=False,
+    )
     try:
-        return AutoConfig.for_model(
-            m.arch,
-            hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_layers,
-            num_attention_heads=m.num_heads,
-            num_key_value_heads=m.kv_heads(),
-            intermediate_size=m.mlp_size(),
-            vocab_size=vocab_size,
-            max_position_embeddings=m.max_position_embeddings or seq_len,
-            rope_theta=m.rope_theta,
-            tie_word_embeddings=m.tie_embeddings,
-            initializer_range=m.init_std,
-            use_cache=False,
-            **m.extra,
-        )
+        return AutoConfig.for_model(m.arch, **{**kwargs, **moe_config_kwargs(m), **m.extra})
     except ValueError as err:
         raise fail(f"model.arch={m.arch!r} is not a transformers architecture ({err}).") from None
 
@@ -195,7 +239,9 @@ def numel(param: nn.Parameter) -> int:
 
 
 def param_counts(model: nn.Module) -> dict[str, int]:
-    """Total parameters (tied weights counted once) and ``lookup``: those used only as an embedding lookup.
+    """Total parameters (tied weights counted once), ``active``: those one token passes through (an MoE model's
+    routed experts count ``num_experts_per_tok`` of ``num_experts``; equal to the total for a dense model) and
+    ``lookup``: those used only as an embedding lookup.
 
     ``lookup`` is the input embedding unless it is tied to the output projection, which is a real matmul.
     """
@@ -208,7 +254,32 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and outputs.weight is inputs.weight
     lookup = 0 if tied else sum(numel(p) for p in inputs.parameters())
-    return {"total": total, "lookup": lookup}
+    experts = sum(numel(p) for p in expert_params(model))
+    return {"total": total, "active": total - experts + round(experts * active_expert_share(model.config)),
+            "lookup": lookup}
+
+
+def active_expert_share(hf_config) -> float:
+    """The share of the routed experts one token passes through: ``num_experts_per_tok / num_experts`` (1 for a
+    dense model)."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or getattr(
+        hf_config, "n_routed_experts", None)
+    if not experts:
+        return 1.0
+    return hf_config.num_experts_per_tok / experts
+
+
+def set_moe_leaf_modules(model: nn.Module) -> list[str]:
+    """Make every MoE block a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``): its parameters are
+    gathered together, before its forward, on every rank. Without it, a rank fetches only the experts its tokens
+    chose, ranks disagree on the order of the gathers, and the run hangs (DeepSpeed#4808). Returns the block classes'
+    names (none for a dense model)."""
+    classes = sorted({type(block) for block in moe_blocks(model)}, key=lambda c: c.__name__)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]
 
 
 def count_params_from_config(hf_config) -> dict[str, int]:

@@ -36,13 +36,35 @@ def split_params(model: nn.Module, decay_embeddings: bool) -> tuple[list[nn.Para
     return decay, no_decay
 
 
-def param_groups(model: nn.Module, optim: OptimConfig) -> list[dict]:
-    """Two groups: matrices (decayed) and biases, norm gains and, unless configured, embeddings (not decayed)."""
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The mixture-of-experts blocks of a Hugging Face model: the modules holding a router (``gate``) and their
+    ``experts`` (Qwen2/3-MoE's and Mixtral's sparse MoE blocks, and DeepSpeed AutoEP's layer that replaces them)."""
+    return [m for m in model.modules() if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router"))]
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' parameters (each MoE block's ``experts``; the router and shared experts are not)."""
+    return [p for block in moe_blocks(model) for p in block.experts.parameters()]
+
+
+def param_groups(model: nn.Module, optim: OptimConfig, expert_group: str | None = None) -> list[dict]:
+    """Two groups: matrices (decayed) and biases, norm gains and, unless configured, embeddings (not decayed).
+
+    ``expert_group``: the name of DeepSpeed's expert-parallel group (AutoEP's ``ep_size_N``); the routed experts'
+    parameters then form two more groups of their own, decayed and not, marked ``moe`` (DeepSpeed's ZeRO-1/2 reduce
+    them over the expert-data-parallel ranks only, and refuse an MoE model without such groups). AutoEP moves each
+    replaced expert weight into the group of the weights it was built from.
+    """
     decay, no_decay = split_params(model, optim.decay_embeddings)
-    return [
-        {"params": decay, "weight_decay": optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if expert_group is None:
+        return groups
+    experts = {id(p) for p in expert_params(model)}
+    expert_groups = [{"params": [p for p in g["params"] if id(p) in experts], "weight_decay": g["weight_decay"],
+                      "moe": True, "name": expert_group} for g in groups]
+    for group in groups:
+        group["params"] = [p for p in group["params"] if id(p) not in experts]
+    return [g for g in groups + expert_groups if g["params"] or not g.get("moe")]
 
 
 def optimizer_param_names(model: nn.Module, decay_embeddings: bool, name: str = "adamw") -> list[tuple[str, ...]]:
@@ -62,17 +84,18 @@ def names_by_param(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fused: bool = False,
+                    expert_group: str | None = None) -> torch.optim.Optimizer:
     """AdamW (``optim.name=adamw``); DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on
     the CPU); or DeepSpeed's Muon (``optim.name=muon``, :func:`build_muon`).
 
     ``fused``: torch's fused AdamW, one kernel for all parameters, which can skip its update on the device
     (``found_inf``) so that a non-finite gradient costs no host sync. Used without DeepSpeed, whose engine
-    makes that decision itself.
+    makes that decision itself. ``expert_group``: DeepSpeed AutoEP's expert-parallel group (:func:`param_groups`).
     """
     if optim.name == "muon":
         return build_muon(model, optim)
-    groups = param_groups(model, optim)
+    groups = param_groups(model, optim, expert_group)
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     if cpu_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam

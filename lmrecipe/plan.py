@@ -143,7 +143,8 @@ def budget_flops(devices: int, peak: float, mfu: float, days: float) -> float:
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """A Llama decoder's sizes (no biases; RMSNorm; SwiGLU MLP)."""
+    """A Llama decoder's sizes (no biases; RMSNorm; SwiGLU MLP), or with ``num_experts`` > 0 an MoE decoder whose every
+    MLP is ``num_experts`` SwiGLU experts of width ``expert_size`` and a router, ``experts_per_token`` per token."""
 
     hidden_size: int
     num_layers: int
@@ -152,14 +153,21 @@ class LlamaShape:
     intermediate_size: int
     vocab_size: int
     tie_embeddings: bool
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def layer_params(self) -> int:
+    def layer_params(self, active: bool = False) -> int:
+        """One block's parameters (``active``: those one token passes through: its experts only)."""
         h, kv, f = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size
-        return h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+        mlp = 3 * h * f
+        if self.num_experts:
+            mlp = (self.experts_per_token if active else self.num_experts) * 3 * h * self.expert_size + h * self.num_experts
+        return h * (h + 2 * kv) + h * h + mlp + 2 * h
 
     @property
     def n_params(self) -> int:
@@ -167,16 +175,24 @@ class LlamaShape:
         return self.num_layers * self.layer_params() + embeddings + self.hidden_size
 
     @property
+    def n_active(self) -> int:
+        """Parameters one token passes through (``n_params`` for a dense shape)."""
+        return self.n_params - self.num_layers * (self.layer_params() - self.layer_params(active=True))
+
+    @property
     def n_lookup(self) -> int:
         """Parameters used only as a lookup: the input embedding, unless tied to the output projection."""
         return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
-        return flops_per_token(self.n_params, self.n_lookup, self.num_layers, self.hidden_size, seq_len)
+        """Training FLOPs per token from the active parameters (:func:`lmrecipe.model.flops_per_token`)."""
+        return flops_per_token(self.n_active, self.n_lookup, self.num_layers, self.hidden_size, seq_len)
 
     def memory_shape(self) -> ModelShape:
         """What :func:`lmrecipe.memory.estimate` needs, counted without building the model."""
         h, kv, f, v = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size, self.vocab_size
+        if self.num_experts:
+            return self._moe_memory_shape()
         per_layer = (h * h, h * kv, h * kv, h * h, f * h, f * h, h * f, h, h)  # q k v o, gate up down, two norms
         sizes = (v * h, *per_layer * self.num_layers, h, *(() if self.tie_embeddings else (v * h,)))
         return ModelShape(n_params=self.n_params, largest_layer_params=max(v * h, f * h), param_sizes=sizes,
@@ -186,6 +202,17 @@ class LlamaShape:
                           tp_split_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f)
                           + (0 if self.tie_embeddings else v * h))
 
+    def _moe_memory_shape(self) -> ModelShape:
+        """:meth:`memory_shape` of an MoE shape: each layer's experts as the class's two fused weights."""
+        h, kv, v, e, n = self.hidden_size, self.num_kv_heads * self.head_dim, self.vocab_size, self.expert_size, \
+            self.num_experts
+        per_layer = (h * h, h * kv, h * kv, h * h, n * 2 * e * h, n * h * e, n * h, h, h)  # ..., experts, router, norms
+        sizes = (v * h, *per_layer * self.num_layers, h, *(() if self.tie_embeddings else (v * h,)))
+        return ModelShape(n_params=self.n_params, largest_layer_params=max(v * h, 3 * n * e * h), param_sizes=sizes,
+                          num_layers=self.num_layers, hidden_size=h, kv_size=kv, mlp_size=self.experts_per_token * e,
+                          num_heads=self.num_heads, vocab_size=v, expert_params=self.num_layers * 3 * n * e * h,
+                          active_params=self.n_active)
+
     def overrides(self) -> list[str]:
         """The recipe's ``model.*`` keys for this shape."""
         return [f"model.hidden_size={self.hidden_size}", f"model.num_layers={self.num_layers}",
@@ -193,8 +220,10 @@ class LlamaShape:
                 f"model.intermediate_size={self.intermediate_size}", f"model.tie_embeddings={str(self.tie_embeddings).lower()}"]
 
     def describe(self) -> str:
+        mlp = (f"{self.num_experts} experts of {self.expert_size} ({self.experts_per_token} per token, "
+               f"{self.n_active / 1e9:.2f}B active)" if self.num_experts else f"MLP {self.intermediate_size}")
         return (f"{self.num_layers} x {self.hidden_size}, {self.num_heads} heads ({self.num_kv_heads} kv), "
-                f"MLP {self.intermediate_size}{', tied' if self.tie_embeddings else ''}")
+                f"{mlp}{', tied' if self.tie_embeddings else ''}")
 
 
 def _round_up(value: float, multiple: int) -> int:
@@ -232,7 +261,9 @@ def shapes_near(n_params: float, vocab_size: int, count: int = 3) -> list[LlamaS
 def shape_from_config(m: ModelConfig, vocab_size: int) -> LlamaShape:
     """The recipe's own model (its ``model`` section) as a Llama shape."""
     return LlamaShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.kv_heads(),
-                      intermediate_size=m.mlp_size(), vocab_size=vocab_size, tie_embeddings=m.tie_embeddings)
+                      intermediate_size=m.mlp_size(), vocab_size=vocab_size, tie_embeddings=m.tie_embeddings,
+                      num_experts=m.num_experts, experts_per_token=m.experts_per_token if m.is_moe() else 0,
+                      expert_size=m.expert_size() if m.is_moe() else 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,7 +371,8 @@ def estimate_device_bytes(shape: ModelShape, stage: int, devices: int, precision
     est = estimate(shape, stage_setup(stage), devices, 1, precision, accum_steps=accum_steps, micro_batch_size=micro_batch_size,
                    seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,
                    attn_implementation=work.model.attn_implementation, ema=work.train.ema_decay > 0,
-                   loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size), optimizer=work.optim.name)
+                   loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size), optimizer=work.optim.name,
+                   expert_parallel_size=work.distributed.expert_parallel_size if shape.expert_params else 1)
     return est.device_total
 
 
@@ -559,7 +591,7 @@ def format_plan(plan: Plan) -> str:
         f"Compute budget:   {plan.compute_flops:.3e} FLOPs",
         f"Compute-optimal:  {_fmt_count(plan.optimal_params)} parameters, {_fmt_count(plan.optimal_tokens)} tokens",
         "",
-        "Shapes (FLOPs per token: 6 x non-embedding parameters + attention at seq_len):",
+        "Shapes (FLOPs per token: 6 x active non-embedding parameters + attention at seq_len):",
     ]
     for s in plan.shapes:
         lines.append(f"  {_fmt_count(s.n_params):>9} params  {s.flops_per_token(i.seq_len) / 1e9:>9,.3f} GFLOP/token  "
@@ -629,7 +661,8 @@ def predict_run(work: Workload, hf_config, *, world_size: int, precision: str, z
                    work.train.gradient_checkpointing, work.model.attn_implementation, ema=work.train.ema_decay > 0,
                    loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size),
                    sequence_parallel_size=work.distributed.sequence_parallel_size, optimizer=work.optim.name,
-                   tensor_parallel_size=work.distributed.tensor_parallel_size)
+                   tensor_parallel_size=work.distributed.tensor_parallel_size,
+                   expert_parallel_size=work.distributed.expert_parallel_size)
     measured = read_measured(out_dir) if out_dir is not None else []
     run_tokens = BatchRamp(work.train.ramp_points()).start(work.train.max_steps) * work.data.seq_len
     return {

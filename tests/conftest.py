@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 _LONG_FILES = ("test_slurm_cluster.py", "test_train.py", "test_checkpoint.py", "test_export_eval.py",
-               "test_resume_topology.py", "test_sequence_parallel.py", "test_slurm.py", "test_ema.py",
+               "test_resume_topology.py", "test_moe.py", "test_sequence_parallel.py", "test_slurm.py", "test_ema.py",
                "test_spikes.py", "test_step.py", "test_document_masking.py", "test_tensor_parallel.py")
 
 

@@ -72,7 +72,8 @@ def main() -> int:
             for name, c in zip(names, configs, strict=True)]
 
     setup = {
-        "n_params": shape.n_params, "largest_layer_params": shape.largest_layer_params,
+        "n_params": shape.n_params, "active_params": shape.active(), "expert_params": shape.expert_params,
+        "largest_layer_params": shape.largest_layer_params,
         "world_size": args.world_size, "nodes": args.nodes, "precision": precision,
         "micro_batch_size": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len,
         "accum_steps": accum_steps,
@@ -81,8 +82,9 @@ def main() -> int:
     if args.json:
         print(json.dumps({**setup, "configs": {name: est.to_dict() for name, est in rows}}, indent=2))
         return 0
+    active = f" ({shape.active() / 1e6:,.2f}M active per token)" if shape.expert_params else ""
     print(
-        f"{shape.n_params / 1e6:,.2f}M parameters (largest layer {shape.largest_layer_params / 1e6:,.2f}M) on "
+        f"{shape.n_params / 1e6:,.2f}M parameters{active} (largest layer {shape.largest_layer_params / 1e6:,.2f}M) on "
         f"{args.world_size} ranks, {args.nodes} node(s) x {args.world_size // args.nodes}; precision {precision}; "
         f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, accumulation {accum_steps}; "
         f"activation checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'} (device total uses it).\n"

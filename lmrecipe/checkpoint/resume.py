@@ -49,6 +49,7 @@ from lmrecipe.checkpoint.storage import (
     use_earlier,
 )
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
+from lmrecipe.config import autoep_size_of
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.distributed import Layout
 from lmrecipe.errors import UserError, fail
@@ -219,12 +220,28 @@ class Resumer:
             raise fail(f"{path} holds {optimizer_name} optimizer state; this run trains with optim.name={ours}. Resume "
                        f"with optim.name={optimizer_name}, or start a new run from its weights: python "
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
+        _check_expert_layout(path, saved["config"], self.facts.run_config, converted)
         if optimizer_name != "adamw" and converted:
             # The topology-free form holds AdamW's moments only.
             raise fail(f"{path} holds {optimizer_name} optimizer state saved on another layout "
                        f"({'; '.join(self.record.layout().changes_from(saved_layout))}), which cannot be converted. "
                        "Resume on the checkpoint's layout, or start a new run from its weights: python "
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
+
+
+def _check_expert_layout(path: Path, saved_config: dict, run_config: dict, converted: bool) -> None:
+    """DeepSpeed AutoEP's checkpoints resume on their own layout only: the topology-free form does not hold their
+    experts, so a resume onto another process count, ZeRO stage or expert-parallel size is refused."""
+    saved, ours = autoep_size_of(saved_config), autoep_size_of(run_config)
+    if (saved is None and ours is None) or (saved == ours and not converted):
+        return
+    raise fail(f"{path} was saved by a run with distributed.expert_parallel_size="
+               f"{saved_config.get('distributed', {}).get('expert_parallel_size', 1)} (AutoEP: "
+               f"{'yes' if saved else 'no'}) and this run differs in its AutoEP size, process count or ZeRO stage: "
+               "resuming DeepSpeed AutoEP's experts onto another layout is not supported. Resume on the checkpoint's "
+               "layout, or start a new run from its weights: python tools/export_hf.py "
+               f"{path} EXPORT --dtype fp32 (a ZeRO-1/2 checkpoint), then model.init_from=EXPORT "
+               "checkpoint.resume=none distributed.expert_layer=hf.")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,12 @@ What each parallel split supports, at a glance (the rows below are the contract)
   stage 0-2 (ZeRO-3 is refused once the JSON is read); the split must divide the attention heads, the key/value heads
   and the MLP width; not with sequence parallelism, a weight EMA, ``eval.tasks``, ``eval.samples``, Muon, fp8,
   ``train.compile`` or ``logging.layer_stats``.
+- Mixture of experts (``model.num_experts`` > 0, ``docs/moe.md``): ``model.arch`` qwen3_moe, qwen2_moe or mixtral
+  (``model.shared_experts``: 1 for qwen2_moe, 0 for the others); not with tensor or sequence parallelism, fp8, Muon, ``train.compile`` or
+  ``logging.layer_stats``. DeepSpeed AutoEP (``distributed.expert_parallel_size`` > 1, or ``distributed.expert_layer``
+  autoep) needs DeepSpeed (ZeRO 1-3) and a split that divides the experts (and the process count: checked at launch);
+  not with ``model.init_from``, a weight EMA, ``eval.tasks``, ``eval.samples`` or activation checkpointing; under
+  ZeRO-3 not with the end-of-run export (refused once the JSON is read).
 - Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage,
   but not ZeRO-1 in bf16 or fp8: refused once the JSON is read); the split must divide the attention heads, divide or
   be a multiple of the key/value heads (fewer key/value heads than the split are replicated), and divide
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable, Union
 
-from lmrecipe.config.sections import Config, fail_all
+from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS, Config, fail_all
 
 Text = Union[str, Callable[[Config], str]]
 
@@ -82,6 +88,24 @@ def _tp_refuses(name: str, applies: Callable[[Config], bool], setting: Callable[
         f"Choose {fix}, or set distributed.tensor_parallel_size=1.")
 
 
+def _moe_refuses(name: str, applies: Callable[[Config], bool], setting: Callable[[Config], str], fix: str) -> Rule:
+    """A setting that mixture-of-experts models (``model.num_experts`` > 0) do not support in this recipe."""
+    return Rule(f"moe_{name}", lambda c: c.model.is_moe() and applies(c),
+                lambda c: f"model.num_experts={c.model.num_experts} (a mixture-of-experts model) cannot be combined "
+                          f"with {setting(c)} in this recipe.",
+                f"Choose {fix}, or train a dense model (model.num_experts=0).")
+
+
+def _autoep_refuses(name: str, applies: Callable[[Config], bool], setting: Callable[[Config], str], fix: str) -> Rule:
+    """A setting that DeepSpeed AutoEP's MoE layers (``distributed.expert_layer``) do not support in this recipe."""
+    return Rule(f"autoep_{name}", lambda c: c.distributed.uses_autoep() and applies(c),
+                lambda c: f"DeepSpeed AutoEP's MoE layers (distributed.expert_parallel_size="
+                          f"{c.distributed.expert_parallel_size}, distributed.expert_layer="
+                          f"{c.distributed.expert_layer}) cannot be combined with {setting(c)} in this recipe.",
+                f"Choose {fix}, or train the model class's own MoE block (distributed.expert_parallel_size=1, "
+                "distributed.expert_layer=hf).")
+
+
 def _uneven_ramp_sizes(c: Config) -> list[int]:
     """The batch-size ramp's step sizes that are not whole micro-batches."""
     return [size for _, size in c.train.ramp_points() if size % c.train.micro_batch_size]
@@ -107,6 +131,74 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"data.seq_len={c.data.seq_len} exceeds the model's max_position_embeddings="
                    f"{c.model.max_position_embeddings}.",
          "Lower data.seq_len or raise model.max_position_embeddings."),
+
+    # --- Mixture of experts (docs/moe.md)
+    Rule("moe_architecture",
+         lambda c: c.model.is_moe() and c.model.init_from is None and c.model.arch not in MOE_ARCHS,
+         lambda c: f"model.num_experts={c.model.num_experts} needs a mixture-of-experts architecture, not "
+                   f"model.arch={c.model.arch}.",
+         f"Choose model.arch from {', '.join(MOE_ARCHS)}, or set model.num_experts=0 for a dense model."),
+    Rule("moe_architecture_needs_experts",
+         lambda c: c.model.arch in MOE_ARCHS and c.model.init_from is None and not c.model.is_moe(),
+         lambda c: f"model.arch={c.model.arch} is a mixture-of-experts architecture but model.num_experts=0 (the "
+                   "class's default of 128 experts would be built silently).",
+         "Set model.num_experts (e.g. 8) and model.experts_per_token, or choose a dense model.arch (llama)."),
+    Rule("moe_shared_experts",
+         lambda c: (c.model.is_moe() and c.model.init_from is None
+                    and c.model.shared_experts != SHARED_EXPERT_ARCHS.get(c.model.arch, 0)),
+         lambda c: f"model.shared_experts={c.model.shared_experts}: model.arch={c.model.arch} has "
+                   f"{SHARED_EXPERT_ARCHS.get(c.model.arch, 0) or 'no'} shared expert(s) per layer.",
+         lambda c: f"Set model.shared_experts={SHARED_EXPERT_ARCHS.get(c.model.arch, 0)}" + (
+             "" if c.model.arch in SHARED_EXPERT_ARCHS else ", or model.arch=qwen2_moe (one shared expert)") + "."),
+    Rule("experts_need_a_moe_model",
+         lambda c: c.model.init_from is None and not c.model.is_moe() and (
+             c.distributed.uses_autoep() or c.distributed.expert_layer != "auto"),
+         lambda c: f"distributed.expert_parallel_size={c.distributed.expert_parallel_size} / "
+                   f"distributed.expert_layer={c.distributed.expert_layer} split or replace MoE layers, and this model "
+                   "has none (model.num_experts=0).",
+         "Set model.num_experts (with an MoE model.arch), or distributed.expert_parallel_size=1 and "
+         "distributed.expert_layer=auto."),
+    Rule("expert_parallel_needs_autoep",
+         lambda c: c.distributed.expert_parallel_size > 1 and c.distributed.expert_layer == "hf",
+         lambda c: f"distributed.expert_parallel_size={c.distributed.expert_parallel_size} splits the experts "
+                   "through DeepSpeed AutoEP, but distributed.expert_layer=hf keeps the model class's own block.",
+         "Set distributed.expert_layer=auto (or autoep), or distributed.expert_parallel_size=1."),
+    Rule("autoep_needs_deepspeed",
+         lambda c: c.distributed.uses_autoep() and not c.distributed.uses_deepspeed(),
+         lambda c: f"DeepSpeed AutoEP (distributed.expert_parallel_size={c.distributed.expert_parallel_size}, "
+                   f"distributed.expert_layer={c.distributed.expert_layer}) runs inside DeepSpeed's engine:",
+         "choose a DeepSpeed config, e.g. distributed.deepspeed_config=zero1 (ZeRO 1, 2 and 3 work), or set "
+         "distributed.expert_parallel_size=1 and distributed.expert_layer=hf."),
+    Rule("expert_parallel_divides_experts",
+         lambda c: c.model.is_moe() and c.model.num_experts % c.distributed.expert_parallel_size != 0,
+         lambda c: f"distributed.expert_parallel_size={c.distributed.expert_parallel_size} must divide "
+                   f"model.num_experts={c.model.num_experts}: each rank of a group holds an equal share of the experts.",
+         "Choose an expert_parallel_size that divides the expert count."),
+    Rule("autoep_from_init",
+         lambda c: c.distributed.uses_autoep() and c.model.init_from is not None,
+         lambda c: f"model.init_from={c.model.init_from} with DeepSpeed AutoEP: continuing a Hugging Face MoE "
+                   "checkpoint under AutoEP is not tested in this recipe.",
+         "Set model.init_from=null, or distributed.expert_parallel_size=1 and distributed.expert_layer=hf."),
+    _moe_refuses("without_tensor_parallel", lambda c: c.distributed.tensor_parallel_size > 1,
+                 lambda c: f"distributed.tensor_parallel_size={c.distributed.tensor_parallel_size}",
+                 "distributed.tensor_parallel_size=1 (split the experts with distributed.expert_parallel_size)"),
+    _moe_refuses("without_sequence_parallel", lambda c: c.distributed.sequence_parallel_size > 1,
+                 lambda c: f"distributed.sequence_parallel_size={c.distributed.sequence_parallel_size}",
+                 "distributed.sequence_parallel_size=1"),
+    _moe_refuses("without_fp8", lambda c: c.train.precision == "fp8", lambda c: "train.precision=fp8",
+                 "train.precision=bf16 (or auto)"),
+    _moe_refuses("without_muon", lambda c: c.optim.name == "muon", lambda c: "optim.name=muon", "optim.name=adamw"),
+    _moe_refuses("without_compile", lambda c: c.train.compile, lambda c: "train.compile=true", "train.compile=false"),
+    _moe_refuses("without_layer_stats", lambda c: c.logging.layer_stats, lambda c: "logging.layer_stats=true",
+                 "logging.layer_stats=false (the global grad_norm and the experts' load balance are still logged)"),
+    _autoep_refuses("without_ema", lambda c: c.train.ema_decay > 0, lambda c: f"train.ema_decay={c.train.ema_decay}",
+                    "train.ema_decay=0 (each rank holds only its share of the experts)"),
+    _autoep_refuses("without_tasks", lambda c: bool(c.eval.tasks), lambda c: f"eval.tasks={c.eval.tasks}",
+                    "eval.tasks=[] and score the export with eval.py --tasks"),
+    _autoep_refuses("without_samples", lambda c: bool(c.eval.samples), lambda c: f"eval.samples={c.eval.samples}",
+                    "eval.samples=[] and continue prompts on the export with eval.py --generate"),
+    _autoep_refuses("without_gradient_checkpointing", lambda c: c.train.gradient_checkpointing,
+                    lambda c: "train.gradient_checkpointing=true", "train.gradient_checkpointing=false"),
 
     # --- The data
     Rule("one_data_choice",

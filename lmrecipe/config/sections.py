@@ -30,6 +30,12 @@ def _fixed(default: Any = dataclasses.MISSING, **kwargs) -> Any:
     return field(default=default, metadata=_FIXED, **kwargs)
 
 
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""The mixture-of-experts architectures (``model.arch``) a recipe builds with ``model.num_experts`` > 0."""
+SHARED_EXPERT_ARCHS = {"qwen2_moe": 1}
+"""The MoE architectures with shared experts, and how many each layer has (the others have none)."""
+
+
 @dataclass
 class ModelConfig:
     arch: str = _fixed("llama")
@@ -62,6 +68,20 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation."""
     extra: dict = field(default_factory=dict, metadata=_FIXED)
     """Further keyword arguments for the architecture's ``AutoConfig`` (e.g. ``rms_norm_eps``)."""
+    num_experts: int = _fixed(0)
+    """Routed experts in each mixture-of-experts layer (``model.arch`` qwen3_moe, qwen2_moe or mixtral,
+    ``docs/moe.md``); 0 = a dense model (any other architecture)."""
+    experts_per_token: int = _fixed(2)
+    """Experts each token is routed to (top-k) in an MoE layer."""
+    expert_intermediate_size: Optional[int] = _fixed(None)
+    """Hidden width of one expert's MLP (features); null means ``intermediate_size``'s value."""
+    shared_experts: int = _fixed(0)
+    """Experts every token passes through besides its routed ones, of width ``expert_intermediate_size``: qwen2_moe
+    has 1 (set it), qwen3_moe and mixtral have none (0)."""
+    router_aux_loss_coef: float = 0.001
+    """Coefficient of the router's load-balancing loss (Switch Transformer's, as the model class computes it), added
+    to the training objective and logged as ``aux_loss`` apart from ``loss``; validation, perplexity and
+    ``eval.py`` report the language-model loss alone. 0 = off."""
 
     def validate(self) -> None:
         _positive(self, "hidden_size", "num_layers", "num_heads")
@@ -72,6 +92,16 @@ class ModelConfig:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise fail(f"model.{key}={value} must be positive (or null for the default).")
+        _non_negative(self, "num_experts", "shared_experts")
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            raise fail(f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be a finite number >= 0 "
+                       "(0.001 is Qwen's and Mixtral's value; 0 turns the router's auxiliary loss off).")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise fail(f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts="
+                       f"{self.num_experts}] (each token's routed experts are chosen among them).")
+        if self.expert_intermediate_size is not None and self.expert_intermediate_size <= 0:
+            raise fail(f"model.expert_intermediate_size={self.expert_intermediate_size} must be positive (or null "
+                       "for model.intermediate_size).")
 
     def kv_heads(self) -> int:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
@@ -80,6 +110,14 @@ class ModelConfig:
         if self.intermediate_size is not None:
             return self.intermediate_size
         return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers (``num_experts`` > 0)."""
+        return self.num_experts > 0
+
+    def expert_size(self) -> int:
+        """Hidden width of one expert's MLP (features)."""
+        return self.expert_intermediate_size if self.expert_intermediate_size is not None else self.mlp_size()
 
 
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -501,7 +539,7 @@ class CheckpointConfig:
     remote checkpoint onto a fresh node. Needs ``pip install -e ".[remote]"``. null = local only."""
     remote_wait_s: float = 600.0
     """Seconds the end of a run (or a crash) waits for uploads to ``remote`` still in flight; what is not uploaded by
-    then is named, and the next run with this out_dir uploads it."""
+    then is named, and a later session of this run that trains (a resume) uploads it."""
 
     def validate(self) -> None:
         _non_negative(self, "every_steps")
@@ -600,13 +638,27 @@ class DistributedConfig:
     tensor_parallel_size``. 1 = off. Needs DeepSpeed ZeRO 0-2 (ZeRO-3 is refused); must divide the process count,
     the attention and key/value heads and ``model.intermediate_size``."""
 
+    expert_parallel_size: int = 1
+    """Expert parallelism (DeepSpeed AutoEP, ``docs/moe.md``): the experts of each MoE layer are split over this many
+    consecutive ranks, which exchange tokens through all-to-alls; every rank still reads its own samples (the
+    data-parallel ranks stay ``world_size``). 1 = each rank holds every expert. Needs DeepSpeed and
+    ``model.num_experts`` > 0; must divide the process count and ``model.num_experts``."""
+    expert_layer: Literal["auto", "autoep", "hf"] = _fixed("auto")
+    """Which MoE layer trains: ``hf`` = the model class's own block (under ZeRO-3 made a leaf module, so its
+    experts are gathered together); ``autoep`` = DeepSpeed AutoEP's layer (needs DeepSpeed; also at
+    ``expert_parallel_size=1``); ``auto`` = ``autoep`` when ``expert_parallel_size`` > 1, else ``hf``."""
+
     def validate(self) -> None:
-        _positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size")
+        _positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size", "expert_parallel_size")
         self.deepspeed_config_path()
 
     def deepspeed_config_path(self) -> Optional[Path]:
         """The DeepSpeed JSON file, or None: see :func:`resolve_deepspeed_config`."""
         return resolve_deepspeed_config(self.deepspeed_config)
+
+    def uses_autoep(self) -> bool:
+        """Whether the MoE layers are DeepSpeed AutoEP's (:attr:`expert_layer`)."""
+        return self.expert_layer == "autoep" or (self.expert_layer == "auto" and self.expert_parallel_size > 1)
 
     def uses_deepspeed(self) -> bool:
         """Whether the run trains under DeepSpeed (``deepspeed_config`` names a file), without reading the file."""
@@ -696,6 +748,14 @@ def due_at(step: int, every_steps: int, last_step: int) -> bool:
     """Whether an every-``every_steps`` action (0 = never) is due after optimizer step ``step`` (1-based); the last
     step ``last_step`` always is."""
     return step == last_step or (every_steps > 0 and step % every_steps == 0)
+
+
+def autoep_size_of(run_config: dict) -> Optional[int]:
+    """The DeepSpeed AutoEP size of a resolved config as saved (``Config.to_dict()``, a checkpoint's ``config``);
+    None when its MoE layers are not AutoEP's (or it has none): :meth:`DistributedConfig.uses_autoep` on a dict."""
+    dist = run_config.get("distributed", {})
+    size, layer = int(dist.get("expert_parallel_size", 1)), dist.get("expert_layer", "auto")
+    return size if layer == "autoep" or (layer == "auto" and size > 1) else None
 
 
 def flatten_config(data: dict, prefix: str = "") -> dict[str, Any]:

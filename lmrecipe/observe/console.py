@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from lmrecipe.config import LoggingConfig, due_at
 from lmrecipe.observe import device as device_stats
 from lmrecipe.observe.metrics_log import MetricsLog, read_metrics, throughput
-from lmrecipe.observe.plots import plot_training
 from lmrecipe.observe.run_meta import read_run_meta, run_events, run_metadata, write_run_meta
 
 logger = logging.getLogger(__name__)
@@ -42,6 +41,13 @@ def read_figures(figures: dict) -> dict[str, float]:
         return {}
     values = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in figures.values()]).tolist()
     return dict(zip(figures, values))
+
+
+def load_balance(expert_tokens: torch.Tensor) -> dict[str, float]:
+    """Each MoE layer's load balance from the tokens each of its experts received (``[layers, experts]``): the busiest
+    expert's count over the mean count, ``load_balance/layer{i}`` (1 = even; ``num_experts`` = one expert takes all)."""
+    ratio = expert_tokens.amax(dim=1) / expert_tokens.mean(dim=1).clamp_min(1e-12)
+    return {f"load_balance/layer{i}": value for i, value in enumerate(ratio.tolist())}
 
 
 class Reporter:
@@ -96,11 +102,15 @@ class Reporter:
 
     def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | float,
                   step_time_s: float, data_time_s: float, z_loss: torch.Tensor | None = None,
-                  figures: dict | None = None) -> None:
+                  figures: dict | None = None, aux_loss: torch.Tensor | None = None,
+                  expert_tokens: torch.Tensor | None = None) -> None:
         """Count the step; at a log step read the loss and grad norm (their only host reads) and write a row.
 
-        ``z_loss``: this rank's z-loss term (averaged over ranks like the loss; None: off). ``figures``: further
-        figures by name, on the device and already combined over ranks (read together, in one host read).
+        ``z_loss``, ``aux_loss``: this rank's z-loss and router load-balancing terms (averaged over ranks like the
+        loss, logged apart from it; None: off). ``figures``: further figures by name, on the device and already
+        combined over ranks (read together, in one host read). ``expert_tokens``: the tokens this rank routed to each
+        expert of each MoE layer in the step, ``[layers, experts]``, summed over ranks into each layer's load balance
+        ``load_balance/layer{i}`` (the busiest expert's tokens over the mean; 1 = even).
 
         The loop syncs ``state`` (skip counters) at every log step before calling this.
         """
@@ -116,14 +126,17 @@ class Reporter:
         interval_skips = state.skipped_steps - self._skipped_at_interval_start
         grad_norm = float(grad_norm)
         # One collective per log interval: the mean loss over all ranks (this is also a device sync point).
-        if z_loss is None:
+        terms = {name: term for name, term in (("z_loss", z_loss), ("aux_loss", aux_loss)) if term is not None}
+        if not terms:
             loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
             extra = {}
         else:
-            loss_value, z_value = self.accelerator.reduce(torch.stack([loss.detach().float(), z_loss.detach().float()]),
-                                                          reduction="mean").tolist()
-            extra = {"z_loss": z_value}
+            values = self.accelerator.reduce(torch.stack([t.detach().float() for t in (loss, *terms.values())]),
+                                             reduction="mean").tolist()
+            loss_value, extra = values[0], dict(zip(terms, values[1:]))
         extra.update(read_figures(figures or {}))
+        if expert_tokens is not None:
+            extra.update(load_balance(self.accelerator.reduce(expert_tokens.float(), reduction="sum")))
         interval_time_s = self._interval_step_time_s
         tokens_per_sec = self._interval_tokens / max(interval_time_s, 1e-12)
         row = {
@@ -189,5 +202,10 @@ class Reporter:
                 tokens = max((r["tokens_seen"] for r in rows if "tokens_seen" in r), default=0)
                 params = f"{meta['n_params'] / 1e6:,.2f}M parameters, " if meta.get("n_params") else ""
                 title = f"{self.section.run_name or self.out_dir.name}: {params}{tokens:,} tokens trained"
+                try:  # matplotlib loads when a plot is drawn: a node without it (a GPU kit's) still trains
+                    from lmrecipe.observe.plots import plot_training
+                except ImportError as err:
+                    logger.warning("training.png not drawn: %s (pip install matplotlib)", err)
+                    return
                 plot_training(rows, self.out_dir / "training.png", title=title, events=run_events(meta),
                               run_tokens_per_sec=throughput([r for r in rows if "loss" in r])["tokens_per_sec"])

@@ -6,6 +6,7 @@ step; the trainer (``lmrecipe/train/trainer.py``) owns the loop over it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from lmrecipe.data.sources import TrainingData, check_sources, open_training_dat
 from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.distributed import (
     Runtime,
+    autoep_registry_compat,
     build_runtime,
     check_sequence_parallel_model,
     check_tensor_parallel_model,
@@ -36,6 +38,7 @@ from lmrecipe.model import (
     flops_per_token,
     fp8_layer_filter,
     param_counts,
+    set_moe_leaf_modules,
 )
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
@@ -61,6 +64,15 @@ class Run:
     accumulating_samples: int | None = None
     """The step size (samples over all ranks) the Accelerator and a DeepSpeed engine now accumulate to; None: the
     ``train.global_batch_size`` they were built with."""
+    n_active_params: int | None = None
+    """Parameters one token passes through (an MoE model's routed experts counted ``experts_per_token`` times out of
+    ``num_experts``); None: a dense model, all of ``n_params``."""
+
+    def describe_params(self) -> str:
+        """The model's parameter count for the start-up line: total, and active per token for an MoE model."""
+        if self.n_active_params is None:
+            return f"{self.n_params / 1e6:.2f}M params"
+        return f"{self.n_params / 1e6:.2f}M params ({self.n_active_params / 1e6:.2f}M active per token)"
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:
@@ -146,16 +158,21 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     check_tensor_parallel_model(cfg.distributed.tensor_parallel_size, hf_config)
     if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
         use_chunked_loss(model, chunk_tokens)
+    if runtime.zero.stage == 3 and not runtime.autoep:
+        set_moe_leaf_modules(model)
     counts = param_counts(model)
-    fpt = flops_per_token(counts["total"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size, cfg.data.seq_len)
+    fpt = flops_per_token(counts["active"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size,
+                          cfg.data.seq_len)
     if cfg.train.compile and not runtime.zero.deepspeed:
         model = torch.compile(model)
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer,
-                                fused=not runtime.zero.deepspeed and runtime.precision != "fp16")
+                                fused=not runtime.zero.deepspeed and runtime.precision != "fp16",
+                                expert_group=runtime.expert_group())
     name_sequence_parallel_attention(accelerator, model)
     if runtime.precision == "fp8":
         choose_fp8_layers(accelerator, model)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    with autoep_registry_compat() if runtime.autoep else contextlib.nullcontext():
+        model, optimizer = accelerator.prepare(model, optimizer)
     if cfg.train.compile and runtime.zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
@@ -163,7 +180,9 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
-    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, attention)
+    active = counts["active"] if counts["active"] != counts["total"] else None
+    return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, attention,
+               n_active_params=active)
 
 
 def choose_fp8_layers(accelerator, model: torch.nn.Module) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from lmrecipe.loss import forward_kwargs, training_loss
+from lmrecipe.loss import LossTerms, forward_kwargs, training_loss
 from lmrecipe.observe.profiler import region
 from lmrecipe.optim import set_lr
 from lmrecipe.train.setup import Run
@@ -38,6 +38,11 @@ class StepResult:
     ``train.global_batch_size`` (``Run.tokens_per_step``)."""
     z_loss: torch.Tensor | None = None
     """Mean z-loss term of this rank's micro-batches (``train.z_loss``, already times its coefficient); None: off."""
+    aux_loss: torch.Tensor | None = None
+    """Mean router load-balancing term of this rank's micro-batches (``model.router_aux_loss_coef`` times the model's
+    auxiliary loss); None: a dense model or off."""
+    expert_tokens: torch.Tensor | None = None
+    """Tokens this rank routed to each expert of each MoE layer over the step, ``[layers, experts]``; None: dense."""
     figures: dict = field(default_factory=dict)
     """Further figures of a logged step by name, on the device and already combined over ranks (the per-layer
     instruments' ``grad_norm/<part>``, ...: ``lmrecipe/train/callbacks/layer_stats.py``), written with the step's row."""
@@ -48,9 +53,10 @@ SectionTimer = Callable[[str, float], None]
 
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None,
-                          model_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          model_kwargs: dict | None = None) -> LossTerms:
     """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary): the language-model
-    loss and the z-loss term (None when ``train.z_loss`` is 0), whose sum is backpropagated.
+    loss, the z-loss term (None when ``train.z_loss`` is 0) and an MoE model's router term (None for a dense model),
+    detached; their sum is backpropagated.
 
     ``model_kwargs``: the forward's document keywords (``loss.forward_kwargs``), already on the device.
     """
@@ -58,8 +64,11 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     with accelerator.accumulate(model):
         start = time.perf_counter()
         with region("forward"):
-            loss, z_term = training_loss(model, inputs, targets, run.cfg.train.z_loss, model_kwargs)
-            objective = loss if z_term is None else loss + z_term
+            moe = run.cfg.model
+            terms = training_loss(model, inputs, targets, run.cfg.train.z_loss, model_kwargs,
+                                  moe.router_aux_loss_coef if moe.is_moe() else 0.0,
+                                  moe.experts_per_token if moe.is_moe() else 0)
+            objective = terms.objective()
         forward_done = time.perf_counter()
         with region("backward"):
             # Sequence parallelism: scaled to how DeepSpeed reduces the group's gradients (SequenceParallel).
@@ -68,7 +77,7 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     if timer is not None:
         timer("forward+loss", forward_done - start)
         timer("backward", time.perf_counter() - forward_done)
-    return loss.detach(), None if z_term is None else z_term.detach()
+    return LossTerms(*(None if term is None else term.detach() for term in terms))
 
 
 def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
@@ -119,7 +128,7 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
         micro_batches = run.prefetcher.get(step)
     data_time_s = time.perf_counter() - fetch_start
     loss_sum = torch.zeros((), device=device)
-    z_loss_sum = torch.zeros((), device=device) if run.cfg.train.z_loss else None
+    z_loss_sum = aux_loss_sum = expert_tokens = None
     sequence = run.runtime.sequence
     for inputs, targets, documents in micro_batches:
         copy_start = time.perf_counter()
@@ -129,10 +138,11 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
                 inputs, targets, model_kwargs = sequence.shard(inputs, targets, model_kwargs, device)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         data_time_s += time.perf_counter() - copy_start
-        loss, z_term = forward_backward_step(run, inputs, targets, timer, model_kwargs)
-        loss_sum += loss
-        if z_term is not None:
-            z_loss_sum += z_term
+        terms = forward_backward_step(run, inputs, targets, timer, model_kwargs)
+        loss_sum += terms.lm
+        z_loss_sum = _add(z_loss_sum, terms.z)
+        aux_loss_sum = _add(aux_loss_sum, terms.aux)
+        expert_tokens = _add(expert_tokens, terms.expert_tokens)
     optimizer_start = time.perf_counter()
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
@@ -140,6 +150,14 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
     if timer is not None:
         timer("data", data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)
-    return StepResult(loss_sum / len(micro_batches), lr, grad_norm, skipped, data_time_s,
-                      tokens=samples * run.cfg.data.seq_len,
-                      z_loss=None if z_loss_sum is None else z_loss_sum / len(micro_batches))
+    n = len(micro_batches)
+    return StepResult(loss_sum / n, lr, grad_norm, skipped, data_time_s, tokens=samples * run.cfg.data.seq_len,
+                      z_loss=None if z_loss_sum is None else z_loss_sum / n,
+                      aux_loss=None if aux_loss_sum is None else aux_loss_sum / n, expert_tokens=expert_tokens)
+
+
+def _add(total: torch.Tensor | None, term: torch.Tensor | None) -> torch.Tensor | None:
+    """A running sum of an optional loss term (None while no term has come)."""
+    if term is None:
+        return total
+    return term.clone() if total is None else total + term

@@ -228,8 +228,41 @@ def test_bad_yaml_names_the_file_line_and_column(tmp_path):
 
 ZERO1 = "distributed.deepspeed_config=zero1"
 SP2, TP2 = "distributed.sequence_parallel_size=2", "distributed.tensor_parallel_size=2"
+MOE = ["model.arch=qwen3_moe", "model.num_experts=4"]
+AUTOEP = [*MOE, "distributed.deepspeed_config=zero1", "distributed.expert_layer=autoep"]
 TRIGGERS = {
     # rule name: (overrides on the tiny recipe, a fragment of the message)
+    "moe_architecture": (["model.num_experts=4"],
+                         "model.num_experts=4 needs a mixture-of-experts architecture, not model.arch=llama. Choose"),
+    "moe_architecture_needs_experts": (["model.arch=mixtral"], "Set model.num_experts (e.g. 8)"),
+    "moe_shared_experts": ([*MOE, "model.shared_experts=1"],
+                           "model.arch=qwen3_moe has no shared expert(s) per layer. Set model.shared_experts=0, "
+                           "or model.arch=qwen2_moe"),
+    "experts_need_a_moe_model": (["distributed.expert_layer=hf"], "this model has none (model.num_experts=0)"),
+    "expert_parallel_needs_autoep": ([*MOE, "distributed.deepspeed_config=zero1", "distributed.expert_parallel_size=2",
+                                      "distributed.expert_layer=hf"], "Set distributed.expert_layer=auto (or autoep)"),
+    "autoep_needs_deepspeed": ([*MOE, "distributed.expert_parallel_size=2"],
+                               "choose a DeepSpeed config, e.g. distributed.deepspeed_config=zero1"),
+    "expert_parallel_divides_experts": ([*MOE, "distributed.deepspeed_config=zero1",
+                                         "distributed.expert_parallel_size=3"],
+                                        "distributed.expert_parallel_size=3 must divide model.num_experts=4"),
+    "autoep_from_init": ([*AUTOEP, "model.init_from=/nowhere"], "model.init_from=/nowhere with DeepSpeed AutoEP"),
+    "moe_without_tensor_parallel": ([*MOE, "distributed.deepspeed_config=zero1", TP2],
+                                    "cannot be combined with distributed.tensor_parallel_size=2 in this recipe. Choose "
+                                    "distributed.tensor_parallel_size=1 (split the experts"),
+    "moe_without_sequence_parallel": ([*MOE, "distributed.deepspeed_config=zero1", SP2],
+                                      "cannot be combined with distributed.sequence_parallel_size=2"),
+    "moe_without_fp8": ([*MOE, "train.precision=fp8"], "cannot be combined with train.precision=fp8"),
+    "moe_without_muon": ([*MOE, "optim.name=muon"], "(a mixture-of-experts model) cannot be combined with optim.name=muon"),
+    "moe_without_compile": ([*MOE, "train.compile=true"], "cannot be combined with train.compile=true"),
+    "moe_without_layer_stats": ([*MOE, "logging.layer_stats=true"], "cannot be combined with logging.layer_stats=true"),
+    "autoep_without_ema": ([*AUTOEP, "train.ema_decay=0.9"], "AutoEP's MoE layers (distributed.expert_parallel_size=1, "
+                                                             "distributed.expert_layer=autoep) cannot be combined with "
+                                                             "train.ema_decay=0.9"),
+    "autoep_without_tasks": ([*AUTOEP, "eval.tasks=[next_line]"], "cannot be combined with eval.tasks=['next_line']"),
+    "autoep_without_samples": ([*AUTOEP, "eval.samples=[def]"], "cannot be combined with eval.samples=['def']"),
+    "autoep_without_gradient_checkpointing": ([*AUTOEP, "train.gradient_checkpointing=true"],
+                                              "cannot be combined with train.gradient_checkpointing=true"),
     "heads_divide_hidden_size": (["model.num_heads=3"], "model.hidden_size=64 must be divisible by model.num_heads=3."),
     "kv_heads_divide_heads": (["model.num_kv_heads=3"], "model.num_kv_heads=3 must be a positive divisor of model.num_heads=4"),
     "window_within_positions": (["model.max_position_embeddings=16"],

@@ -24,7 +24,7 @@ def json_with(tmp_path, **sections) -> str:
 @pytest.mark.parametrize("section, fix", [
     ({"sequence_parallel_size": 2}, "set distributed.sequence_parallel_size=2 in the"),
     ({"tensor_parallel": {"autotp_size": 2}}, "set distributed.tensor_parallel_size=2 in the"),
-    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "no expert-parallel setting yet: remove the section"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "set distributed.expert_parallel_size=N"),
 ], ids=["sequence_parallel_size", "tensor_parallel", "expert_parallel"])
 def test_a_json_that_sets_a_parallel_split_is_refused_with_the_recipe_key(tmp_path, section, fix):
     cfg = load_config(ROOT / "recipes" / "tiny.yaml", TINY_OVERRIDES)

@@ -150,3 +150,10 @@ def test_without_the_client_libraries_a_url_names_the_extra_to_install(monkeypat
     with pytest.raises(UserError, match=r's3://bucket/run is object storage, which needs the s3fs package: .*'
                                         r'pip install -e "\.\[remote\]"'):
         open_filesystem("s3://bucket/run")
+
+
+def test_without_gcsfs_a_gcs_url_names_the_package_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    with pytest.raises(UserError, match=r"gs://bucket/run is Google Cloud Storage, which needs the gcsfs package: "
+                                        r"`pip install -e \"\.\[remote\]\" gcsfs`"):
+        open_filesystem("gs://bucket/run")

@@ -39,7 +39,7 @@ def batch(rows: int = 3, seq: int = 33):
 
 def terms_and_grads(model, inputs, targets, coef):
     model.zero_grad(set_to_none=True)
-    loss, z_term = training_loss(model, inputs, targets, coef)
+    loss, z_term = training_loss(model, inputs, targets, coef)[:2]
     (loss if z_term is None else loss + z_term).backward()
     return loss.detach(), z_term, {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -53,7 +53,7 @@ def test_the_z_loss_is_the_mean_squared_log_partition_of_the_counted_tokens():
     inputs, targets = batch()
     targets[0, :5] = IGNORE_INDEX  # tokens the language-model loss skips are skipped here too
     with torch.no_grad():
-        lm_loss, z_term = training_loss(model, inputs, targets, COEF)
+        lm_loss, z_term = training_loss(model, inputs, targets, COEF)[:2]
         logits = model(input_ids=inputs).logits.float()
     counted = targets != IGNORE_INDEX
     want = COEF * torch.logsumexp(logits, -1)[counted].square().mean()
@@ -98,7 +98,7 @@ def test_the_chunked_z_loss_makes_no_host_sync():
     use_chunked_loss(model, 16)
     inputs, targets = batch()
     with HostSyncCounter() as counter:
-        loss, z_term = training_loss(model, inputs, targets, COEF)
+        loss, z_term = training_loss(model, inputs, targets, COEF)[:2]
         (loss + z_term).backward()
     assert counter.total == 0, counter.sources
 

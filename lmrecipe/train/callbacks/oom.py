@@ -131,7 +131,8 @@ class OOMDiagnosis(Callback):
                            micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation,
                            ema=cfg.train.ema_decay > 0, loss_chunk_tokens=loss_chunk_tokens,
                            sequence_parallel_size=cfg.distributed.sequence_parallel_size, optimizer=cfg.optim.name,
-                           tensor_parallel_size=cfg.distributed.tensor_parallel_size)
+                           tensor_parallel_size=cfg.distributed.tensor_parallel_size,
+                           expert_parallel_size=cfg.distributed.expert_parallel_size)
             activations = est.activations_checkpointed if gradient_checkpointing else est.activations
             if host and setup.offload_optimizer:
                 return f"{format_bytes(est.cpu_per_node)} offloaded per node, {format_bytes(est.device_total)} per device"

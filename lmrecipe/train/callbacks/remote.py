@@ -288,8 +288,9 @@ class RemoteUpload(Callback):
         if self.missing:
             logger.warning(
                 "Not uploaded to %s within checkpoint.remote_wait_s=%g s: %s. The local copies in %s are complete; "
-                "the remote latest still names the last checkpoint uploaded whole. The next run with this out_dir "
-                "uploads the newest local checkpoint when it starts; or copy the folder yourself (e.g. `aws s3 sync "
+                "the remote latest still names the last checkpoint uploaded whole. A later session of this run that trains "
+                "(a resume, or train.max_steps raised) uploads the newest local checkpoint when it starts (a finished "
+                "run run again does nothing); or copy the folder yourself (e.g. `aws s3 sync "
                 "%s %s/checkpoints/NAME`) and write its name into %s/checkpoints/latest last.", self.store.url,
                 self.section.remote_wait_s, ", ".join(self.missing), trainer.checkpointer.root,
                 trainer.checkpointer.root / "NAME", self.store.url, self.store.url)

@@ -54,7 +54,8 @@ class Reporting(Callback):
         if trainer.state.step == 1 and self.run.cfg.train.compile:
             logger.info("Step 1 took %.1f s, torch.compile's compilation included", trainer.step_time_s)
         self.reporter.step_done(trainer.state, result.loss, result.lr, result.grad_norm, trainer.step_time_s,
-                                result.data_time_s, result.z_loss, result.figures)
+                                result.data_time_s, result.z_loss, result.figures, result.aux_loss,
+                                result.expert_tokens)
 
     def after_eval(self, trainer, result: EvalResult) -> None:
         figures = dict(result.figures)
@@ -101,9 +102,11 @@ def log_start(run: Run) -> None:
         ranks = f"{layout.world_size} data-parallel groups of {sequence.size} ranks sharing each sequence"
     elif tp > 1:
         ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
+    elif experts := run.runtime.describe_experts():
+        ranks = f"{layout.world_size} processes ({experts})"
     logger.info(
-        "model %.2fM params | %s x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s%s",
-        run.n_params / 1e6, ranks, layout.micro_batch_size, layout.accum_steps, layout.global_batch_size,
+        "model %s | %s x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s%s",
+        run.describe_params(), ranks, layout.micro_batch_size, layout.accum_steps, layout.global_batch_size,
         cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
         "" if (head := chunked_head(run.model)) is None else f" | loss in chunks of {head.chunk_tokens} tokens",
     )

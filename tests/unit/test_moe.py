@@ -1,0 +1,182 @@
+"""Mixture-of-experts models from recipes (docs/moe.md): the recipe keys in the model class's config, total and active
+parameters, the optimizer groups DeepSpeed AutoEP needs, ZeRO-3 leaf modules, the DeepSpeed JSON's expert_parallel
+section, and the one place that works around transformers 5.23 and DeepSpeed AutoEP disagreeing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import ROOT, TINY_OVERRIDES
+
+from lmrecipe.config import load_config
+from lmrecipe.data.batches import BatchLayout
+from lmrecipe.distributed import autoep_registry_compat, load_deepspeed_config
+from lmrecipe.errors import UserError
+from lmrecipe.loss import expert_tokens
+from lmrecipe.model import build_hf_config, build_model, param_counts, set_moe_leaf_modules
+from lmrecipe.observe.console import load_balance
+from lmrecipe.optim import expert_params, param_groups
+
+TINY = ROOT / "recipes" / "tiny.yaml"
+MOE = ["model.arch=qwen3_moe", "model.num_experts=4", "model.experts_per_token=2", "model.hidden_size=32",
+       "model.intermediate_size=64", "model.expert_intermediate_size=16"]
+
+
+def moe_model(arch: str = "qwen3_moe", extra: tuple = ()):
+    cfg = load_config(TINY, [*TINY_OVERRIDES, *MOE, f"model.arch={arch}", *extra])
+    hf_config = build_hf_config(cfg.model, 384, cfg.data.seq_len)
+    return cfg, hf_config, build_model(cfg.model, cfg.train, hf_config)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_recipe_keys_shape_the_model_class(arch):
+    cfg, hf_config, model = moe_model(arch)
+    experts = [p for name, p in model.named_parameters() if ".experts." in name]
+    assert hf_config.num_experts_per_tok == 2 and hf_config.output_router_logits
+    assert hf_config.router_aux_loss_coef == cfg.model.router_aux_loss_coef == 0.001
+    # 2 layers x (gate_up [4, 2 x 16, 32] + down [4, 32, 16]): every expert of width 16
+    assert sorted(tuple(p.shape) for p in experts) == [(4, 32, 16)] * 2 + [(4, 32, 32)] * 2
+    counts = param_counts(model)
+    expert_total = sum(p.numel() for p in experts)
+    assert counts["active"] == counts["total"] - expert_total // 2  # 2 of 4 experts per token
+
+
+def test_a_shared_expert_is_built_where_the_architecture_has_one():
+    _, hf_config, model = moe_model("qwen2_moe", ("model.shared_experts=1",))
+    assert hf_config.shared_expert_intermediate_size == 16
+    shared = [name for name, _ in model.named_parameters() if "shared_expert." in name]
+    assert len(shared) == 2 * 3  # gate, up and down projections in each of 2 layers
+    assert not any("shared_expert" in name for name in _names(expert_params(model), model))
+
+
+def test_the_config_and_the_model_know_the_same_moe_architectures():
+    from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS
+    from lmrecipe.model import MOE_ARCHS as MODEL_MOE_ARCHS
+
+    assert set(MOE_ARCHS) == set(MODEL_MOE_ARCHS)
+    assert {arch for arch, keys in MODEL_MOE_ARCHS.items() if keys.shared_width} == set(SHARED_EXPERT_ARCHS)
+    with pytest.raises(UserError, match="model.arch=qwen2_moe has 1 shared expert.s. per layer. Set model.shared_"):
+        load_config(TINY, [*TINY_OVERRIDES, *MOE, "model.arch=qwen2_moe"])
+
+
+def _names(params, model) -> list[str]:
+    ids = {id(p) for p in params}
+    return [name for name, p in model.named_parameters() if id(p) in ids]
+
+
+def test_expert_parameters_get_their_own_groups_marked_for_deepspeed():
+    cfg, _, model = moe_model()
+    groups = param_groups(model, cfg.optim, expert_group="ep_size_2")
+    experts = {id(p) for p in expert_params(model)}
+    moe = [g for g in groups if g.get("moe")]
+    assert [g["name"] for g in moe] == ["ep_size_2"] and moe[0]["weight_decay"] == cfg.optim.weight_decay
+    assert {id(p) for g in moe for p in g["params"]} == experts and len(experts) == 4
+    assert not any(id(p) in experts for g in groups if not g.get("moe") for p in g["params"])
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    # Without AutoEP: the two groups of a dense model, the experts among the decayed matrices.
+    assert [len(g["params"]) for g in param_groups(model, cfg.optim)] == [len(groups[0]["params"]) + 4,
+                                                                           len(groups[1]["params"])]
+
+
+def test_zero3_makes_every_moe_block_a_leaf_module():
+    from deepspeed.utils import z3_leaf_module
+
+    _, _, model = moe_model()
+    assert set_moe_leaf_modules(model) == ["Qwen3MoeSparseMoeBlock"]
+    blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+    assert len(blocks) == 2 and all(z3_leaf_module(m) for m in blocks)
+
+
+def test_tokens_per_expert_and_the_load_balance():
+    logits = (torch.tensor([[3.0, 2.0, 0.0, 0.0], [3.0, 0.0, 2.0, 0.0], [3.0, 0.0, 0.0, 2.0]]),
+              torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3))
+    counts = expert_tokens(logits, 2)
+    assert counts.tolist() == [[3.0, 1.0, 1.0, 1.0], [0.0, 0.0, 3.0, 3.0]]
+    assert load_balance(counts) == {"load_balance/layer0": 2.0, "load_balance/layer1": 2.0}
+    assert expert_tokens(None, 2) is None
+
+
+def _ds_config(tmp_path, overrides: list[str], section: dict | None = None) -> dict:
+    ds = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+    if section is not None:
+        ds["expert_parallel"] = section
+    path = tmp_path / "custom.json"
+    path.write_text(json.dumps(ds))
+    cfg = load_config(TINY, [*TINY_OVERRIDES, *MOE, f"distributed.deepspeed_config={path}", *overrides])
+    return load_deepspeed_config(path, cfg.optim, cfg.distributed, BatchLayout.from_config(cfg.train, 2), "fp32")
+
+
+def test_the_expert_parallel_section_comes_from_the_recipe(tmp_path):
+    ds = _ds_config(tmp_path, ["distributed.expert_parallel_size=2"], {"comm_backend": "comm"})
+    assert ds["expert_parallel"] == {"comm_backend": "comm", "enabled": True, "autoep_size": 2}
+    assert "expert_parallel" not in _ds_config(tmp_path, [])  # the model class's own block: no AutoEP
+    with pytest.raises(UserError, match="sets load_balance_coeff in its 'expert_parallel' section"):
+        _ds_config(tmp_path, ["distributed.expert_parallel_size=2"], {"load_balance_coeff": 0.01})
+    with pytest.raises(UserError, match=r"set\sdistributed.expert_layer=autoep .or distributed.expert_parallel_size"):
+        _ds_config(tmp_path, [], {"comm_backend": "comm"})
+
+
+def test_the_registry_workaround_is_still_needed_and_only_inside_its_context():
+    """Fails once transformers' registry takes a class name and a default again (or DeepSpeed stops passing them):
+    then ``distributed.autoep_registry_compat`` and its use in ``train/setup.py`` can go."""
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, _CanRecordRegistry
+
+    original = _CanRecordRegistry.get
+    key = "<class 'lmrecipe.TestBlock'>"
+    missing = object()
+    with pytest.raises(TypeError, match="takes 2 positional arguments"):
+        _CAN_RECORD_REGISTRY.get(key, missing)  # what DeepSpeed AutoEP calls while it builds the engine
+    with autoep_registry_compat():
+        assert _CAN_RECORD_REGISTRY.get(key, missing) is missing
+        dict.__setitem__(_CAN_RECORD_REGISTRY, key, {"router_logits": 1})
+        try:
+            assert _CAN_RECORD_REGISTRY.get(key) == {"router_logits": 1}
+        finally:
+            dict.pop(_CAN_RECORD_REGISTRY, key)
+    assert _CanRecordRegistry.get is original
+
+
+def test_the_planner_and_the_estimator_count_total_active_and_each_ranks_experts():
+    from lmrecipe.distributed import ZeroSetup
+    from lmrecipe.memory import estimate_model_states, model_shape
+    from lmrecipe.plan import shape_from_config
+
+    cfg, hf_config, model = moe_model("mixtral")
+    counts, shape = param_counts(model), model_shape(hf_config)
+    planned = shape_from_config(cfg.model, 384)
+    assert (planned.n_params, planned.n_active) == (shape.n_params, shape.active()) == (counts["total"],
+                                                                                       counts["active"])
+    assert shape.expert_params == sum(p.numel() for p in expert_params(model))
+    zero1 = ZeroSetup(stage=1, deepspeed=True)
+    whole = estimate_model_states(shape, zero1, 2, 2, "fp32", 1)["model_states"]
+    dense, experts = shape.split_experts(2)
+    split = sum(estimate_model_states(part, zero1, ranks, 2, "fp32", 1)["model_states"]
+                for part, ranks in ((dense, 2), (experts, 1)))
+    # fp32 ZeRO-1 on 2 ranks, one micro-step (memory.py's table): 4 + (4 + 12) / 2 bytes a parameter; a rank's half of
+    # the experts, in an expert group of 1 rank that partitions nothing: (4 + 4 + 12) / 2 bytes an expert parameter.
+    assert whole - split == pytest.approx(shape.expert_params * (12 - 20 / 2))
+
+
+def test_autoep_under_zero3_refuses_the_end_of_run_export():
+    from lmrecipe.distributed import ZeroSetup, check_autoep_export
+
+    with pytest.raises(UserError, match=r"Set\s+checkpoint.export_at_end=false, or train under"):
+        check_autoep_export(True, ZeroSetup(stage=3, deepspeed=True), True, "zero3")
+    check_autoep_export(True, ZeroSetup(stage=2, deepspeed=True), True, "zero2")
+    check_autoep_export(False, ZeroSetup(stage=3, deepspeed=True), True, "zero3")
+
+
+def test_a_resume_onto_another_expert_layout_is_refused(tmp_path):
+    from lmrecipe.checkpoint.resume import _check_expert_layout
+
+    def config(ep: int, layer: str = "auto") -> dict:
+        return {"distributed": {"expert_parallel_size": ep, "expert_layer": layer}}
+
+    _check_expert_layout(tmp_path, config(2), config(2), converted=False)  # the same layout
+    _check_expert_layout(tmp_path, config(1), config(1), converted=True)  # the class's own block: any layout
+    for saved, ours, converted in ((config(2), config(1), True), (config(2), config(4), False),
+                                   (config(1, "autoep"), config(1, "autoep"), True)):
+        with pytest.raises(UserError, match="resuming DeepSpeed AutoEP's experts onto another layout is not supp"):
+            _check_expert_layout(tmp_path, saved, ours, converted)
