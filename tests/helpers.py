@@ -27,6 +27,7 @@ TINY_OVERRIDES = [
     "model.intermediate_size=128",
     "data.seq_len=32",
     "data.val_windows=16",
+    "logging.plots=false",  # ~1.3 s of CPU per run; the tests of the plots set it back
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
     "schedule.warmup_steps=2",
@@ -179,7 +180,7 @@ def zero_pair(tmp_path_factory, data: Path, stage: int) -> dict:
 
     export = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
     # The per-layer instruments ride along (their checks: assert_layer_norms_add_up); they do not change the training.
-    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}", "logging.layer_stats=true"]
+    common = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={HALF}", "logging.layer_stats=true", "logging.plots=true"]
     if stage == 2:
         a_extra = ["distributed.deepspeed_config=ds_configs/zero2.json", *export]
         b_extra = ["distributed.deepspeed_config=ds_configs/zero2.json"]

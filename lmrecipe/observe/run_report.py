@@ -143,8 +143,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
          f"{' (weight EMA)' if outcome.get('export_weights') == 'ema' else ''}."
          if outcome.get("export") else "Export: none (checkpoint.export_at_end=false)."),
         "",
-        "![training curves](training.png)",
-        "",
+        *(["![training curves](training.png)", ""] if (out_dir / "training.png").is_file() else []),
         "## Figures",
         "",
         "| | |",

@@ -37,7 +37,7 @@ def pointer(out: Path, name: str) -> str:
 def profiled_run(tmp_path_factory, tiny_data):
     out = tmp_path_factory.mktemp("profiled")
     proc = run_train(out, tiny_data, ["train.max_steps=5", "train.eval_every_steps=2", "profile.first_step=2",
-                                      "profile.last_step=3", "logging.cost_per_device_hour=2.5"])
+                                      "profile.last_step=3", "logging.cost_per_device_hour=2.5", "logging.plots=true"])
     return out, proc
 
 

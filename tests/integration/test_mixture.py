@@ -28,7 +28,7 @@ def mixture_run(tmp_path_factory, two_sources) -> Path:
     """6 steps of a 0.7 / 0.3 mixture on one process."""
     code, prose = two_sources
     full = tmp_path_factory.mktemp("mixture") / "full"
-    run_script(mix_args(full, sources_arg((code, 0.7, None), (prose, 0.3, None)), *STEPS))
+    run_script(mix_args(full, sources_arg((code, 0.7, None), (prose, 0.3, None)), *STEPS, "logging.plots=true"))
     return full
 
 

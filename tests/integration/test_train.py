@@ -39,7 +39,8 @@ def assert_losses_match(a: list[dict], b: list[dict], rel: float) -> float:
 
 def test_single_process_run_learns_and_reports(tmp_path, tiny_data):
     out = tmp_path / "run"
-    run_train(out, tiny_data, ["train.max_steps=40", "train.eval_every_steps=20", "logging.log_every_steps=5", "optim.lr=3e-3"])
+    run_train(out, tiny_data, ["train.max_steps=40", "train.eval_every_steps=20", "logging.log_every_steps=5", "optim.lr=3e-3",
+                                 "logging.plots=true"])
     rows = train_rows(out)
     assert rows and REQUIRED_KEYS <= rows[0].keys()
     assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30, 35, 40]

@@ -79,7 +79,7 @@ def test_a_run_logs_every_parts_figures_at_its_logged_steps(tmp_path, tiny_data)
     train(load_config("recipes/tiny.yaml", [
         f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES, "train.max_steps=4", "logging.log_every_steps=3",
         "logging.layer_stats=true", "train.loss_chunk_tokens=16", "train.eval_every_steps=0",
-        "checkpoint.every_steps=0", "checkpoint.resume=none"]))
+        "checkpoint.every_steps=0", "checkpoint.resume=none", "logging.plots=true"]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in rows] == [1, 3, 4]

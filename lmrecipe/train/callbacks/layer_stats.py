@@ -289,7 +289,7 @@ class LayerStats(Callback):
             self.maybe_plot()
 
     def maybe_plot(self) -> None:
-        if not self.run.accelerator.is_main_process:
+        if not (self.run.accelerator.is_main_process and self.run.cfg.logging.plots):
             return
         rows = read_metrics(self.out_dir / METRICS_FILE)
         if any(key.startswith("grad_norm/") for row in rows for key in row):

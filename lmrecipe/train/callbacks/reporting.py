@@ -74,10 +74,10 @@ class Reporting(Callback):
             if self.run.accelerator.is_main_process:
                 record_event(self.out_dir, {"kind": "stop", "step": trainer.state.step, "preempted": stop.exit_code is not None,
                                             "exit_code": 2 if stop.error else stop.exit_code, "message": stop.message})
-            self.reporter.close(plot=True)
+            self.reporter.close(plot=self.run.cfg.logging.plots)
 
     def on_end(self, trainer) -> None:
-        self.reporter.close(plot=True)
+        self.reporter.close(plot=self.run.cfg.logging.plots)
         if self.run.accelerator.is_main_process:
             write_run_end(self.out_dir, trainer.outcome(), self.run.cfg.logging.cost_per_device_hour,
                           run_prediction(self.run, self.reporter.peak_tflops, self.out_dir))
