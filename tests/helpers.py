@@ -150,6 +150,40 @@ def build_once(tmp_path_factory, name: str, build) -> Path:
     return out
 
 
+WSD = ["schedule.decay_steps=6", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "train.eval_every_steps=0"]
+"""A warmup-stable-decay run of the tiny model: decay over the last 6 steps, checkpoints every 5 steps, all kept."""
+
+
+def train_wsd(out_dir: Path, data: Path, *overrides: str) -> Path:
+    """Train the tiny model with :data:`WSD` and ``overrides`` in this process (no subprocess); return ``out_dir``."""
+    from lmrecipe.config import load_config
+    from lmrecipe.train.trainer import train
+
+    train(load_config("recipes/tiny.yaml", [f"out_dir={out_dir}", f"data.path={data}", *TINY_OVERRIDES, *WSD,
+                                            *overrides]))
+    return out_dir
+
+
+def wsd_run(tmp_path_factory, data: Path, max_steps: int) -> Path:
+    """A :func:`train_wsd` run of ``max_steps``, built once a session (the branch, schedule and averaging tests)."""
+    return build_once(tmp_path_factory, f"wsd_{max_steps}",
+                      lambda out: train_wsd(out, data, f"train.max_steps={max_steps}"))
+
+
+def independent_average(checkpoints: list[Path], weights: list[float]) -> dict:
+    """Each checkpoint consolidated whole by the export's reader, then averaged in fp32 in the order listed."""
+    import torch
+
+    from lmrecipe.export import checkpoint_state_dict
+
+    states = [checkpoint_state_dict(c, torch.float32) for c in checkpoints]
+    out = {name: torch.zeros_like(tensor) for name, tensor in states[0].items()}
+    for weight, state in zip(weights, states):
+        for name, total in out.items():
+            total.add_(state[name], alpha=weight)
+    return out
+
+
 def cached_run(tmp_path_factory, name: str, data: Path, overrides: list[str], nproc: int = 1) -> tuple[Path, str]:
     """Train once per session (across workers) into a shared folder ``name``; return the run folder and its stderr."""
     def build(out: Path) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import HALF, STEPS, plain_run, run_script, zero_pair
+from helpers import HALF, STEPS, independent_average, plain_run, run_script, zero_pair
 
 from lmrecipe.checkpoint.storage import step_dir_name
 
@@ -21,23 +21,12 @@ def _read_export(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def _average(checkpoints, weights) -> dict[str, torch.Tensor]:
-    from lmrecipe.export import checkpoint_state_dict
-
-    states = [checkpoint_state_dict(c, torch.float32) for c in checkpoints]
-    out = {name: torch.zeros_like(t) for name, t in states[0].items()}
-    for weight, state in zip(weights, states):
-        for name, total in out.items():
-            total.add_(state[name], alpha=weight)
-    return out
-
-
 def test_the_script_averages_a_runs_last_checkpoints_and_eval_reads_the_result(tmp_path, tmp_path_factory, tiny_data):
     run = plain_run(tmp_path_factory, tiny_data)
     out = tmp_path / "avg"
     run_script(["tools/average_checkpoints.py", str(run), "--last", "2", "--weights", "1,3", "--out", str(out)])
     checkpoints = [run / "checkpoints" / step_dir_name(s) for s in (STEPS - 1, STEPS)]
-    written, want = _read_export(out), _average(checkpoints, [0.25, 0.75])
+    written, want = _read_export(out), independent_average(checkpoints, [0.25, 0.75])
     assert max((written[n] - want[n]).abs().max().item() for n in want) <= 1e-7
     result = json.loads(run_script(["eval.py", str(out), "--data", str(tiny_data), "--max-batches", "2"]).stdout
                         .splitlines()[0])
@@ -58,5 +47,5 @@ def test_zero2_checkpoints_of_two_processes_are_averaged_in_place(tmp_path, tmp_
     checkpoints = [pair["a"] / "checkpoints" / step_dir_name(s) for s in (HALF, STEPS)]
     out = tmp_path / "avg"
     run_script(["tools/average_checkpoints.py", *map(str, checkpoints), "--out", str(out)])
-    written, want = _read_export(out), _average(checkpoints, [0.5, 0.5])
+    written, want = _read_export(out), independent_average(checkpoints, [0.5, 0.5])
     assert max((written[n] - want[n]).abs().max().item() for n in want) <= 1e-7

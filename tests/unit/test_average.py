@@ -14,35 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_OVERRIDES, build_once
+from helpers import TINY_OVERRIDES, independent_average, wsd_run
 
 from lmrecipe.average import _Weights, average_checkpoints, average_state_dict, parse_weights, select_checkpoints
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
 from lmrecipe.export import checkpoint_state_dict
-
-WSD = ["schedule.decay_steps=6", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "train.eval_every_steps=0"]
-
-
-def wsd_run(tmp_path_factory, data: Path, max_steps: int) -> Path:
-    from lmrecipe.train.trainer import train
-
-    def build(out: Path) -> None:
-        train(load_config("recipes/tiny.yaml", [f"out_dir={out}", f"data.path={data}", *TINY_OVERRIDES, *WSD,
-                                                f"train.max_steps={max_steps}"]))
-
-    return build_once(tmp_path_factory, f"wsd_{max_steps}", build)
-
-
-def independent_average(checkpoints: list[Path], weights: list[float]) -> dict[str, torch.Tensor]:
-    """Each checkpoint consolidated whole by the export's reader, then averaged in fp32 in the order listed."""
-    states = [checkpoint_state_dict(c, torch.float32) for c in checkpoints]
-    out = {name: torch.zeros_like(tensor) for name, tensor in states[0].items()}
-    for weight, state in zip(weights, states):
-        for name, total in out.items():
-            total.add_(state[name], alpha=weight)
-    return out
-
 
 def exact_average(checkpoints: list[Path], weights: list[float]) -> dict[str, torch.Tensor]:
     states = [checkpoint_state_dict(c, torch.float32) for c in checkpoints]

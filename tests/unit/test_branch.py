@@ -14,26 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import TINY_OVERRIDES, build_once, metric_rows, tree_digest
+from helpers import metric_rows, train_wsd, tree_digest, wsd_run
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
-
-WSD = ["schedule.decay_steps=6", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "train.eval_every_steps=0"]
-
-
-def train_tiny(out_dir: Path, data: Path, *overrides: str) -> Path:
-    from lmrecipe.train.trainer import train
-
-    train(load_config("recipes/tiny.yaml", [f"out_dir={out_dir}", f"data.path={data}", *TINY_OVERRIDES, *WSD,
-                                            *overrides]))
-    return out_dir
-
-
-def wsd_run(tmp_path_factory, data: Path, max_steps: int) -> Path:
-    return build_once(tmp_path_factory, f"wsd_{max_steps}",
-                      lambda out: train_tiny(out, data, f"train.max_steps={max_steps}"))
-
 
 def test_a_branch_from_the_stable_phase_trains_exactly_as_the_run_that_decayed_there(
         tmp_path, tmp_path_factory, tiny_data, monkeypatch):
@@ -46,9 +30,9 @@ def test_a_branch_from_the_stable_phase_trains_exactly_as_the_run_that_decayed_t
     # step 15, not from the source.
     monkeypatch.setenv("LMRECIPE_FAULT_OOM_AT_STEP", "16")
     with pytest.raises(UserError, match="out of memory"):
-        train_tiny(tmp_path / "c", tiny_data, *branch)
+        train_wsd(tmp_path / "c", tiny_data, *branch)
     monkeypatch.delenv("LMRECIPE_FAULT_OOM_AT_STEP")
-    c = train_tiny(tmp_path / "c", tiny_data, *branch)
+    c = train_wsd(tmp_path / "c", tiny_data, *branch)
 
     for key in ("loss", "lr"):
         got, want = metric_rows(c, key), metric_rows(a, key)
@@ -72,19 +56,19 @@ def test_a_branch_that_cannot_be_one_is_refused_before_its_first_step(tmp_path, 
     branch = ["train.max_steps=16", f"checkpoint.branch_from={source}"]
     before = tree_digest(b)
     with pytest.raises(UserError, match="model.hidden_size: 64 -> 32.*Branch with the source's settings"):
-        train_tiny(tmp_path / "wide", tiny_data, *branch, "model.hidden_size=32")
+        train_wsd(tmp_path / "wide", tiny_data, *branch, "model.hidden_size=32")
     with pytest.raises(UserError, match="lies in this run's out_dir.*Choose a new out_dir"):
-        train_tiny(b, tiny_data, *branch)
+        train_wsd(b, tiny_data, *branch)
     with pytest.raises(UserError, match="leaves nothing to train: set train.max_steps above 10"):
-        train_tiny(tmp_path / "short", tiny_data, "train.max_steps=10", "schedule.decay_steps=4",
+        train_wsd(tmp_path / "short", tiny_data, "train.max_steps=10", "schedule.decay_steps=4",
                    f"checkpoint.branch_from={source}")
     with pytest.raises(UserError, match="does not exist. Pass a checkpoint folder of the run to branch from"):
-        train_tiny(tmp_path / "none", tiny_data, "train.max_steps=16", f"checkpoint.branch_from={tmp_path / 'no'}")
+        train_wsd(tmp_path / "none", tiny_data, "train.max_steps=16", f"checkpoint.branch_from={tmp_path / 'no'}")
     with pytest.raises(UserError, match="a branch starts from its source, then resumes from its own"):
         load_config(None, [f"checkpoint.branch_from={source}", "checkpoint.resume=none"])
-    other = train_tiny(tmp_path / "other", tiny_data, "train.max_steps=5", "schedule.decay_steps=2")
+    other = train_wsd(tmp_path / "other", tiny_data, "train.max_steps=5", "schedule.decay_steps=2")
     with pytest.raises(UserError, match=r"already holds checkpoints \(step_00000005\) of a run that is not a branch"):
-        train_tiny(other, tiny_data, *branch)
+        train_wsd(other, tiny_data, *branch)
     assert tree_digest(b) == before
 
 

@@ -7,10 +7,9 @@ Run A (WSD, ``train.max_steps=16``, ``schedule.decay_steps=6``: stable to step 1
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
-from helpers import TINY_OVERRIDES, build_once, metric_rows
+from helpers import metric_rows, train_wsd, wsd_run
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
@@ -80,28 +79,11 @@ def test_wsd_settings_are_checked():
 
 # ---------------------------------------------------------------------------------------------- in-process runs
 
-WSD = ["schedule.decay_steps=6", "checkpoint.every_steps=5", "checkpoint.keep_last=10", "train.eval_every_steps=0"]
-
-
-def train_tiny(out_dir: Path, data: Path, *overrides: str) -> Path:
-    from lmrecipe.train.trainer import train
-
-    train(load_config("recipes/tiny.yaml", [f"out_dir={out_dir}", f"data.path={data}", *TINY_OVERRIDES, *WSD,
-                                            *overrides]))
-    return out_dir
-
-
-def wsd_run(tmp_path_factory, data: Path, max_steps: int) -> Path:
-    """A WSD run of ``max_steps`` (decay over the last 6), checkpoints every 5 steps, kept; built once a session."""
-    return build_once(tmp_path_factory, f"wsd_{max_steps}",
-                      lambda out: train_tiny(out, data, f"train.max_steps={max_steps}"))
-
-
 def test_a_run_lengthened_in_its_stable_phase_trains_as_the_longer_run(tmp_path, tmp_path_factory, tiny_data):
     """A (16 steps, decay from step 10) resumed at its step 10 with train.max_steps=24 gives the rates and losses
     of B (24 steps, decay from step 18) at every step after 10: the decay moved, the rate did not jump."""
     a, b = wsd_run(tmp_path_factory, tiny_data, 16), wsd_run(tmp_path_factory, tiny_data, 24)
-    longer = train_tiny(tmp_path / "longer", tiny_data, "train.max_steps=24",
+    longer = train_wsd(tmp_path / "longer", tiny_data, "train.max_steps=24",
                         f"checkpoint.resume={a}/checkpoints/step_00000010")
     for key in ("lr", "loss"):
         got, want = metric_rows(longer, key), metric_rows(b, key)
@@ -115,5 +97,5 @@ def test_lengthening_a_run_in_its_decay_is_refused_with_the_fix(tmp_path, tmp_pa
     a = wsd_run(tmp_path_factory, tiny_data, 16)
     with pytest.raises(UserError, match=r"trained 5 step\(s\) of the decay .*\(train.max_steps=16\) to finish the "
                                         r"decay, or branch a longer run"):
-        train_tiny(tmp_path / "late", tiny_data, "train.max_steps=24", f"checkpoint.resume={a}/checkpoints/step_00000015")
+        train_wsd(tmp_path / "late", tiny_data, "train.max_steps=24", f"checkpoint.resume={a}/checkpoints/step_00000015")
     assert not (tmp_path / "late" / "checkpoints").exists()
