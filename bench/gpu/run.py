@@ -43,7 +43,7 @@ GPU_BASE = ("model.vocab_size=128256", "train.global_batch_size=16", "train.micr
 # the tiny recipe's own width.
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
-JSON_NAME, MD_NAME = "gpu_kit.json", "gpu_kit.md"
+JSON_NAME, MD_NAME, LOG_NAME = "gpu_kit.json", "gpu_kit.md", "workers.log"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -204,8 +204,10 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
     versions = results.pop("_versions", None)
     text = log.read_text(errors="replace") if log.is_file() else ""
     tail = text[-1500:]
-    (args.out / "logs").mkdir(exist_ok=True)  # the work folder stays on the machine: the log's end comes back
-    (args.out / "logs" / f"{name}.log").write_text(text[-200_000:])
+    # The work folder stays on the machine: the end of each worker's log comes back in one file (the device tool
+    # returns at most 8 files, and a call may run a dozen workers).
+    with open(args.out / LOG_NAME, "a") as logs:
+        logs.write(f"\n===== {name}: {', '.join(g['label'] for g in groups)} =====\n{text[-200_000:]}")
     for group in groups:
         results.setdefault(group["key"], {"label": group["label"], "error": f"{failure or 'no result'}: {tail}"})
     return results, versions
