@@ -71,14 +71,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def commit(packed: Path) -> str:
-    """The commit of the tree, from git where the tree has its .git, else from what pack.sh recorded."""
+    """The commit measured. The tree's own git HEAD where it is the one pack.sh recorded; else what pack.sh recorded,
+    with the HEAD beside it: a copy of the tree on the GPU machine may carry no ``.git``, or an older one than the
+    files it holds (seen on the first GPU call)."""
+    recorded = packed / "commit.txt"
+    packed_commit = recorded.read_text().strip() if recorded.is_file() else None
     proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode == 0:
+    head = proc.stdout.strip() if proc.returncode == 0 else None
+    if head and (packed_commit is None or packed_commit.split()[0] == head):
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
-        return proc.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-    recorded = packed / "commit.txt"
-    return recorded.read_text().strip() + " (recorded by pack.sh)" if recorded.is_file() else "unknown"
+        return head + (" (with uncommitted changes)" if dirty else "")
+    if packed_commit:
+        return f"{packed_commit} (recorded by pack.sh; the tree's git HEAD: {head or 'none'})"
+    return "unknown"
 
 
 class Record:
@@ -179,6 +185,7 @@ def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
             group = groups.setdefault(key, {**dataclasses.asdict(side), "key": key, "overrides": list(side.overrides)})
             group["count_syncs"] |= side.count_syncs
             group["checkpoint_stall"] |= side.checkpoint_stall
+            group["profile"] |= side.profile
     return groups
 
 
@@ -209,7 +216,9 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
     with open(args.out / LOG_NAME, "a") as logs:
         logs.write(f"\n===== {name}: {', '.join(g['label'] for g in groups)} =====\n{text[-200_000:]}")
     for group in groups:
-        results.setdefault(group["key"], {"label": group["label"], "error": f"{failure or 'no result'}: {tail}"})
+        result = results.setdefault(group["key"], {"label": group["label"], "error": f"{failure or 'no result'}: {tail}"})
+        if result.get("partial"):  # its timed steps were measured, what followed them was not
+            result["stopped"] = f"{failure or 'stopped'} after its timed steps: {tail[-300:]}"
     return results, versions
 
 
@@ -248,7 +257,9 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
     try:
         row.update(stage.summarize(results))
     except (KeyError, TypeError, ZeroDivisionError) as exc:
-        row.update(status=f"failed: summary ({type(exc).__name__}: {exc})", met=None, figure="")
+        stopped = [f"{label} {r['stopped'].splitlines()[0][:200]}" for label, r in results.items() if r.get("stopped")]
+        row.update(status=f"failed: summary ({type(exc).__name__}: {exc})" + (f"; {'; '.join(stopped)}" if stopped else ""),
+                   met=None, figure="")
         return row
     row["planner"] = planner_text(list(results.values()))
     row["status"] = "dry run (CPU, tiny recipe, not a GPU figure)" if dry_run else "measured"

@@ -30,12 +30,15 @@ class Side:
     """Count host synchronisations over the measured steps (slows them: their time is not a throughput figure)."""
     checkpoint_stall: bool = False
     """Measure the loop time blocked by one synchronous and one background checkpoint instead of throughput."""
+    profile: bool = False
+    """Profile one step after the timed ones: the GPU's busy share of it and the kernels that took the most time."""
     needs: str | None = None
     """A module the side needs (``flash_attn``); without it the side is skipped, and says so."""
 
     @property
     def key(self) -> str:
-        flags = ("syncs" if self.count_syncs else "") + ("ckpt" if self.checkpoint_stall else "")
+        flags = ("syncs" if self.count_syncs else "") + ("ckpt" if self.checkpoint_stall else "") + \
+            ("profile" if self.profile else "")
         return " ".join(self.overrides) + (f" [{flags}]" if flags else "")
 
 
@@ -119,6 +122,19 @@ def _stall(results):
     return {"figure": figure, "value": ratio, "met": None}
 
 
+def _profiles(results):
+    parts = []
+    for label, r in results.items():
+        p = r["profile"]
+        if "error" in p:
+            parts.append(f"{label}: profiler failed ({p['error'][:120]})")
+            continue
+        busy = "" if p["device_busy_share"] is None else f"GPU busy {_pct(p['device_busy_share'])} of "
+        top = ", ".join(f"{k['name'][:60]} {_pct(k['share'])}" for k in p["top"][:3])
+        parts.append(f"{label}: {busy}a {1e3 * p['wall_s']:,.0f} ms step; most time in {top}")
+    return {"figure": "; ".join(parts), "value": None, "met": None}
+
+
 def _data_wait(results):
     r = results["bf16 ZeRO-2"]
     figure = f"{1e3 * r['data_wait_s_per_step']:.2f} ms per step, {_pct(r['data_share'])} of the step"
@@ -139,6 +155,9 @@ STAGES = (
           (BF16_ZERO2, Side("fp8 ZeRO-2", ZERO2 + ("train.precision=fp8",))), _pair("bf16 ZeRO-2", "fp8 ZeRO-2", 1.2)),
     Stage("data_wait", "data wait per step (prefetched batches and their copy), bf16 ZeRO-2", "< 1% of the step",
           (BF16_ZERO2,), _data_wait),
+    Stage("profile", "where one step's time goes: the GPU's busy share and the top kernels, bf16 with and without "
+          "DeepSpeed ZeRO-2", "(diagnosis)", (Side("bf16 ZeRO-2", ZERO2, profile=True),
+                                              Side("no DeepSpeed", NO_DEEPSPEED, profile=True)), _profiles),
     Stage("zero_stages", "tokens/s and MFU per ZeRO stage, bf16, SDPA", "(table)",
           (Side("ZeRO-1", ZERO1), Side("ZeRO-2", ZERO2), Side("ZeRO-3", ZERO3)), _throughputs),
     Stage("flash", "flash-attn 2 against SDPA, bf16 ZeRO-2, document masking on (variable-length path)",
@@ -156,8 +175,11 @@ STAGES = (
     Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
           "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )
-DEFAULT_STAGES = ("mfu_zero2", "host_syncs", "chunked_loss", "fp8", "data_wait")
-"""What one call on a lent machine runs, most wanted first: it fits one 10-minute command with the install."""
+DEFAULT_STAGES = ("mfu_zero2", "host_syncs", "data_wait", "profile", "compile", "checkpoint_stall")
+"""What one call on a lent machine runs, most wanted first, within one 10-minute command with the install: the MFU
+figure again (so every call has it), why it is what it is (``profile``), and what the first GPU call (2026-11-26,
+docs/benchmarks/gpu.md) left unmeasured. ``chunked_loss``, ``fp8``, ``document_masking`` and ``zero_stages`` were
+measured then; name them to measure them again."""
 BY_NAME = {stage.name: stage for stage in STAGES}
 
 

@@ -14,7 +14,12 @@ DeepSpeed). Figures:
   the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (every synchronising CUDA call, C++ ones included);
 - the checkpoint stall (``checkpoint_stall``): ``Checkpointer.maybe_save`` + ``wait`` of the trainer's own
   ``build_checkpointer``, once synchronous and once in the background, with steps in between;
+- the profile (``profile``): one more step under ``torch.profiler``, the share of its wall time the GPU was busy
+  (the union of its kernels and copies) and the kernels that took the most time;
 - the planner's prediction at this configuration (``lmrecipe.plan.predict_run``).
+
+The result so far is written after the timed steps and after each slow measurement, so a worker stopped by the
+call's budget still gives its timed figures.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import logging
 import shutil
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -36,6 +42,8 @@ if str(ROOT) not in sys.path:
 GIB = 1024**3
 SYNC_STEPS = 5
 """Steps whose host syncs are counted (after the timed ones: counting slows every tensor call)."""
+PROFILE_TOP = 15
+"""Kernels (operators on a CPU) kept from a profiled step, by time."""
 
 
 def _sync(device) -> None:
@@ -46,16 +54,24 @@ def _sync(device) -> None:
 
 
 def _count_syncs(run, first_step: int, steps: int) -> dict:
-    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings."""
+    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings (with the
+    Python stack of the first few, so a sync inside torch or a library is found at its caller)."""
     import torch
 
     from lmrecipe.observe.host_syncs import HostSyncCounter
     from lmrecipe.train.step import train_step
 
     device = run.accelerator.device
+    caught: list[tuple[str, str]] = []
+
+    def keep(message, category, filename, lineno, file=None, line=None):
+        stack = "" if len(caught) >= 8 else "".join(traceback.format_stack(limit=16)[:-1])
+        caught.append((f"{Path(filename).name}:{lineno}: {str(message)[:200]}", stack))
+
     _sync(device)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = keep  # restored by catch_warnings
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -65,11 +81,61 @@ def _count_syncs(run, first_step: int, steps: int) -> dict:
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
-    cuda_syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    cuda_syncs = [(where, stack) for where, stack in caught if "synchroniz" in where.lower()]
     return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
             "sources": counter.sources, "in_optimizer": counter.in_optimizer,
             "cuda_per_step": len(cuda_syncs) / steps if device.type == "cuda" else None,
-            "cuda_sources": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in cuda_syncs})[:20]}
+            "cuda_sources": sorted({where.split(": ")[0] for where, _ in cuda_syncs})[:20],
+            "cuda_stacks": [stack for _, stack in cuda_syncs if stack][:4]}
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of ``intervals`` (kernels of several streams overlap)."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
+    """One step under ``torch.profiler``: the step's wall time, the share of it the GPU was busy (the union of its
+    kernels and copies), and the kernels (on a CPU: the operators) that took the most time, by name."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmrecipe.train.step import train_step
+
+    device = run.accelerator.device
+    cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
+        train_step(run, step)
+        _sync(device)
+        wall_s = time.perf_counter() - start
+    by_name: dict[str, float] = {}
+    if cuda:
+        # The device's kernels and copies; record_function ranges (lmrecipe/forward, ...) have device-side copies
+        # that span the step, and are left out.
+        kernels = [e for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        for e in kernels:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+        busy_us = _busy_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    else:
+        for e in prof.key_averages():
+            if not getattr(e, "is_user_annotation", False):
+                by_name[e.key] = e.self_cpu_time_total
+        busy_us = None
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    total_us = sum(by_name.values())
+    return {"wall_s": wall_s, "device_busy_share": None if busy_us is None else busy_us / (wall_s * 1e6),
+            "timed": "GPU kernels and copies" if cuda else "CPU operators (self time)",
+            "top": [{"name": name[:160], "ms": us / 1e3, "share": us / total_us if total_us else None}
+                    for name, us in ranked]}
 
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
@@ -121,8 +187,9 @@ def _prediction(run, peak_tflops: float) -> dict:
                        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
 
-def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int) -> dict:
-    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks."""
+def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=lambda result: None) -> dict:
+    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks; ``save`` is called
+    with the result so far after its timed steps and after each slow measurement that follows."""
     import torch
 
     from lmrecipe.observe.device import device_peak_tflops, mfu
@@ -166,11 +233,19 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int) -> di
             "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds,
             "loss": float(last.loss),
         }
+        save(result)  # the timed figures come back even if what follows runs out of the call's time
         next_step = warmup_steps + steps
         if side["count_syncs"]:
             sync_steps = min(steps, SYNC_STEPS)
             result["host_syncs"] = _count_syncs(run, next_step, sync_steps)
             next_step += sync_steps
+        if side["profile"]:
+            try:
+                result["profile"] = _profile_step(run, next_step)
+            except Exception as exc:  # a profiler that fails leaves the side's other figures
+                result["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+            next_step += 1
+            save(result)
         if side["checkpoint_stall"]:
             result["checkpoint_stall"] = _checkpoint_stall(run, out_dir / "checkpoints", next_step, 2)
         prediction = _prediction(run, peak_tflops)
@@ -215,8 +290,12 @@ def main(argv: list[str]) -> int:
             results[side["key"]] = {"label": side["label"], "skipped": f"{side['needs']} is not installed"}
             Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
             continue
+        def save(result, key=side["key"]):
+            results[key] = {**result, "partial": True}
+            Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+
         try:
-            results[side["key"]] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"])
+            results[side["key"]] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"], save)
         except Exception as exc:  # one side's failure is a figure too: the stage reports it
             logging.getLogger(__name__).exception("side %s failed", side["label"])
             results[side["key"]] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}

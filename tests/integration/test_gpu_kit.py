@@ -66,6 +66,35 @@ def test_dry_run_figures_come_from_the_configurations_they_name(dry_run):
     assert stall["sync"]["blocked_s"] > 0 and stall["background"]["blocked_s"] > 0 and stall["checkpoint_gb"] > 0
 
 
+def test_the_profile_stage_ranks_operators_not_the_trainer_s_own_ranges(dry_run):
+    record, _ = dry_run
+    profile = next(row for row in record["stages"] if row["stage"] == "profile")
+    for label, side in profile["sides"].items():
+        p = side["profile"]
+        assert p["wall_s"] > 0 and len(p["top"]) == 15, label
+        names = [k["name"] for k in p["top"]]
+        assert any(name.startswith("aten::") for name in names), names
+        assert not any(name.startswith("lmrecipe/") for name in names), names  # record_function ranges left out
+        assert all(a["ms"] >= b["ms"] for a, b in zip(p["top"], p["top"][1:]))
+    assert profile["sides"]["bf16 ZeRO-2"] == next(
+        row for row in record["stages"] if row["stage"] == "mfu_zero2")["sides"]["bf16 ZeRO-2"]
+
+
+def test_a_side_stopped_after_its_timed_steps_keeps_them():
+    run = _kit_module("run")
+    stages = _kit_module("stages")
+    stall = stages.BY_NAME["checkpoint_stall"]
+    timed = {"label": "bf16 ZeRO-2 checkpoints", "tokens_per_sec": 1.0, "partial": True,
+             "stopped": "worker stopped after 30 s (the call's budget) after its timed steps: ..."}
+    row = run.stage_row(stall, {" ".join(stall.sides[0].overrides): timed}, dry_run=False)
+    assert row["status"].startswith("failed: summary (KeyError: 'checkpoint_stall')")
+    assert "worker stopped after 30 s" in row["status"]
+    mfu = stages.BY_NAME["mfu_zero2"]
+    timed = {**timed, "label": "bf16 ZeRO-2", "mfu": 0.3, "tokens_per_sec": 34000.0, "step_time_s": 0.96}
+    row = run.stage_row(mfu, {" ".join(mfu.sides[0].overrides): timed}, dry_run=False)
+    assert row["status"] == "measured" and row["figure"].startswith("34,000 tokens/s, MFU 30.0%")
+
+
 def test_an_unknown_stage_exits_2_naming_the_choices(tmp_path):
     proc = run_script(["bench/gpu/run.py", "--dry-run", "--stages", "mfu_zero2,mfu", "--out", str(tmp_path)],
                       check=False)

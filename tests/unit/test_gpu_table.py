@@ -1,0 +1,61 @@
+"""bench/gpu/table.py: the GPU table of docs/benchmarks/gpu.md comes from the committed GPU results, never by hand;
+a dry run's record is refused; each stage's row is the latest GPU run's that measured it."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+import table  # noqa: E402
+
+RESULTS = sorted((ROOT / "bench" / "gpu" / "results").glob("*.json"))
+
+
+def test_the_page_holds_the_table_the_committed_results_give(capsys):
+    assert RESULTS, "bench/gpu/results holds no GPU run"
+    assert table.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_every_measured_figure_of_the_results_is_in_the_page():
+    page = (ROOT / "docs" / "benchmarks" / "gpu.md").read_text()
+    for row, _ in table.latest_rows(table.load_runs(RESULTS)).values():
+        assert table._cell(row["figure"]) in page, row["stage"]
+
+
+def test_an_edited_table_is_caught(tmp_path, capsys):
+    page = tmp_path / "gpu.md"
+    page.write_text((ROOT / "docs" / "benchmarks" / "gpu.md").read_text().replace("MFU 28.5%", "MFU 45.5%"))
+    assert table.main(["--check", "--page", str(page)]) == 1
+    assert "table.py --write" in capsys.readouterr().err
+    assert table.main(["--write", "--page", str(page)]) == 0 and table.main(["--check", "--page", str(page)]) == 0
+
+
+def test_a_dry_run_record_is_refused(tmp_path, capsys):
+    record = json.loads(RESULTS[0].read_text())
+    (tmp_path / "dry.json").write_text(json.dumps({**record, "mode": "dry run (CPU, tiny recipe: not GPU figures)"}))
+    assert table.main(["--results", str(tmp_path)]) == 2
+    assert "not a GPU run" in capsys.readouterr().err
+
+
+def test_each_stage_takes_the_latest_run_that_measured_it():
+    first = json.loads(RESULTS[0].read_text())
+    later = copy.deepcopy(first)
+    later["started"] = "2099-01-01T00:00:00+00:00"
+    mfu = next(row for row in later["stages"] if row["stage"] == "mfu_zero2")
+    mfu["figure"] = "later figure"
+    fp8 = next(row for row in later["stages"] if row["stage"] == "fp8")
+    fp8.update(status="failed: worker stopped", figure="")
+    rows = table.latest_rows([{**first, "file": "a.json"}, {**later, "file": "b.json"}])
+    assert rows["mfu_zero2"][0]["figure"] == "later figure" and rows["mfu_zero2"][1]["file"] == "b.json"
+    assert rows["fp8"][1]["file"] == "a.json"  # a failed row does not hide the measured one
+
+
+@pytest.mark.parametrize("name", ["mfu_zero2", "fp8"])
+def test_unmeasured_stages_say_so(name):
+    text = table.render([])
+    assert f"| `{name}` |" in text and "not measured" in text
