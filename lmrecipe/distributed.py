@@ -117,21 +117,24 @@ class Layout:
     offload_param: bool = False
     sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    """DeepSpeed AutoEP's size: each rank holds and ZeRO partitions only its share of the experts (1 without)."""
 
     @classmethod
     def of_run(cls, world_size: int, zero: ZeroSetup, sequence_parallel_size: int = 1,
-               tensor_parallel_size: int = 1) -> "Layout":
+               tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> "Layout":
         return cls(world_size, zero.deepspeed, zero.stage if zero.deepspeed else 0, zero.offload_optimizer,
-                   zero.offload_param, sequence_parallel_size, tensor_parallel_size)
+                   zero.offload_param, sequence_parallel_size, tensor_parallel_size, expert_parallel_size)
 
     @classmethod
     def from_topology(cls, topology: dict) -> "Layout":
-        """The layout a checkpoint's ``topology`` record describes (older records lack the offload and sequence
-        or tensor parallel keys)."""
+        """The layout a checkpoint's ``topology`` record describes (older records lack the offload and sequence,
+        tensor or expert parallel keys)."""
         deepspeed = bool(topology["deepspeed"])
         return cls(int(topology["world_size"]), deepspeed, int(topology["zero_stage"]) if deepspeed else 0,
                    bool(topology.get("offload_optimizer", False)), bool(topology.get("offload_param", False)),
-                   int(topology.get("sequence_parallel_size", 1)), int(topology.get("tensor_parallel_size", 1)))
+                   int(topology.get("sequence_parallel_size", 1)), int(topology.get("tensor_parallel_size", 1)),
+                   int(topology.get("expert_parallel_size", 1)))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,6 +156,8 @@ class Layout:
             changes.append(f"sequence parallel {saved.sequence_parallel_size} -> {self.sequence_parallel_size}")
         if saved.tensor_parallel_size != self.tensor_parallel_size:
             changes.append(f"tensor parallel {saved.tensor_parallel_size} -> {self.tensor_parallel_size}")
+        if saved.expert_parallel_size != self.expert_parallel_size:
+            changes.append(f"expert parallel {saved.expert_parallel_size} -> {self.expert_parallel_size}")
         return changes
 
     def needs_conversion_from(self, saved: "Layout") -> bool:
@@ -414,8 +419,6 @@ def build_runtime(cfg: Config) -> Runtime:
     sp, tp = cfg.distributed.sequence_parallel_size, cfg.distributed.tensor_parallel_size
     shared = sp * tp
     layout, ds_config = check_launch(cfg.workload(), cfg.distributed.deepspeed_config_path(), world_size, precision)
-    check_autoep_export(cfg.distributed.uses_autoep(), ZeroSetup.from_ds_config(ds_config),
-                        cfg.checkpoint.export_at_end, cfg.distributed.deepspeed_config)
     plugin = None
     if ds_config is not None:
         _ensure_single_process_env()
@@ -517,19 +520,6 @@ def check_expert_parallel_topology(ep: int, world_size: int) -> None:
         raise fail(f"distributed.expert_parallel_size={ep} does not divide the world size {world_size} (the processes "
                    f"launched): each group of {ep} consecutive ranks splits every MoE layer's experts. Launch a multiple "
                    f"of {ep} processes, or choose a divisor of {world_size}.")
-
-
-def check_autoep_export(autoep: bool, zero: ZeroSetup, export_at_end: bool, ds_name: str | None) -> None:
-    """DeepSpeed AutoEP under ZeRO-3 keeps each expert partitioned in its checkpoints, and no reader of this recipe
-    (nor DeepSpeed's ``zero_to_fp32``) gathers them back: the end-of-run export is refused before the first step.
-    The stage is read from the DeepSpeed JSON, so it is checked here."""
-    if autoep and zero.stage == 3 and export_at_end:
-        raise fail(f"""
-            checkpoint.export_at_end=true cannot export DeepSpeed AutoEP's experts under ZeRO-3
-            (distributed.deepspeed_config={ds_name}): their checkpoints keep each expert partitioned. Set
-            checkpoint.export_at_end=false, or train under distributed.deepspeed_config=zero1 or zero2 (exported with
-            the experts gathered), or with the model class's own MoE block (distributed.expert_parallel_size=1,
-            distributed.expert_layer=hf).""")
 
 
 @contextlib.contextmanager

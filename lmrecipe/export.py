@@ -9,7 +9,8 @@ record and its run folder), written inside the folder before it is published.
 Weights always come from a checkpoint on disk, never from a live engine, so one code path serves the end of
 training and ``tools/export_hf.py``: DeepSpeed ZeRO-1/2/3 shards are consolidated offline by DeepSpeed's own
 ``get_fp32_state_dict_from_zero_checkpoint`` (the fp32 master weights; it works for any rank count and whether
-or not ZeRO-3 gathered 16-bit weights at save time); checkpoints without DeepSpeed hold ``model.safetensors``.
+or not ZeRO-3 gathered 16-bit weights at save time), those of DeepSpeed AutoEP or tensor parallelism by this recipe's
+readers (``checkpoint/readers.py``), the experts whole; checkpoints without DeepSpeed hold ``model.safetensors``.
 ``weights="ema"`` takes the weight EMA saved beside them instead (``lmrecipe/checkpoint/ema_files.py``; ZeRO-3
 partitions are consolidated the same way, offline).
 """
@@ -75,7 +76,7 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = N
         if tp > 1:
             return _tensor_parallel_state_dict(ckpt, saved, tp, dtype)
         if autoep_size_of(saved.get("config", {})) is not None:
-            return autoep_state_dict(ckpt / DS_TAG, dtype, saved["config"]["model"]["arch"])
+            return autoep_state_dict(ckpt, dtype, saved["config"]["model"]["arch"])
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
@@ -101,57 +102,37 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = N
     return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
 
 
-AUTOEP_MODEL_FILE = "mp_rank_00_model_states.pt"
-"""The module weights of a DeepSpeed ZeRO-1/2 checkpoint; beside it, AutoEP writes one file per expert."""
-
-
-
-def autoep_state_dict(ds_dir: Path, dtype: torch.dtype, arch: str) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict of a ZeRO-1/2 checkpoint of DeepSpeed AutoEP layers of model class ``arch``, in
-    ``dtype``: the module weights of ``mp_rank_00_model_states.pt`` (the training precision: fp32 runs hold their
-    exact weights), each MoE layer's router and shared expert under the class's names (``mlp.gate.weight``,
-    ``model.MOE_ARCHS``), and its experts gathered back from AutoEP's files of one expert each
-    (``layer_{L}_expert_{E}_...``: gate ``w1`` and up ``w3`` ``[ffn, hidden]``, down ``w2`` ``[hidden, ffn]``) into
-    the class's fused ``gate_up_proj [experts, 2 ffn, hidden]`` and ``down_proj``. ZeRO-3 AutoEP checkpoints keep the
-    experts partitioned and are refused at start-up (distributed.py)."""
-    state = torch.load(ds_dir / AUTOEP_MODEL_FILE, map_location="cpu", weights_only=False)
-    layers = state.get("ds_autoep_layers") or []
-    if not layers or any(layer.get("checkpoint_format") != "per_expert_files" for layer in layers):
-        raise fail(f"{ds_dir} holds no AutoEP experts in files of one expert each (a ZeRO-1/2 checkpoint of "
-                   "distributed.expert_layer=autoep): it cannot be exported as a Hugging Face model.")
-    paths = [layer["module_path"] for layer in layers]
-    renamed = dict(zip(("shared_experts", "shared_experts_gate"), MOE_ARCHS[arch].shared_modules))
-    out = {}
-    for name, tensor in state["module"].items():
-        name = bare_parameter_name(name)
-        path = next((p for p in paths if name.startswith(f"{p}.")), None)
-        if path is None:
-            out[name] = tensor.to(dtype, copy=True)
-            continue
-        module, _, rest = name[len(path) + 1:].partition(".")
-        if module in renamed:
-            out[f"{path}.{renamed[module]}.{rest}"] = tensor.to(dtype, copy=True)
-    for layer in layers:
-        path = layer["module_path"]
-        out[f"{path}.gate.weight"] = state["module"][f"{path}.router.gate.weight"].to(dtype, copy=True)
-        out.update(_gathered_experts(ds_dir, layer, dtype))
-    return out
-
-
-def _gathered_experts(ds_dir: Path, layer: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One AutoEP layer's experts from their files, in the model class's fused layout (:func:`autoep_state_dict`)."""
-    from deepspeed.checkpoint.autoep_universal import resolve_expert_ckpt_path
-
-    path, prefix = layer["module_path"], layer["expert_key_prefix"]
-    gate_up, down = [], []
-    for expert in range(layer["num_experts"]):
-        weights = torch.load(resolve_expert_ckpt_path(str(ds_dir), layer["moe_layer_id"], expert),
-                             map_location="cpu", weights_only=False)
-        w1, w2, w3 = (weights[f"{prefix}.{w}.{expert}"] for w in ("w1", "w2", "w3"))
-        gate_up.append(torch.cat([w1, w3], dim=0))
-        down.append(w2)
-    return {f"{path}.experts.gate_up_proj": torch.stack(gate_up).to(dtype),
-            f"{path}.experts.down_proj": torch.stack(down).to(dtype)}
+def autoep_state_dict(ckpt: Path, dtype: torch.dtype, arch: str) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a ZeRO-1/2/3 checkpoint of DeepSpeed AutoEP layers of model class ``arch``, in
+    ``dtype``: the fp32 master weights (``readers.py``: every expert whole, whatever the expert-parallel size), each
+    MoE layer's router and shared expert under the class's names (``mlp.gate.weight``, ``model.MOE_ARCHS``), and its
+    experts' gate ``w1`` and up ``w3`` (``[experts, ffn, hidden]``) stacked into the class's fused ``gate_up_proj
+    [experts, 2 ffn, hidden]``, down ``w2`` as ``down_proj``."""
+    source = open_source(ckpt, deepspeed_dir=ckpt / DS_TAG, param_names=[])
+    try:
+        layers = [name.removesuffix(".experts.w1") for name in source.shapes if name.endswith(".experts.w1")]
+        if not layers:
+            raise fail(f"{ckpt} holds no DeepSpeed AutoEP experts (experts.w1/w2/w3), though its run trained with "
+                       "distributed.expert_layer=autoep: it was written by different code.")
+        shared = dict(zip(("shared_experts", "shared_experts_gate"), MOE_ARCHS[arch].shared_modules))
+        out = {}
+        for name in source.shapes:
+            layer = next((p for p in layers if name.startswith(f"{p}.")), None)
+            if layer is None:
+                out[name] = source.read("fp32", name).to(dtype)
+                continue
+            module, _, rest = name[len(layer) + 1:].partition(".")
+            if module == "router":  # AutoEP's router holds the class's gate as its own linear: router.gate.weight
+                out[f"{layer}.gate.{rest.removeprefix('gate.')}"] = source.read("fp32", name).to(dtype)
+            elif module in shared:
+                out[f"{layer}.{shared[module]}.{rest}"] = source.read("fp32", name).to(dtype)
+        for layer in layers:
+            w1, w2, w3 = (source.read("fp32", f"{layer}.experts.{w}") for w in ("w1", "w2", "w3"))
+            out[f"{layer}.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1).to(dtype)
+            out[f"{layer}.experts.down_proj"] = w2.to(dtype)
+        return out
+    finally:
+        source.close()
 
 
 def _tensor_parallel_state_dict(ckpt: Path, saved: dict, tp: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

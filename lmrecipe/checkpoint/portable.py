@@ -14,6 +14,10 @@ Face style index::
         exp_avg_sq.safetensors.index.json, exp_avg_sq-0000K-of-0000N.safetensors   AdamW second moments
         portable.json    format version, AdamW step count and shape per parameter, the source layout and state sha256
 
+DeepSpeed AutoEP's experts are held whole, ``[experts, ...]``, under their parameter's own name
+(``model.layers.0.mlp.experts.w1``), whatever the expert-parallel size that saved them (``ep_split.py``); each rank
+of the new layout takes the rows of its own experts.
+
 Writing is spread over the ranks of the resuming run and streamed: the parameters are split into contiguous runs
 of about equal bytes, one per rank, and each rank writes the files of its run (:func:`plan_shards`), one tensor at
 a time, as the checkpoint's reader gives them (``readers.py``); the files' headers are known in advance (names and
@@ -50,6 +54,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from lmrecipe.checkpoint.ep_split import contiguous, experts_of, local_experts
 from lmrecipe.checkpoint.readers import ParamNames, StateSource, open_source
 from lmrecipe.checkpoint.tp_split import local_slice
 from lmrecipe.distributed import Layout
@@ -303,16 +308,46 @@ class _RankSlices:
         return self.get(key, name).reshape(-1)[start:start + numel]
 
 
+class _LocalExperts:
+    """A :class:`PortableState` seen by one DeepSpeed AutoEP rank: a whole expert tensor (``[experts, ...]``) reads
+    as the rows of this rank's experts (``ep_split.py``)."""
+
+    def __init__(self, portable: PortableState, experts: Mapping[str, Sequence[int]]):
+        self.portable, self.experts = portable, experts
+
+    def name_for(self, names: Iterable[str]) -> str:
+        return self.portable.name_for(names)
+
+    def step(self, name: str) -> int:
+        return self.portable.step(name)
+
+    def get(self, key: str, name: str) -> torch.Tensor:
+        whole = self.portable.get(key, name)
+        return whole if name not in self.experts else experts_of(whole, self.experts[name])
+
+    def get_flat(self, key: str, name: str, start: int, numel: int) -> torch.Tensor:
+        experts = self.experts.get(name)
+        if experts is None:
+            return self.portable.get_flat(key, name, start, numel)
+        if contiguous(experts):  # this rank's experts are one run of rows of the whole tensor
+            row = math.prod(self.portable.meta["params"][name][1:])
+            return self.portable.get_flat(key, name, experts[0] * row + start, numel)
+        return self.get(key, name).reshape(-1)[start:start + numel]
+
+
 def load_portable(folder: Path, model, optimizer, *, deepspeed: bool, step: int, samples_per_step: int,
                   tensor_parallel: tuple[Mapping[str, Mapping], int] | None = None) -> None:
     """Set weights, AdamW moments and step counts of the prepared ``model`` / ``optimizer`` from ``folder``.
 
     ``step`` and ``samples_per_step`` set a DeepSpeed engine's own counters as its loader would (optimizer steps
     of the run, samples seen). ``tensor_parallel``: the loading run's splits and this rank's tensor-parallel rank.
+    Under DeepSpeed AutoEP each rank takes its own experts of the whole expert tensors.
     """
     portable = PortableState(folder)
     if tensor_parallel is not None:
         portable = _RankSlices(portable, *tensor_parallel)
+    if deepspeed and (experts := local_experts(model.module)):
+        portable = _LocalExperts(portable, experts)
     if deepspeed:
         _load_zero(portable, model, step, samples_per_step)
     else:

@@ -3,7 +3,8 @@
 :func:`open_source` gives the state of a checkpoint as ``shapes`` and ``steps`` by parameter name and ``read(key,
 name)``, the full fp32 tensor of the weights (``fp32``) or of one of AdamW's moments (``exp_avg``, ``exp_avg_sq``).
 DeepSpeed's ZeRO-1/2/3 shards are memory-mapped and read fragment by fragment with the offsets of DeepSpeed's own
-reconstruction (``zero_to_fp32``); a tensor-parallel run's slices are put together again (``tp_split.py``);
+reconstruction (``zero_to_fp32``), DeepSpeed AutoEP's experts whole from every expert-parallel rank's share
+(``ep_split.py``); a tensor-parallel run's slices are put together again (``tp_split.py``);
 ``optimizer.bin`` (no DeepSpeed) is read with the tensors-only unpickler (memory-mapped too) and named from the
 optimizer's groups. Pages of the mapped files are released once read, so a process holds one full tensor at a
 time, whatever the model's size.
@@ -22,6 +23,7 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
+from lmrecipe.checkpoint.ep_split import expert_splits, place
 from lmrecipe.checkpoint.tp_split import full_shape, merge
 from lmrecipe.errors import fail
 from lmrecipe.model import bare_parameter_name
@@ -116,7 +118,11 @@ def _copy_range(pieces: Sequence[torch.Tensor], start: int, out: torch.Tensor, r
 
 
 class _ZeroSource:
-    """ZeRO-1/2/3 shards, read one parameter's state at a time with DeepSpeed's reconstruction offsets."""
+    """ZeRO-1/2/3 shards, read one parameter's state at a time with DeepSpeed's reconstruction offsets.
+
+    Each group of parameters (ZeRO-1/2: an optimizer group; ZeRO-3: a sub-group) is partitioned over its ranks. Those
+    ranks are every rank, except for DeepSpeed AutoEP's experts (``ep_split.py``): each expert-parallel rank's experts
+    are partitioned over the ranks holding them, and the whole tensor is those ranks' pieces put in their rows."""
 
     def __init__(self, ds_dir: Path, mp_rank: int | None = None):
         """``mp_rank``: read only the files of this tensor-parallel rank (None: a checkpoint without tensor
@@ -124,7 +130,8 @@ class _ZeroSource:
         from deepspeed.utils import zero_to_fp32 as z
 
         if mp_rank is None:
-            model_file = Path(z.get_model_state_files(str(ds_dir))[0])
+            # AutoEP's files of one expert each (layer_L_expert_E_...) sort first; the engine's own is the other.
+            model_file = Path(next(f for f in z.get_model_state_files(str(ds_dir)) if not Path(f).name.startswith("layer_")))
             optim_files = [Path(f) for f in z.get_optim_files(str(ds_dir))]
         else:
             model_file = ds_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
@@ -134,6 +141,7 @@ class _ZeroSource:
                            f"*_mp_rank_{mp_rank:02d}_optim_states.pt): the checkpoint is incomplete.")
         model_state = _load_mapped(model_file, weights_only=False)  # its module weights stay unread
         param_shapes = [dict(group) for group in model_state["param_shapes"]]
+        self.experts = expert_splits(model_state.get("ds_autoep_layers"))
         del model_state
         shards = [_load_mapped(f, weights_only=False)["optimizer_state_dict"] for f in optim_files]
         self.release = _PageRelease(optim_files)
@@ -150,11 +158,36 @@ class _ZeroSource:
             self.flat = [s["fp32_flat_groups"] for s in shards]
             inner = [s["optimizer_state_dict"]["state"] for s in shards]
         self.inner = inner
-        self.shapes = {name: tuple(shape) for group in param_shapes for name, shape in group.items()}
+        self.local_shapes = {name: tuple(shape) for group in param_shapes for name, shape in group.items()}
+        self.shapes = {name: self.experts[name].whole_shape(shape) if name in self.experts else shape
+                       for name, shape in self.local_shapes.items()}
         self.steps = {name: int(torch.as_tensor(inner[0][g]["step"]).item())
                       for g, group in enumerate(param_shapes) for name in group}
+        self.replicas = [self._group_ranks(g, list(group), shards) for g, group in enumerate(param_shapes)]
         self.where = (self._zero2_offsets(param_shapes, shards[0].get("param_alignment_paddings")) if self.stage <= 2
-                      else self._zero3_offsets())
+                      else self._zero3_offsets(param_shapes))
+
+    def _group_ranks(self, group: int, names: list[str], shards: list[dict]) -> list[list[int]]:
+        """The ranks group ``group`` is partitioned over, in partition order: one list (every rank), or for AutoEP
+        experts one list per expert-parallel rank. Checked against the partition counts DeepSpeed records."""
+        split = self.experts.get(names[0]) if names else None
+        if any((self.experts.get(name) is None) != (split is None) for name in names):
+            raise fail(f"A ZeRO group of the checkpoint mixes AutoEP experts with other parameters ({names[0]}, ...): "
+                       "it was written by different code.")
+        replicas = ([list(range(self.world_size))] if split is None
+                    else [split.ranks_of(ep_rank, self.world_size) for ep_rank in range(split.size)])
+        for rank, shard in enumerate(shards):
+            mine = next(ranks for ranks in replicas if rank in ranks)
+            partitions = shard.get("ds_zero_partition_groups")  # ZeRO-3: each sub-group's ranks, as DeepSpeed cut it
+            counts = shard["partition_count"]  # ZeRO-1/2: each group's rank count
+            if partitions is not None:
+                agrees = [int(r) for r in partitions[group]["partition_ranks"]] == mine
+            else:
+                agrees = not isinstance(counts, list) or int(counts[group]) == len(mine)
+            if not agrees:
+                raise fail(f"The ZeRO shards' group {group} is partitioned differently from the AutoEP record of the "
+                           f"checkpoint (rank {rank}): it was written by different code.")
+        return replicas
 
     def _zero2_offsets(self, param_shapes: list[dict], paddings) -> dict[str, tuple[int, int]]:
         """(group, offset in the group's ranks' partitions laid end to end), as ``_zero2_merge_trainable_params``."""
@@ -164,44 +197,55 @@ class _ZeroSource:
             for i, (name, shape) in enumerate(shapes.items()):
                 where[name] = (group, offset)
                 offset += math.prod(shape) + (paddings[group][i] if paddings is not None else 0)
-            align = 2 * self.world_size
-            avail = sum(rank[group].numel() for rank in self.flat)
+            ranks = self.replicas[group][0]
+            align = 2 * len(ranks)
+            avail = sum(self.flat[rank][group].numel() for rank in ranks)
             if align * math.ceil(offset / align) != align * math.ceil(avail / align):
                 raise fail(f"The ZeRO shards' group {group} holds {avail} values where its parameters take {offset}: "
                            "the checkpoint was written by different code.")
         return where
 
-    def _zero3_offsets(self) -> dict[str, tuple[int, int]]:
-        """(offset in each rank's partitions laid end to end, values per rank), as ``_zero3_merge_trainable_params``."""
-        where, offset = {}, 0
-        for name, shape in self.shapes.items():
-            per_rank = math.ceil(math.prod(shape) / self.world_size)
-            where[name] = (offset, per_rank)
-            offset += per_rank
-        avail = sum(flat.numel() for flat in self.flat[0])
-        if offset != avail:
-            raise fail(f"The ZeRO-3 shards hold {avail} values per rank where the parameters take {offset}: the "
-                       "checkpoint was written by different code.")
+    def _zero3_offsets(self, param_shapes: list[dict]) -> dict[str, tuple[int, int]]:
+        """(group, offset in each of the group's ranks' partitions), as ``_zero3_merge_trainable_params``: a parameter
+        takes ``ceil(numel / ranks)`` values of each rank's partition."""
+        where = {}
+        for group, shapes in enumerate(param_shapes):
+            offset, ranks = 0, self.replicas[group][0]
+            for name, shape in shapes.items():
+                where[name] = (group, offset)
+                offset += math.ceil(math.prod(shape) / len(ranks))
+            avail = self.flat[ranks[0]][group].numel()
+            if offset != avail:
+                raise fail(f"The ZeRO-3 shards' group {group} holds {avail} values per rank where its parameters take "
+                           f"{offset}: the checkpoint was written by different code.")
         return where
 
-    def _partitions(self, rank: int, key: str) -> list[torch.Tensor]:
-        if key == "fp32":
-            return list(self.flat[rank])
-        return [self.inner[rank][g][key] for g in range(len(self.flat[rank]))]
+    def _partition(self, rank: int, key: str, group: int) -> torch.Tensor:
+        return self.flat[rank][group] if key == "fp32" else self.inner[rank][group][key]
+
+    def _read_local(self, key: str, name: str, ranks: list[int]) -> torch.Tensor:
+        """The tensor of ``name`` that ``ranks`` partition (one expert-parallel rank's experts, or the whole)."""
+        group, offset = self.where[name]
+        out = torch.empty(math.prod(self.local_shapes[name]), dtype=torch.float32)
+        if self.stage <= 2:
+            _copy_range([self._partition(r, key, group) for r in ranks], offset, out, self.release)
+        else:
+            per_rank = math.ceil(out.numel() / len(ranks))
+            for i, rank in enumerate(ranks):
+                dst = out[i * per_rank:(i + 1) * per_rank]  # the last rank's piece ends with padding
+                if dst.numel():
+                    _copy_range([self._partition(rank, key, group)], offset, dst, self.release)
+        return out.view(self.local_shapes[name])
 
     def read(self, key: str, name: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        out = torch.empty(math.prod(shape), dtype=torch.float32)
-        if self.stage <= 2:
-            group, offset = self.where[name]
-            _copy_range([self._partitions(r, key)[group] for r in range(self.world_size)], offset, out, self.release)
-        else:
-            offset, per_rank = self.where[name]
-            for rank in range(self.world_size):
-                dst = out[rank * per_rank:(rank + 1) * per_rank]  # the last rank's piece ends with padding
-                if dst.numel():
-                    _copy_range(self._partitions(rank, key), offset, dst, self.release)
-        return out.view(shape)
+        replicas = self.replicas[self.where[name][0]]
+        split = self.experts.get(name)
+        if split is None:
+            return self._read_local(key, name, replicas[0])
+        whole = torch.empty(self.shapes[name], dtype=torch.float32)
+        for ep_rank, ranks in enumerate(replicas):
+            place(whole, self._read_local(key, name, ranks), split.by_rank[ep_rank])
+        return whole
 
     def close(self) -> None:
         self.flat = self.inner = None

@@ -74,6 +74,8 @@ class RunFacts:
     """The resolved config (``Config.to_dict()``), saved with each checkpoint and compared on resume."""
     sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    """DeepSpeed AutoEP's size (``distributed.expert_parallel_size`` with AutoEP's layers; 1 without them)."""
 
 
 class StateRecord:
@@ -112,7 +114,7 @@ class StateRecord:
     def layout(self) -> Layout:
         """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
         return Layout.of_run(self.accelerator.num_processes, self.zero, self.facts.sequence_parallel_size,
-                             self.facts.tensor_parallel_size)
+                             self.facts.tensor_parallel_size, self.facts.expert_parallel_size)
 
     def tensor_parallel(self, model) -> tuple[dict, int] | None:
         """This run's AutoTP splits and this rank's tensor-parallel rank; None without tensor parallelism."""

@@ -3,7 +3,7 @@
 A resume takes the checkpoint ``checkpoint.resume`` names and stops (UserError) when it cannot continue as this
 run: a step past ``train.max_steps``, a change of what the weights, optimizer state or data position depend on
 (``compat.py``), another optimizer. A checkpoint saved on another layout (process count under DeepSpeed, ZeRO
-stage, offload, DeepSpeed or not, sequence or tensor parallelism) is converted once to its topology-free form
+stage, offload, DeepSpeed or not, sequence, tensor or AutoEP expert parallelism) is converted once to its topology-free form
 (``portable.py``), every rank writing its share, and loaded by parameter name; the form is cached beside the
 checkpoint (never modified), or in this run's ``checkpoints/`` when the checkpoint's folder is read-only. A
 rollback loads the same way without the compatibility check. Every function is called on every rank.
@@ -70,6 +70,12 @@ def continue_sample_order(batches, saved: dict) -> None:
 
 def _uses_deepspeed(value) -> bool:
     return value not in (None, "none", "null")
+
+
+def saved_layout(saved: dict) -> Layout:
+    """The layout a checkpoint (``saved``: its ``train_state.json``) was cut in; a record from before the AutoEP size
+    was part of it takes the size from its config."""
+    return Layout.from_topology({"expert_parallel_size": autoep_size_of(saved["config"]) or 1, **saved["topology"]})
 
 
 def forgotten_settings(saved_config: dict, run_config: dict) -> list[str]:
@@ -139,7 +145,7 @@ class Resumer:
         return path
 
     def _log_resume(self, path: Path, saved: dict, state: LoopState, branch: bool) -> None:
-        changes = self.record.layout().changes_from(Layout.from_topology(saved["topology"]))
+        changes = self.record.layout().changes_from(saved_layout(saved))
         verb = "Branched" if branch else "Resumed"
         if forgotten := forgotten_settings(saved["config"], self.facts.run_config):
             logger.warning("%s from %s at step %d on a new layout (%s): the checkpoint's run trained with %s, this "
@@ -190,8 +196,7 @@ class Resumer:
 
     def _load(self, path: Path, saved: dict, state: LoopState) -> None:
         """Weights, optimizer, training state, this rank's RNG and the extras, from checkpoint ``path``."""
-        saved_layout = Layout.from_topology(saved["topology"])
-        converted = self.record.layout().needs_conversion_from(saved_layout)
+        converted = self.record.layout().needs_conversion_from(saved_layout(saved))
         try:
             if converted:
                 folder = portable_form(self.accelerator, path, saved, self.model, self.root,
@@ -207,41 +212,48 @@ class Resumer:
             raise fail(f"Loading checkpoint {path} failed: {type(err).__name__}: {str(err)[:300]}. A file of it is "
                        f"damaged, or was written by different code. {use_earlier(path)}") from None
         state.load_state_dict(saved["state"])
-        restore_rng(path, self.accelerator.process_index, saved_layout.world_size)
+        restore_rng(path, self.accelerator.process_index, saved_layout(saved).world_size)
         self.record.restore_extras(path, saved)
 
     def _check_optimizer(self, path: Path, saved: dict) -> None:
         """Stop when the checkpoint's optimizer state cannot be loaded into this run's optimizer."""
-        saved_layout = Layout.from_topology(saved["topology"])
-        converted = self.record.layout().needs_conversion_from(saved_layout)
+        saved_on = saved_layout(saved)
+        converted = self.record.layout().needs_conversion_from(saved_on)
         optimizer_name = saved["config"]["optim"].get("name", "adamw")  # checkpoints from before optim.name: AdamW
         ours = self.facts.run_config["optim"]["name"]
         if optimizer_name != ours:
             raise fail(f"{path} holds {optimizer_name} optimizer state; this run trains with optim.name={ours}. Resume "
                        f"with optim.name={optimizer_name}, or start a new run from its weights: python "
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
-        _check_expert_layout(path, saved["config"], self.facts.run_config, converted)
+        _check_expert_layer(path, saved["config"], self.facts.run_config)
         if optimizer_name != "adamw" and converted:
             # The topology-free form holds AdamW's moments only.
             raise fail(f"{path} holds {optimizer_name} optimizer state saved on another layout "
-                       f"({'; '.join(self.record.layout().changes_from(saved_layout))}), which cannot be converted. "
+                       f"({'; '.join(self.record.layout().changes_from(saved_on))}), which cannot be converted. "
                        "Resume on the checkpoint's layout, or start a new run from its weights: python "
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
 
 
-def _check_expert_layout(path: Path, saved_config: dict, run_config: dict, converted: bool) -> None:
-    """DeepSpeed AutoEP's checkpoints resume on their own layout only: the topology-free form does not hold their
-    experts, so a resume onto another process count, ZeRO stage or expert-parallel size is refused."""
+def _check_expert_layer(path: Path, saved_config: dict, run_config: dict) -> None:
+    """A checkpoint of DeepSpeed AutoEP's MoE layers resumes into AutoEP's layers (at any size, process count and
+    ZeRO stage: through the topology-free form), one of the model class's own block into that block: the two name
+    and shape their parameters differently, so a change between them is refused."""
     saved, ours = autoep_size_of(saved_config), autoep_size_of(run_config)
-    if (saved is None and ours is None) or (saved == ours and not converted):
+    if (saved is None) == (ours is None):
         return
-    raise fail(f"{path} was saved by a run with distributed.expert_parallel_size="
-               f"{saved_config.get('distributed', {}).get('expert_parallel_size', 1)} (AutoEP: "
-               f"{'yes' if saved else 'no'}) and this run differs in its AutoEP size, process count or ZeRO stage: "
-               "resuming DeepSpeed AutoEP's experts onto another layout is not supported. Resume on the checkpoint's "
-               "layout, or start a new run from its weights: python tools/export_hf.py "
-               f"{path} EXPORT --dtype fp32 (a ZeRO-1/2 checkpoint), then model.init_from=EXPORT "
-               "checkpoint.resume=none distributed.expert_layer=hf.")
+    if saved is not None:
+        raise fail(f"{path} was saved with DeepSpeed AutoEP's MoE layers (distributed.expert_parallel_size={saved}), "
+                   "and this run uses the model class's own MoE block, whose parameters are named and shaped "
+                   "differently (fused experts.gate_up_proj/down_proj, not AutoEP's experts.w1/w2/w3). Resume with "
+                   "distributed.expert_layer=autoep (any distributed.expert_parallel_size that divides the experts and "
+                   "the process count), or start a new run from its weights: python tools/export_hf.py "
+                   f"{path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none "
+                   "distributed.expert_layer=hf.")
+    raise fail(f"{path} was saved with the model class's own MoE block, and this run uses DeepSpeed AutoEP's MoE "
+               f"layers (distributed.expert_parallel_size={ours}), whose parameters are named and shaped differently "
+               "(AutoEP's experts.w1/w2/w3, not the fused experts.gate_up_proj/down_proj). Resume with "
+               "distributed.expert_layer=hf and distributed.expert_parallel_size=1 (any process count and ZeRO "
+               "stage).")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,12 +312,12 @@ def _convert(accelerator, path: Path, saved: dict, model, tmp: Path, dest: Path,
 
     acc = accelerator
     start = time.perf_counter()
-    saved_layout = Layout.from_topology(saved["topology"])
+    saved_on = saved_layout(saved)
     names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
     source = plan = error = None
     try:
-        source = open_source(path, deepspeed_dir=path / DS_TAG if saved_layout.deepspeed else None, param_names=names,
-                             tensor_parallel=(saved_layout.tensor_parallel_size, saved.get(TP_RECORD, {})))
+        source = open_source(path, deepspeed_dir=path / DS_TAG if saved_on.deepspeed else None, param_names=names,
+                             tensor_parallel=(saved_on.tensor_parallel_size, saved.get(TP_RECORD, {})))
         plan = plan_shards(source.shapes, acc.num_processes)
         write_share(source, plan, tmp, acc.process_index, progress=acc.is_main_process)
     except UserError as err:
@@ -317,7 +329,7 @@ def _convert(accelerator, path: Path, saved: dict, model, tmp: Path, dest: Path,
     errors = [e for e in gather_object([error]) if e is not None]
     try:
         if not errors and acc.is_main_process:
-            finish(tmp, plan, source.steps, source_layout=saved_layout, source_sha256=digest)
+            finish(tmp, plan, source.steps, source_layout=saved_on, source_sha256=digest)
             install_dir(tmp, dest, overwrite=True)
             logger.info("Converted %s to its topology-free form %s on %d processes (%d parameters, %.1f MB, %.1f s)",
                         path, dest, acc.num_processes, len(plan.shapes),

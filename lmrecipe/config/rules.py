@@ -18,8 +18,7 @@ What each parallel split supports, at a glance (the rows below are the contract)
   (``model.shared_experts``: 1 for qwen2_moe, 0 for the others); not with tensor or sequence parallelism, fp8, Muon, ``train.compile`` or
   ``logging.layer_stats``. DeepSpeed AutoEP (``distributed.expert_parallel_size`` > 1, or ``distributed.expert_layer``
   autoep) needs DeepSpeed (ZeRO 1-3) and a split that divides the experts (and the process count: checked at launch);
-  not with ``model.init_from``, a weight EMA, ``eval.tasks``, ``eval.samples`` or activation checkpointing; under
-  ZeRO-3 not with the end-of-run export (refused once the JSON is read).
+  not with ``model.init_from``, a weight EMA, ``eval.tasks``, ``eval.samples`` or activation checkpointing.
 - Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage,
   but not ZeRO-1 in bf16 or fp8: refused once the JSON is read); the split must divide the attention heads, divide or
   be a multiple of the key/value heads (fewer key/value heads than the split are replicated), and divide

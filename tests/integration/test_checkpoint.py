@@ -85,7 +85,7 @@ def test_keep_last_and_best_in_a_real_run(plain):
     assert saved["config"]["data"]["seq_len"] == 32
     assert saved["topology"] == {"world_size": 1, "deepspeed": False, "zero_stage": 0, "offload_optimizer": False,
                                  "offload_param": False, "sequence_parallel_size": 1,
-                                 "tensor_parallel_size": 1}
+                                 "tensor_parallel_size": 1, "expert_parallel_size": 1}
     assert (root / step_dir_name(STEPS) / "rng" / "rank_00000.safetensors").is_file()
 
 
@@ -318,7 +318,7 @@ def test_zero_resume_is_exact_and_leaves_its_source_untouched(tmp_path_factory, 
     saved = read_checkpoint(runs["a"] / "checkpoints" / step_dir_name(STEPS))
     assert saved["topology"] == {"world_size": 2, "deepspeed": True, "zero_stage": stage, "offload_optimizer": False,
                                  "offload_param": False, "sequence_parallel_size": 1,
-                                 "tensor_parallel_size": 1}
+                                 "tensor_parallel_size": 1, "expert_parallel_size": 1}
     assert sorted(p.name for p in (runs["a"] / "checkpoints" / step_dir_name(STEPS) / "rng").iterdir()) == [
         "rank_00000.safetensors", "rank_00001.safetensors"]
     if stage == 3:  # a harmless change (another DeepSpeed JSON of the same stage) is allowed and listed

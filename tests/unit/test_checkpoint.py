@@ -221,7 +221,8 @@ def test_the_state_record_holds_the_state_extras_layout_data_position_and_schedu
     assert saved["state"] == state.state_dict()
     assert saved["extras"] == {"counter": {"count": 7}}  # an empty state is not written
     assert saved["topology"] == {"world_size": 1, "deepspeed": False, "zero_stage": 0, "offload_optimizer": False,
-                                 "offload_param": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1}
+                                 "offload_param": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1,
+                                 "expert_parallel_size": 1}
     assert saved["config"] == {"optim": {"name": "adamw"}} and saved["hf_config"] == FakeConfig().to_dict()
     assert saved["val_loss"] == 2.5  # evaluated at this step
     assert saved["data"] == {"next_sample": 16, **FakeData(tmp_path).signature()}

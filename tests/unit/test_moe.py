@@ -159,24 +159,70 @@ def test_the_planner_and_the_estimator_count_total_active_and_each_ranks_experts
     assert whole - split == pytest.approx(shape.expert_params * (12 - 20 / 2))
 
 
-def test_autoep_under_zero3_refuses_the_end_of_run_export():
-    from lmrecipe.distributed import ZeroSetup, check_autoep_export
-
-    with pytest.raises(UserError, match=r"Set\s+checkpoint.export_at_end=false, or train under"):
-        check_autoep_export(True, ZeroSetup(stage=3, deepspeed=True), True, "zero3")
-    check_autoep_export(True, ZeroSetup(stage=2, deepspeed=True), True, "zero2")
-    check_autoep_export(False, ZeroSetup(stage=3, deepspeed=True), True, "zero3")
-
-
-def test_a_resume_onto_another_expert_layout_is_refused(tmp_path):
-    from lmrecipe.checkpoint.resume import _check_expert_layout
+def test_autoep_resumes_onto_any_expert_parallel_size_but_not_onto_another_moe_layer(tmp_path):
+    from lmrecipe.checkpoint.resume import _check_expert_layer
 
     def config(ep: int, layer: str = "auto") -> dict:
         return {"distributed": {"expert_parallel_size": ep, "expert_layer": layer}}
 
-    _check_expert_layout(tmp_path, config(2), config(2), converted=False)  # the same layout
-    _check_expert_layout(tmp_path, config(1), config(1), converted=True)  # the class's own block: any layout
-    for saved, ours, converted in ((config(2), config(1), True), (config(2), config(4), False),
-                                   (config(1, "autoep"), config(1, "autoep"), True)):
-        with pytest.raises(UserError, match="resuming DeepSpeed AutoEP's experts onto another layout is not supp"):
-            _check_expert_layout(tmp_path, saved, ours, converted)
+    for saved, ours in ((config(2), config(1, "autoep")), (config(1, "autoep"), config(4)), (config(1), config(1))):
+        _check_expert_layer(tmp_path, saved, ours)
+    with pytest.raises(UserError, match=r"saved with DeepSpeed AutoEP's MoE layers .* Resume with "
+                                        r"distributed.expert_layer=autoep"):
+        _check_expert_layer(tmp_path, config(2), config(1))
+    with pytest.raises(UserError, match=r"saved with the model class's own MoE block.* Resume with "
+                                        r"distributed.expert_layer=hf"):
+        _check_expert_layer(tmp_path, config(1, "hf"), config(2))
+
+
+def test_a_change_of_autoep_size_is_a_change_of_layout_and_auto_names_the_layer_it_picks():
+    from lmrecipe.checkpoint.compat import _resolved
+    from lmrecipe.checkpoint.resume import saved_layout
+    from lmrecipe.distributed import Layout, ZeroSetup
+
+    zero1 = ZeroSetup(stage=1, deepspeed=True)
+    saved, now = Layout.of_run(2, zero1, expert_parallel_size=2), Layout.of_run(2, zero1)
+    assert now.changes_from(saved) == ["expert parallel 2 -> 1"] and now.needs_conversion_from(saved)
+    assert Layout.from_topology(saved.to_dict()) == saved
+    record = {"topology": {"world_size": 2, "deepspeed": True, "zero_stage": 1},  # from before the size was recorded
+              "config": {"distributed": {"expert_parallel_size": 2, "expert_layer": "auto"}}}
+    assert saved_layout(record) == saved
+    # auto at size 2 is AutoEP's layer: resuming it at size 1 with expert_layer=autoep changes no fixed key.
+    picked = [_resolved({"distributed.expert_parallel_size": ep, "distributed.expert_layer": layer}, {})
+              ["distributed.expert_layer"] for ep, layer in ((2, "auto"), (1, "autoep"), (1, "auto"), (1, "hf"))]
+    assert picked == ["autoep", "autoep", "hf", "hf"]
+
+
+def test_a_rank_takes_its_own_experts_of_the_whole_tensor():
+    from lmrecipe.checkpoint.ep_split import expert_splits, experts_of, place
+    from lmrecipe.checkpoint.portable import _LocalExperts
+
+    layer = {"num_experts": 4, "ep_size": 2, "expert_key_prefix": "model.layers.0.mlp.experts"}
+    splits = expert_splits([layer, {**layer, "expert_key_prefix": "model.layers.1.mlp.experts",
+                                    "expert_placement": {"ranks": [{"rank": 1, "experts": [1, 3]},
+                                                                   {"rank": 0, "experts": [0, 2]}]}}])
+    assert len(splits) == 6 and splits["model.layers.0.mlp.experts.w3"].by_rank == ((0, 1), (2, 3))
+    interleaved = splits["model.layers.1.mlp.experts.w1"]
+    assert interleaved.by_rank == ((0, 2), (1, 3)) and interleaved.ranks_of(1, 6) == [1, 3, 5]
+    whole = torch.arange(4 * 3 * 2, dtype=torch.float32).view(4, 3, 2)
+    rebuilt = torch.empty_like(whole)
+    for experts in interleaved.by_rank:
+        place(rebuilt, experts_of(whole, experts), experts)
+    assert torch.equal(rebuilt, whole) and torch.equal(experts_of(whole, (1, 3)), whole[[1, 3]])
+    with pytest.raises(UserError, match="does not hold each of its 4 experts once"):
+        expert_splits([{**layer, "expert_placement": {"ranks": [{"rank": 0, "experts": [0, 1]},
+                                                                {"rank": 1, "experts": [1, 2]}]}}])
+
+    class Whole:  # the topology-free form's reads, in memory
+        meta = {"params": {"e": [4, 3, 2]}}
+
+        def get(self, key, name):
+            return whole
+
+        def get_flat(self, key, name, start, numel):
+            return whole.reshape(-1)[start:start + numel]
+
+    for experts in ((2, 3), (1, 3)):  # contiguous rows are read as one range; others gathered
+        local = _LocalExperts(Whole(), {"e": experts})
+        assert torch.equal(local.get("fp32", "e"), whole[list(experts)])
+        assert torch.equal(local.get_flat("fp32", "e", 4, 5), whole[list(experts)].reshape(-1)[4:9])
