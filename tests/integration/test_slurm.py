@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_OVERRIDES, free_port, run_train, subprocess_env
+from helpers import ROOT, STEPS, TINY_OVERRIDES, free_port, run_train, subprocess_env, zero_pair
 
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + sorted((ROOT / "slurm").glob("*.sbatch"))
 
@@ -287,8 +287,11 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_two_simulated_nodes_match_one_node(tmp_path, tiny_data):
-    overrides = [f"data.path={tiny_data}", *TINY_OVERRIDES, "train.max_steps=3",
+def test_two_simulated_nodes_match_one_node(tmp_path, tmp_path_factory, tiny_data):
+    """Two nodes of one process each, launched by slurm/launch.sh, train as the session's 2-process ZeRO-2 run on one
+    node (``zero_pair``'s run ``a``: the same steps and schedule; its checkpoints and instruments change no loss)."""
+    one_node = zero_pair(tmp_path_factory, tiny_data, 2)["a"]
+    overrides = [f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={STEPS}",
                  "distributed.deepspeed_config=ds_configs/zero2.json", "logging.measure_model_states=true"]
     two_nodes = tmp_path / "two_nodes"
     port = free_port()
@@ -309,10 +312,8 @@ def test_two_simulated_nodes_match_one_node(tmp_path, tiny_data):
     shards = {p.name for p in two_nodes.glob("checkpoints/step_*/**/*optim_states.pt")}
     assert any("zero_pp_rank_0" in s for s in shards) and any("zero_pp_rank_1" in s for s in shards), shards
 
-    one_node = tmp_path / "one_node"
-    run_train(one_node, tiny_data, ["train.max_steps=3", "distributed.deepspeed_config=ds_configs/zero2.json"], nproc=2)
     expected, got = losses(one_node), losses(two_nodes)
-    assert sorted(got) == [1, 2, 3]
+    assert sorted(got) == list(range(1, STEPS + 1))
     assert got == pytest.approx(expected, abs=1e-6)
 
 
