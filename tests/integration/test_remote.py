@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import re
 import shutil
 import threading
 import time
@@ -81,15 +82,18 @@ def test_a_run_killed_during_an_upload_resumes_exactly_on_a_fresh_node_from_the_
     data_url = upload_folder(s3, tiny_data, "data/tiny")
     remote = f"s3://{s3.bucket}/run"
     cache = tmp_path / "cache"
-    # Node 1: trains from the data URL, uploads step 2, and is killed (SIGKILL) two files into the upload of step 4.
+    # Node 1: trains from the data URL, uploads step 2, and is killed (SIGKILL) two files into the upload of the next
+    # checkpoint (step 4; or step 6 where a loaded machine saved it before step 4's upload began, superseding it).
     killed = run_script(["train.py", "recipes/tiny.yaml", f"out_dir={tmp_path / 'node1'}", f"data.path={data_url}",
                          f"data.cache_dir={cache}", *TINY_OVERRIDES, *COMMON, f"checkpoint.remote={remote}"],
-                        check=False, env_extra={**s3.env(), "LMRECIPE_FAULT_KILL_UPLOAD": "step_00000004:2"})
+                        check=False, env_extra={**s3.env(), "LMRECIPE_FAULT_KILL_UPLOAD": "step_00000004+:2"})
     assert killed.returncode == -9, killed.stderr[-3000:]
+    (cut,) = re.findall(r"Killing this process during the upload of (step_\d+)", killed.stderr)
+    assert cut in ("step_00000004", "step_00000006")
     keys = s3.keys(s3.bucket, "run/checkpoints/")
     assert s3.read(s3.bucket, "run/checkpoints/latest") == b"step_00000002\n"
     assert "run/checkpoints/step_00000002/train_state.json" in keys
-    partial = [k for k in keys if k.startswith("run/checkpoints/step_00000004/")]
+    partial = [k for k in keys if k.startswith(f"run/checkpoints/{cut}/")]
     assert len(partial) == 2 and not any(k.endswith("train_state.json") for k in partial)
     manifest = json.loads(s3.read(s3.bucket, "run/checkpoints/step_00000002/train_state.json"))["manifest"]
     assert {k.split("step_00000002/")[1] for k in keys if "step_00000002/" in k} == {*manifest, "train_state.json"}

@@ -11,7 +11,8 @@ in time is named (and recorded in ``final.json``). The files and the commit orde
 ``lmrecipe/checkpoint/remote.py``'s.
 
 Test fault: ``LMRECIPE_FAULT_KILL_UPLOAD=step_N:K`` kills the main process (SIGKILL) after it uploaded K files of
-checkpoint ``step_N``.
+checkpoint ``step_N``; ``step_N+:K`` of the first checkpoint from ``step_N`` on that is uploaded (a loaded machine can
+supersede ``step_N`` itself).
 """
 
 from __future__ import annotations
@@ -230,12 +231,13 @@ class RemoteUpload(Callback):
         """When the end of the run stops waiting for uploads (set at ``on_end``)."""
         after_file = None
         if (fault := _kill_fault()) is not None and accelerator.is_main_process:
-            counted = {"n": 0}
+            counted: dict[str, int] = {}
+            target, from_on = fault[0].removesuffix("+"), fault[0].endswith("+")
 
             def after_file(name: str, rel: str) -> None:
-                if name == fault[0]:
-                    counted["n"] += 1
-                    if counted["n"] >= fault[1]:
+                if name == target or (from_on and name > target):  # step folder names are zero-padded
+                    counted[name] = counted.get(name, 0) + 1
+                    if counted[name] >= fault[1]:
                         logger.warning("Killing this process during the upload of %s (%s)", name, KILL_FAULT_ENV)
                         os.kill(os.getpid(), signal.SIGKILL)
 
