@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from lmrecipe.config import ScheduleConfig, fixed_on_resume_keys, flatten_config
+from lmrecipe.config import ScheduleConfig, fixed_on_resume_keys, flatten_config, resolved_expert_layer
 from lmrecipe.data.tokenizer import tokenizer_differences
 from lmrecipe.errors import fail
 
@@ -37,11 +37,9 @@ _RESOLVED_FROM_HF = {
 def _resolved(flat: dict, hf_config: dict) -> dict:
     resolved = {**flat, **{key: hf_config[hf_key] for key, hf_key in _RESOLVED_FROM_HF.items()
                            if flat.get(key) is None and hf_config.get(hf_key) is not None}}
-    # ``auto`` is AutoEP's layer above expert_parallel_size 1 and the class's own block at 1: a resume onto another
-    # size (auto at 2 -> autoep at 1) compares the layer each picks.
-    if flat.get("distributed.expert_layer", "auto") == "auto":
-        size = int(flat.get("distributed.expert_parallel_size") or 1)
-        resolved["distributed.expert_layer"] = "autoep" if size > 1 else "hf"
+    # A resume onto another size (auto at 2 -> autoep at 1) compares the layer each picks.
+    resolved["distributed.expert_layer"] = resolved_expert_layer(flat.get("distributed.expert_layer", "auto"),
+                                                                 int(flat.get("distributed.expert_parallel_size") or 1))
     return resolved
 
 

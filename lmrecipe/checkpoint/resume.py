@@ -196,7 +196,8 @@ class Resumer:
 
     def _load(self, path: Path, saved: dict, state: LoopState) -> None:
         """Weights, optimizer, training state, this rank's RNG and the extras, from checkpoint ``path``."""
-        converted = self.record.layout().needs_conversion_from(saved_layout(saved))
+        saved_on = saved_layout(saved)
+        converted = self.record.layout().needs_conversion_from(saved_on)
         try:
             if converted:
                 folder = portable_form(self.accelerator, path, saved, self.model, self.root,
@@ -212,7 +213,7 @@ class Resumer:
             raise fail(f"Loading checkpoint {path} failed: {type(err).__name__}: {str(err)[:300]}. A file of it is "
                        f"damaged, or was written by different code. {use_earlier(path)}") from None
         state.load_state_dict(saved["state"])
-        restore_rng(path, self.accelerator.process_index, saved_layout(saved).world_size)
+        restore_rng(path, self.accelerator.process_index, saved_on.world_size)
         self.record.restore_extras(path, saved)
 
     def _check_optimizer(self, path: Path, saved: dict) -> None:

@@ -33,6 +33,7 @@ from lmrecipe.config.sections import (
     TrainConfig,
     Workload,
     autoep_size_of,
+    resolved_expert_layer,
     due_at,
     fixed_on_resume_keys,
     flatten_config,
@@ -44,6 +45,6 @@ __all__ = [
     "AUTO_LOSS_CHUNK_MIN_VOCAB", "AUTO_LOSS_CHUNK_TOKENS", "BASE_KEY", "DS_CONFIG_DIR", "RENAMED", "REPO_ROOT", "RULES",
     "BatchSize", "CheckpointConfig", "Config", "DataConfig", "DataSource", "DataStage", "DistributedConfig", "EvalConfig", "LoggingConfig",
     "ModelConfig", "OptimConfig", "Precision", "ProfileConfig", "Rule", "ScheduleConfig", "SpikeConfig", "TrackerName",
-    "TrainConfig", "Workload", "autoep_size_of", "check_rules", "config_from_dict", "config_yaml", "due_at", "fixed_on_resume_keys",
+    "TrainConfig", "Workload", "autoep_size_of", "resolved_expert_layer", "check_rules", "config_from_dict", "config_yaml", "due_at", "fixed_on_resume_keys",
     "flatten_config", "load_config", "parse_shard_size", "resolve_deepspeed_config", "save_config",
 ]

@@ -661,7 +661,7 @@ class DistributedConfig:
 
     def uses_autoep(self) -> bool:
         """Whether the MoE layers are DeepSpeed AutoEP's (:attr:`expert_layer`)."""
-        return self.expert_layer == "autoep" or (self.expert_layer == "auto" and self.expert_parallel_size > 1)
+        return resolved_expert_layer(self.expert_layer, self.expert_parallel_size) == "autoep"
 
     def uses_deepspeed(self) -> bool:
         """Whether the run trains under DeepSpeed (``deepspeed_config`` names a file), without reading the file."""
@@ -758,7 +758,13 @@ def autoep_size_of(run_config: dict) -> Optional[int]:
     None when its MoE layers are not AutoEP's (or it has none): :meth:`DistributedConfig.uses_autoep` on a dict."""
     dist = run_config.get("distributed", {})
     size, layer = int(dist.get("expert_parallel_size", 1)), dist.get("expert_layer", "auto")
-    return size if layer == "autoep" or (layer == "auto" and size > 1) else None
+    return size if resolved_expert_layer(layer, size) == "autoep" else None
+
+
+def resolved_expert_layer(layer: str, expert_parallel_size: int) -> str:
+    """``distributed.expert_layer`` as the layer it picks: ``auto`` is AutoEP's above ``expert_parallel_size`` 1 and
+    the class's own block (``hf``) at 1."""
+    return ("autoep" if expert_parallel_size > 1 else "hf") if layer == "auto" else layer
 
 
 def flatten_config(data: dict, prefix: str = "") -> dict[str, Any]:
