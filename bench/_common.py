@@ -226,11 +226,7 @@ class OursLoop:
 
     def close(self) -> None:
         """Close the run's logs (without the end of a run: no export, no report)."""
-        from lmrecipe.train.callbacks.reporting import Reporting
-
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, Reporting):
-                callback.reporter.close(plot=False)
+        self.trainer.close()
 
 
 class RawLoop:

@@ -81,7 +81,6 @@ import json
 import logging
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -89,7 +88,6 @@ import torch
 from torch import nn
 
 from lmrecipe.distributed import ZeroSetup
-from lmrecipe.fileio import write_json_atomic
 from lmrecipe.model import param_counts
 from lmrecipe.optim import expert_params, muon_split
 
@@ -181,77 +179,6 @@ def model_state_bytes(model: nn.Module, optimizer) -> dict:
     result["total"] = counted
     result["by_device"] = _union_bytes(spans)
     return result
-
-
-class ModelStateProbe:
-    """Measures this rank's model-state bytes once, during the second optimizer step, and writes them as JSON.
-
-    The second step is the first that finds the optimizer states (they are created by the first update).
-    The sample is taken when the gradients are complete and before the update consumes them: after each
-    backward of that step under DeepSpeed (whose engine steps inside ``accelerator.backward``), else in a
-    pre-step hook of the optimizer. With gradient accumulation the largest sample of the step is kept.
-    """
-
-    def __init__(self, model, optimizer, path: str | os.PathLike, rank: int, world_size: int):
-        self.model = model
-        self.optimizer = optimizer
-        self.path = Path(path)
-        self.rank, self.world_size = rank, world_size
-        self.updates_seen = 0
-        self.sample: dict | None = None
-        self._hook = None
-        if _is_deepspeed_engine(model):
-            # The engine has no hook between its backward and its step: wrap this instance's backward.
-            self._original_backward = model.backward
-            model.backward = self._deepspeed_backward
-        else:
-            self._hook = _optimizer_chain(optimizer)[-1].register_step_pre_hook(self._before_update)
-
-    def _deepspeed_backward(self, *args, **kwargs):
-        out = self._original_backward(*args, **kwargs)
-        if self.updates_seen == 1:
-            self._take_sample()
-        if self.model.is_gradient_accumulation_boundary():
-            self._update_done()
-        return out
-
-    def _before_update(self, optimizer, args, kwargs) -> None:
-        if self.updates_seen == 1:
-            self._take_sample()
-        self._update_done()
-
-    def _take_sample(self) -> None:
-        sample = model_state_bytes(self.model, self.optimizer)
-        if self.sample is None or sample["total"] > self.sample["total"]:
-            self.sample = sample
-
-    def _update_done(self) -> None:
-        self.updates_seen += 1
-        if self.updates_seen == 2:
-            self._write()
-            self.detach()
-
-    def _write(self) -> None:
-        payload = {"rank": self.rank, "world_size": self.world_size, "measured_at_update": 2, **self.sample}
-        write_json_atomic(self.path, payload)
-        logger.info("Model states on rank %d: %s", self.rank, format_bytes(payload["total"]))
-
-    def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if "backward" in vars(self.model):
-            del self.model.backward
-
-
-def _is_deepspeed_engine(model) -> bool:
-    deepspeed = sys.modules.get("deepspeed")  # a run without DeepSpeed should not pay for importing it
-    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
-
-
-def attach_model_state_probe(model, optimizer, out_dir: str | os.PathLike, rank: int, world_size: int) -> ModelStateProbe:
-    """Record this rank's model-state bytes in ``out_dir/memory_rank{rank}.json`` during the second step."""
-    return ModelStateProbe(model, optimizer, Path(out_dir) / f"memory_rank{rank}.json", rank, world_size)
 
 
 def read_measured(out_dir: str | os.PathLike) -> list[dict]:

@@ -2,28 +2,39 @@
 
 The trainer (``lmrecipe/train/trainer.py``) runs, for every optimizer step::
 
-    before_step -> train_step -> after_step -> [sync point: host read, at_sync] -> on_step_end -> on_save
+    before_step -> forward/backward -> pre_optim_step -> update -> after_step
+        -> [sync point: host read, at_sync] -> on_step_end -> [evaluation: eval_figures, after_eval] -> on_save
 
 after ``on_start`` and before ``on_end``; ``on_stop`` when a callback ends the run early, ``on_error`` when an
-exception leaves the loop. Each hook is called on the callbacks in ascending :attr:`Callback.order`; a callback
-overrides only the hooks it uses, and receives the trainer (its run, state, checkpointer and the other hooks'
-dispatch), so nothing is wired by hand and the loop never looks a callback up by type.
+exception leaves the loop, ``on_close`` when the trainer is closed. Each hook is called on the callbacks in ascending
+:attr:`Callback.order`; a callback overrides only the hooks it uses, and receives the trainer (its run, state,
+checkpointer and the other hooks' dispatch), so nothing is wired by hand, no callback replaces another object's
+method, and the loop never looks a callback up by type.
 
 - ``on_start``: once, before the first step (resume, open the logs);
-- ``before_step`` / ``after_step(result)``: around ``train_step`` on every step; ``after_step`` does device work
-  only (an unlogged step makes no host read);
+- ``before_step``: before the step's first forward;
+- ``pre_optim_step``: the step's gradients are complete and not yet used: every micro-batch's backward has run, the
+  clip and the update have not. Without DeepSpeed they are the parameters' ``.grad``; under ZeRO-1/2 each rank's
+  fp32 partitions of the reduced gradients, under ZeRO-3 its partitions (``deepspeed.utils.safe_get_local_grad``);
+  device work only, like ``after_step``;
+- ``after_step(result)``: the update is done; device work only (an unlogged step makes no host read);
 - ``needs_sync(step) -> bool``: whether the step just run is a sync point (a logged, evaluated or saved step);
 - ``at_sync(longest_skip_run) -> bool``: at a sync point, after the skip counters were read; True means the
   callback moved the run back (a rollback, through :meth:`Trainer.roll_back`): the step is neither logged,
   evaluated nor saved, and the later callbacks' ``at_sync`` are not called;
-- ``on_step_end(result)``: the step stands (log it, evaluate);
-- ``eval_figures(evaluate) -> dict`` / ``after_eval(result)``: around an evaluation's validation loss;
+- ``on_step_end(result)``: the step stands (log it);
+- ``eval_figures(evaluate) -> dict`` / ``after_eval(result)``: at an evaluation (``train.eval_every_steps`` and the
+  last step), which the trainer runs after ``on_step_end``: each callback's figures first (``evaluate()`` measures
+  the validation loss of the weights the model holds then), then the trained weights' validation loss, then the
+  whole result to every callback;
 - ``on_save``: the save point of the step (a preemption's stop, then the checkpoint);
 - ``after_rollback``: the run went back to a checkpoint (``trainer.state`` is the checkpoint's);
 - ``on_stop(stop)``: a callback asked the run to end (:meth:`Trainer.request_stop`), before it ends;
 - ``on_end``: after the last step (wait for the checkpoint, export, close the logs, write the report);
 - ``on_error(err) -> BaseException | None``: an exception left the loop; a callback may return the clear error
   that replaces it (an out-of-memory diagnosis, a lost peer);
+- ``on_close``: the trainer is closed (:meth:`Trainer.close`: after ``on_end``, an error, or a benchmark's last
+  step): release what the callback holds (files, threads) without ending the run; called once;
 - ``outcome() -> dict``: the callback's figures for the run's end (``final.json``).
 
 A callback with a :attr:`Callback.name` is saved in every checkpoint under that name (``state_dict`` in
@@ -84,6 +95,9 @@ class Callback:
     def before_step(self, trainer) -> None:
         pass
 
+    def pre_optim_step(self, trainer) -> None:
+        pass
+
     def after_step(self, trainer, result: StepResult) -> None:
         pass
 
@@ -116,6 +130,9 @@ class Callback:
 
     def on_error(self, trainer, err: BaseException) -> BaseException | None:
         return None
+
+    def on_close(self, trainer) -> None:
+        pass
 
     def outcome(self, trainer) -> dict:
         return {}

@@ -29,7 +29,6 @@ from lmrecipe.distributed import (
 )
 from lmrecipe.errors import fail
 from lmrecipe.loss import use_chunked_loss
-from lmrecipe.memory import attach_model_state_probe
 from lmrecipe.model import (
     build_attention,
     build_hf_config,
@@ -176,8 +175,6 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     if cfg.train.compile and runtime.zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
-    if cfg.logging.measure_model_states:
-        attach_model_state_probe(model, optimizer, out_dir, accelerator.process_index, accelerator.num_processes)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
     active = counts["active"] if counts["active"] != counts["total"] else None

@@ -33,8 +33,6 @@ class TrainState:
     last_val_loss: float | None = None
     last_val_step: int | None = None
     """Step of the latest evaluation (a checkpoint saved at that step is ranked by its loss)."""
-    last_val_loss_ema: float | None = None
-    """Validation loss of the weight EMA at the latest evaluation (None without ``train.ema_decay``)."""
     wall_time_s: float = 0.0
     """Seconds of training over all sessions of the run (as of the last step), for the report's device-hours."""
 
@@ -69,7 +67,7 @@ class TrainState:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
                 "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
                 "last_val_loss": self.last_val_loss, "last_val_step": self.last_val_step,
-                "last_val_loss_ema": self.last_val_loss_ema, "wall_time_s": self.wall_time_s}
+                "wall_time_s": self.wall_time_s}
 
     def load_state_dict(self, saved: dict) -> None:
         """Take a checkpoint's ``state``; a field a checkpoint of earlier code lacks keeps its default."""
@@ -81,13 +79,12 @@ class TrainState:
         self.consecutive_skips = int(saved.get("consecutive_skips", fresh.consecutive_skips))
         self.last_val_loss = _optional_float(saved.get("last_val_loss"))
         self.last_val_step = None if saved.get("last_val_step") is None else int(saved["last_val_step"])
-        self.last_val_loss_ema = _optional_float(saved.get("last_val_loss_ema"))
         self.wall_time_s = float(saved.get("wall_time_s", fresh.wall_time_s))
         self._pending = None
 
     def record_eval(self, val_loss: float) -> None:
-        """An evaluation at this step; the weight EMA's loss of it, if any, is recorded by its callback after."""
-        self.last_val_loss, self.last_val_step, self.last_val_loss_ema = val_loss, self.step, None
+        """An evaluation at this step."""
+        self.last_val_loss, self.last_val_step = val_loss, self.step
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
 
 

@@ -1,7 +1,11 @@
-"""One optimizer step: accumulate / forward / backward / clip / step, with no host synchronisation.
+"""One optimizer step in two halves, with no host synchronisation: :func:`forward_backward` (every micro-batch's
+forward and backward, gradients accumulated) and :func:`optim_step` (clip, update, zero the gradients).
 
-``train_step`` is what the trainer (``lmrecipe/train/trainer.py``) calls, and every benchmark in ``bench/`` times the
-trainer, so what is timed is what trains.
+Between the two the gradients of the whole step are complete and not yet consumed: the trainer
+(``lmrecipe/train/trainer.py``) calls its callbacks' ``pre_optim_step`` there. Under DeepSpeed, Accelerate's
+``accelerator.backward`` would step the engine inside the last micro-batch's backward; here the engine's own backward
+runs at Accelerate's accumulation boundary and its step in :func:`optim_step`, the same calls in the same order.
+:func:`train_step` is the two halves together, for the benchmarks that time a step without the trainer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from lmrecipe.optim import set_lr
 from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class StepResult:
@@ -54,9 +59,9 @@ SectionTimer = Callable[[str, float], None]
 
 def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor, timer: SectionTimer | None = None,
                           model_kwargs: dict | None = None) -> LossTerms:
-    """Loss and gradients of one micro-batch (accumulated; DeepSpeed steps inside at the boundary): the language-model
-    loss, the z-loss term (None when ``train.z_loss`` is 0) and an MoE model's router term (None for a dense model),
-    detached; their sum is backpropagated.
+    """Loss and gradients of one micro-batch (accumulated): the language-model loss, the z-loss term (None when
+    ``train.z_loss`` is 0) and an MoE model's router term (None for a dense model), detached; their sum is
+    backpropagated. No update happens here, under DeepSpeed either (:func:`backward`).
 
     ``model_kwargs``: the forward's document keywords (``loss.forward_kwargs``), already on the device.
     """
@@ -73,24 +78,39 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
         with region("backward"):
             # Sequence parallelism: scaled to how DeepSpeed reduces the group's gradients (SequenceParallel).
             sequence = run.runtime.sequence
-            accelerator.backward(objective if sequence is None else objective / sequence.loss_divisor)
+            backward(run, objective if sequence is None else objective / sequence.loss_divisor)
     if timer is not None:
         timer("forward+loss", forward_done - start)
         timer("backward", time.perf_counter() - forward_done)
     return LossTerms(*(None if term is None else term.detach() for term in terms))
 
 
+def backward(run: Run, objective: torch.Tensor) -> None:
+    """``accelerator.backward`` without its DeepSpeed step: under DeepSpeed the engine's backward, told whether this
+    micro-batch ends Accelerate's accumulation (the engine reduces the gradients there), as Accelerate's wrapper does
+    before it calls ``engine.step``; :func:`optim_step` makes that call."""
+    accelerator = run.accelerator
+    if not run.runtime.zero.deepspeed:
+        accelerator.backward(objective)
+        return
+    engine = run.model
+    engine.set_gradient_accumulation_boundary(is_boundary=accelerator.sync_gradients)
+    engine.backward(objective)
+
+
 def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: bool) -> tuple[torch.Tensor | float, torch.Tensor | bool]:
-    """Clip and step, or skip a non-finite update. Returns the pre-clip global grad norm and whether it skipped.
+    """Clip and step, or skip a non-finite update, then zero the gradients. Returns the pre-clip global grad norm and
+    whether it skipped.
 
     Without DeepSpeed nothing here reads a tensor on the host: the norm stays on the device, and the fused
     AdamW receives the skip decision as a device flag (``found_inf``, the mechanism GradScaler uses), so a
     non-finite gradient leaves weights, moments and step counts untouched without the CPU waiting for it.
     """
     if deepspeed:
-        # The engine already clipped and stepped inside accelerator.backward at the accumulation boundary,
-        # and skips the update itself when gradients are not finite.
+        # The engine clips, updates and zeroes the gradients in its step, and skips the update itself when the
+        # gradients are not finite.
         skipped_before = model.skipped_steps
+        model.step()
         norm = model.get_global_grad_norm()
         norm = torch.as_tensor(float("nan") if norm is None else norm)
         return norm, ~torch.isfinite(norm) | (model.skipped_steps > skipped_before)
@@ -112,12 +132,25 @@ def optimizer_step(model, optimizer, accelerator, grad_clip: float, deepspeed: b
     return norm, skipped
 
 
-def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepResult:
-    """Optimizer step ``step`` (0-based): set its learning rate, run its micro-batches, update the weights.
+@dataclass
+class Gradients:
+    """What :func:`forward_backward` leaves for :func:`optim_step`: the step's figures so far (device tensors); the
+    gradients themselves sit in the model (its ``.grad`` fields, or DeepSpeed's partitions under ZeRO)."""
 
-    No host synchronisation happens here without DeepSpeed (the loss, norm and skip flag stay on the device);
-    the batches of the next step are assembled in the background meanwhile.
-    """
+    lr: float
+    samples: int
+    """Sequences of this step over all ranks."""
+    micro_batches: int
+    loss_sum: torch.Tensor
+    z_loss_sum: torch.Tensor | None
+    aux_loss_sum: torch.Tensor | None
+    expert_tokens: torch.Tensor | None
+    data_time_s: float
+
+
+def forward_backward(run: Run, step: int, timer: SectionTimer | None = None) -> Gradients:
+    """The first half of optimizer step ``step`` (0-based): set its learning rate, then every micro-batch's forward and
+    backward. The batches of the next step are assembled in the background meanwhile."""
     samples = run.train_batches.step_size(step)
     run.accumulate_to(samples)  # a batch-size ramp: this step's accumulation count
     lr = run.lr_at(step)
@@ -143,17 +176,29 @@ def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepRe
         z_loss_sum = _add(z_loss_sum, terms.z)
         aux_loss_sum = _add(aux_loss_sum, terms.aux)
         expert_tokens = _add(expert_tokens, terms.expert_tokens)
+    return Gradients(lr, samples, len(micro_batches), loss_sum, z_loss_sum, aux_loss_sum, expert_tokens, data_time_s)
+
+
+def optim_step(run: Run, gradients: Gradients, timer: SectionTimer | None = None) -> StepResult:
+    """The second half: clip, update the weights (or skip a non-finite update), zero the gradients."""
     optimizer_start = time.perf_counter()
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
                                             run.runtime.zero.deepspeed)
     if timer is not None:
-        timer("data", data_time_s)
+        timer("data", gradients.data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)
-    n = len(micro_batches)
-    return StepResult(loss_sum / n, lr, grad_norm, skipped, data_time_s, tokens=samples * run.cfg.data.seq_len,
-                      z_loss=None if z_loss_sum is None else z_loss_sum / n,
-                      aux_loss=None if aux_loss_sum is None else aux_loss_sum / n, expert_tokens=expert_tokens)
+    n = gradients.micro_batches
+    return StepResult(gradients.loss_sum / n, gradients.lr, grad_norm, skipped, gradients.data_time_s,
+                      tokens=gradients.samples * run.cfg.data.seq_len,
+                      z_loss=None if gradients.z_loss_sum is None else gradients.z_loss_sum / n,
+                      aux_loss=None if gradients.aux_loss_sum is None else gradients.aux_loss_sum / n,
+                      expert_tokens=gradients.expert_tokens)
+
+
+def train_step(run: Run, step: int, timer: SectionTimer | None = None) -> StepResult:
+    """Optimizer step ``step`` (0-based) whole: :func:`forward_backward`, then :func:`optim_step`."""
+    return optim_step(run, forward_backward(run, step, timer), timer)
 
 
 def _add(total: torch.Tensor | None, term: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,4 +1,5 @@
-"""The trainer: ``train_step`` to ``train.max_steps``, with everything else the loop does done by callbacks.
+"""The trainer: optimizer steps to ``train.max_steps`` (``lmrecipe/train/step.py``'s two halves), the evaluations,
+and everything else the loop does done by callbacks.
 
 ``train`` takes the run folder's lock, builds the run, its checkpointer and its callbacks, and calls
 :meth:`Trainer.fit`. The hooks and their timeline are described in ``lmrecipe/train/callback.py``; the callbacks
@@ -14,6 +15,7 @@ of a run, in the order they run at every hook (:attr:`Callback.order`):
   50  Checkpointing          resume at the start; save at the save point; wait for a background write at the end
   60  SpikeGuard             a loss spike rolls the run back to the checkpoint before it
   70  NonFiniteStop          too many non-finite updates in a row end the run (exit 2)
+  75  ModelStates            ``logging.measure_model_states``: this rank's model-state bytes at the second update
   80  WeightEMA              the weight average, its validation loss, its checkpoint files
   90  TaskEval               multiple-choice tasks scored at evaluations
  100  EarlyStopping          evaluations without improvement end the run
@@ -21,7 +23,6 @@ of a run, in the order they run at every hook (:attr:`Callback.order`):
  115  RemoteUpload           ``checkpoint.remote``: each checkpoint uploaded in the background; at the end, the export
  120  Reporting              config.yaml, the live log, metrics and trackers, the plot, the run's report
  125  LayerStats             per-layer gradient, weight and update norms at logged steps; layers.png
- 130  Evaluation             the validation loss, after the step's log line
  140  RemoteReport           ``checkpoint.remote``: the run's report uploaded last
 ====  =====================  =============================================================================
 
@@ -41,12 +42,12 @@ from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.observe.quiet import quiet
 from lmrecipe.observe.run_report import FINAL_FILE
-from lmrecipe.train.callback import Callback, Stop
+from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
 from lmrecipe.train.callbacks.ema import WeightEMA
-from lmrecipe.train.callbacks.evaluation import Evaluation
 from lmrecipe.train.callbacks.faults import FaultInjection
 from lmrecipe.train.callbacks.layer_stats import LayerStats
+from lmrecipe.train.callbacks.model_states import ModelStates
 from lmrecipe.train.callbacks.oom import OOMDiagnosis
 from lmrecipe.train.callbacks.preemption import Preemption, PreemptionSignal
 from lmrecipe.train.callbacks.profiling import StepProfiling
@@ -58,7 +59,8 @@ from lmrecipe.train.callbacks.tasks import TaskEval
 from lmrecipe.train.lock import RunLock
 from lmrecipe.train.setup import Run, build_run
 from lmrecipe.train.state import TrainState
-from lmrecipe.train.step import SectionTimer, train_step
+from lmrecipe.train.step import SectionTimer, forward_backward, optim_step
+from lmrecipe.train.validation import Validation
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,14 @@ class Trainer:
     """Owns the run's loop and :class:`TrainState`; calls its callbacks at the points ``callback.py`` names.
 
     ``checkpointer``: the run's checkpoint files (saved and read by the callbacks that decide when).
-    ``timer``: receives the sections of every ``train_step`` (benchmarks).
+    ``validation``: what an evaluation measures (None: the run evaluates nothing).
+    ``timer``: receives the sections of every step (benchmarks).
     """
 
     def __init__(self, run: Run, out_dir: Path, checkpointer: Checkpointer, callbacks: Sequence[Callback], *,
-                 timer: SectionTimer | None = None):
+                 validation: Validation | None = None, timer: SectionTimer | None = None):
         self.run = run
+        self.validation = validation
         self.out_dir = out_dir
         self.checkpointer = checkpointer
         self.callbacks = sorted(callbacks, key=lambda callback: callback.order)  # stable: ties keep their order
@@ -85,13 +89,14 @@ class Trainer:
         self.resumed_from: str | None = None
         """The checkpoint the run resumed from (set by the checkpointing callback at the start)."""
         self.running_step: int | None = None
-        """The optimizer step (1-based) inside ``train_step`` now; None between steps."""
+        """The optimizer step (1-based) being computed now (its forward, backward and update); None between steps."""
         self.sync_point = False
         """Whether the step just run is a sync point (host reads allowed)."""
         self.step_time_s = 0.0
         """Seconds of the step just run, its callbacks up to the sync point included."""
         self.stop: Stop | None = None
         self._clock = time.perf_counter()
+        self._closed = False
 
     def stateful(self) -> dict[str, Callback]:
         """The callbacks with state, by name: what every checkpoint saves and a resume restores."""
@@ -139,12 +144,15 @@ class Trainer:
         step_start = time.perf_counter()
         self.running_step = self.state.step + 1
         self.call("before_step")
-        result = train_step(self.run, self.state.step, self.timer)
+        gradients = forward_backward(self.run, self.state.step, self.timer)
+        self.call("pre_optim_step")
+        result = optim_step(self.run, gradients, self.timer)
         self.state.record_step(result.skipped, self.run.tokens_per_step if result.tokens is None else result.tokens)
         self.running_step = None
         self.call("after_step", result)
         # Host reads happen only at sync points: a logged, evaluated or saved step.
-        self.sync_point = any(c.needs_sync(self, self.state.step) for c in self.callbacks)
+        evaluating = self.validation is not None and self.validation.due(self.state.step)
+        self.sync_point = evaluating or any(c.needs_sync(self, self.state.step) for c in self.callbacks)
         if self.sync_point and self._at_sync(self.state.sync()):
             return  # a callback moved the run back (a spike's rollback): go on from state.step
         now = time.perf_counter()
@@ -152,9 +160,25 @@ class Trainer:
         self.state.wall_time_s += now - self._clock
         self._clock = now
         self.call("on_step_end", result)
+        if evaluating:
+            self.evaluate()
         self.call("on_save")
         if self.stop is not None:
             self.end_early(self.stop)
+
+    def evaluate(self) -> EvalResult:
+        """The callbacks' figures (``eval_figures``), then the trained weights' validation loss, recorded in the state
+        and handed to every callback (``after_eval``)."""
+        validation = self.validation
+        figures = self.figures("eval_figures", validation.loss)
+        per_source = validation.losses()
+        val_loss = validation.loss(per_source)
+        figures.update(validation.generate(self.state.step))
+        best_before = self.state.best_val_loss
+        self.state.record_eval(val_loss)
+        result = EvalResult(val_loss, best_before, per_source if validation.is_mixture else None, figures)
+        self.call("after_eval", result)
+        return result
 
     def _at_sync(self, longest_skip_run: int) -> bool:
         """True when a callback moved the run back (the later callbacks' ``at_sync`` are not called)."""
@@ -193,8 +217,20 @@ class Trainer:
         state = self.state
         return {"step": state.step, "tokens_seen": state.tokens_seen, "stopped_early": state.step < self.max_steps,
                 "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
-                "last_val_loss_ema": state.last_val_loss_ema, "wall_time_s": state.wall_time_s,
-                **self.figures("outcome")}
+                "wall_time_s": state.wall_time_s, **self.figures("outcome")}
+
+    def close(self) -> None:
+        """Release what the run holds (the callbacks' files and threads, the batch prefetcher) without ending it:
+        after :meth:`fit`, whether it returned or raised, or after a benchmark's last :meth:`step`. Once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.call("on_close")
+        finally:
+            prefetcher = getattr(self.run, "prefetcher", None)
+            if prefetcher is not None:
+                prefetcher.close()
 
 
 def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: str | None = None,
@@ -212,7 +248,6 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         NonFiniteStop(cfg.train.max_consecutive_skips),
         EarlyStopping(cfg.train),
         Reporting(run, out_dir, recipe, command),
-        Evaluation(run),
     ]
     if cfg.train.ema_decay > 0:
         callbacks.append(WeightEMA(run.model, cfg.train.ema_decay, zero3=run.runtime.zero.stage == 3,
@@ -222,6 +257,8 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         callbacks.append(TaskEval(cfg.eval, cfg.train, run))
     if cfg.logging.layer_stats:
         callbacks.append(LayerStats(run, out_dir))
+    if cfg.logging.measure_model_states:
+        callbacks.append(ModelStates(run, out_dir))
     if (faults := FaultInjection.from_environment(run.train_batches, acc)) is not None:
         callbacks.append(faults)
     callbacks += build_remote_callbacks(cfg.checkpoint, acc, out_dir, progress=cfg.logging.progress_bar)
@@ -238,7 +275,7 @@ def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = Non
     batches = run.train_batches  # a checkpoint's data position: where the next step's sample range starts
     checkpointer = build_checkpointer(run, out_dir, stateful,
                                       next_sample=batches.next_sample)
-    return Trainer(run, out_dir, checkpointer, callbacks, timer=timer)
+    return Trainer(run, out_dir, checkpointer, callbacks, validation=Validation(run), timer=timer)
 
 
 def finished_state(cfg, out_dir: Path) -> TrainState | None:
@@ -281,9 +318,14 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
             lock.acquire()  # before anything in out_dir is cleaned up or written
         run.accelerator.wait_for_everyone()
         signal = PreemptionSignal()
+        trainer = None
         try:
-            return build_trainer(run, out_dir, signal, recipe, command=command).fit()
+            trainer = build_trainer(run, out_dir, signal, recipe, command=command)
+            return trainer.fit()
         finally:
             signal.close()
-            run.prefetcher.close()
+            if trainer is not None:
+                trainer.close()
+            else:
+                run.prefetcher.close()
             lock.release()

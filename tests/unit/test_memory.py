@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,6 @@ from torch import nn
 from lmrecipe.config import load_config
 from lmrecipe.distributed import ZeroSetup
 from lmrecipe.memory import (
-    ModelStateProbe,
     estimate,
     estimate_activations,
     model_shape,
@@ -20,6 +20,7 @@ from lmrecipe.memory import (
     read_measured,
 )
 from lmrecipe.model import build_hf_config
+from lmrecipe.train.callbacks.model_states import ModelStates
 
 # (hidden, layers, heads, kv heads, mlp, vocab): GPT-2 small-like, 1.3B-like, Llama-2-7B-like, a GQA 8B-like.
 MODEL_SIZES = [
@@ -169,17 +170,24 @@ def test_model_state_bytes_counts_shared_and_viewed_memory_once():
     assert model_state_bytes(model, optimizer)["weights"] == 400
 
 
-def test_probe_writes_the_second_update(tmp_path):
+def test_the_model_states_callback_measures_the_gradients_of_the_second_update_before_it(tmp_path):
+    """Driven at the trainer's points of two steps: the file appears at the second step's ``pre_optim_step``, with
+    the gradients still whole (the update has not consumed them) and the first update's Adam states."""
     model, optimizer = _tiny_model_and_adam()
-    probe = ModelStateProbe(model, optimizer, tmp_path / "memory_rank0.json", rank=0, world_size=1)
-    _step(model, optimizer)
-    assert read_measured(tmp_path) == []  # the first update creates the optimizer states: nothing yet
-    _step(model, optimizer)
+    run = SimpleNamespace(model=model, optimizer=optimizer,
+                          accelerator=SimpleNamespace(process_index=0, num_processes=1))
+    callback = ModelStates(run, tmp_path)
+    for step in (1, 2):
+        model(torch.randint(0, 50, (4, 8))).pow(2).mean().backward()
+        callback.pre_optim_step(None)
+        assert len(read_measured(tmp_path)) == (step == 2)  # the first update creates the optimizer states
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        callback.after_step(None, None)
     (measured,) = read_measured(tmp_path)
     n = sum(p.numel() for p in model.parameters())
     assert measured["rank"] == 0 and measured["weights"] == 4 * n and measured["gradients"] == 4 * n
-    assert measured["optimizer"] >= 8 * n
-    assert probe._hook is None  # detached after writing
+    assert measured["optimizer"] >= 8 * n and measured["measured_at_update"] == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,8 @@
 """The trainer's callback protocol: the order of the hooks, stops, rollbacks, errors, and state saved by name.
 
-The protocol tests drive :class:`Trainer` with a fake ``train_step`` (no model, no process); the last test trains a
-tiny model in-process and checks that a callback's state and files go into the real checkpoint and come back on
-resume.
+The protocol tests drive :class:`Trainer` with a fake step (its two halves, no model, no process); the last tests
+train a tiny model in-process: a callback's state and files go into the real checkpoint and come back on resume, and
+``pre_optim_step`` sees the step's gradients whole, before the update.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
 from lmrecipe.train import trainer as trainer_module
 from lmrecipe.train.callback import Callback, Stop
-from lmrecipe.train.step import StepResult
+from lmrecipe.train.step import Gradients, StepResult
 from lmrecipe.train.trainer import Trainer
 
-HOOKS = ("on_start", "before_step", "after_step", "at_sync", "on_step_end", "on_save", "after_rollback", "on_stop",
-         "on_end")
+HOOKS = ("on_start", "before_step", "pre_optim_step", "after_step", "at_sync", "on_step_end", "eval_figures",
+         "after_eval", "on_save", "after_rollback", "on_stop", "on_end", "on_close")
 
 
 class Recorder(Callback):
@@ -39,7 +39,7 @@ class Recorder(Callback):
         if attr in HOOKS:
             def hook(trainer, *args):
                 self.log.append((self.label, attr, trainer.state.step))
-                return False if attr == "at_sync" else None
+                return {"at_sync": False, "eval_figures": {}}.get(attr)
             return hook
         return super().__getattribute__(attr)
 
@@ -69,24 +69,48 @@ class FakeCheckpointer:
 
 @pytest.fixture
 def steps(monkeypatch):
-    """The optimizer steps the fake ``train_step`` ran (0-based), in order; ``fail_at`` makes one raise."""
+    """The optimizer steps the fake step ran (0-based), in order; ``fail_at`` makes one raise."""
     ran: list[int] = []
     ran_info = SimpleNamespace(ran=ran, fail_at=None)
 
-    def fake_step(run, step, timer=None):
+    def fake_forward_backward(run, step, timer=None):
         if ran_info.fail_at == step + 1:
             raise RuntimeError("the step broke")
         ran.append(step)
-        return StepResult(torch.tensor(1.0), 0.1, torch.tensor(1.0), torch.tensor(False), 0.0)
+        return Gradients(0.1, 1, 1, torch.tensor(1.0), None, None, None, 0.0)
 
-    monkeypatch.setattr(trainer_module, "train_step", fake_step)
+    def fake_optim_step(run, gradients, timer=None):
+        return StepResult(gradients.loss_sum, gradients.lr, torch.tensor(1.0), torch.tensor(False), 0.0)
+
+    monkeypatch.setattr(trainer_module, "forward_backward", fake_forward_backward)
+    monkeypatch.setattr(trainer_module, "optim_step", fake_optim_step)
     return ran_info
 
 
-def make_trainer(callbacks, max_steps=3, checkpointer=None) -> Trainer:
+class FakeValidation:
+    """Due at ``eval_steps``; every measurement returns 2.0 and is logged."""
+
+    def __init__(self, eval_steps, log):
+        self.eval_steps, self.log, self.is_mixture = set(eval_steps), log, False
+
+    def due(self, step):
+        return step in self.eval_steps
+
+    def losses(self):
+        self.log.append(("validation", "losses", None))
+        return {"data": 2.0}
+
+    def loss(self, per_source=None):
+        return 2.0
+
+    def generate(self, step):
+        return {}
+
+
+def make_trainer(callbacks, max_steps=3, checkpointer=None, validation=None) -> Trainer:
     run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps)), tokens_per_step=10,
                           accelerator=FakeAccelerator())
-    return Trainer(run, Path("unused"), checkpointer or FakeCheckpointer(), callbacks)
+    return Trainer(run, Path("unused"), checkpointer or FakeCheckpointer(), callbacks, validation=validation)
 
 
 def test_hooks_run_in_timeline_order_and_callbacks_in_their_order(steps):
@@ -98,12 +122,28 @@ def test_hooks_run_in_timeline_order_and_callbacks_in_their_order(steps):
     both = lambda hook, step: [("early", hook, step), ("late", hook, step)]  # noqa: E731
     assert log == [
         *both("on_start", 0),
-        *both("before_step", 0), *both("after_step", 1), *both("on_step_end", 1), *both("on_save", 1),
+        *both("before_step", 0), *both("pre_optim_step", 0), *both("after_step", 1), *both("on_step_end", 1),
+        *both("on_save", 1),
         # step 2 is a sync point (one callback asked): at_sync runs between after_step and on_step_end
-        *both("before_step", 1), *both("after_step", 2), *both("at_sync", 2), *both("on_step_end", 2),
-        *both("on_save", 2),
+        *both("before_step", 1), *both("pre_optim_step", 1), *both("after_step", 2), *both("at_sync", 2),
+        *both("on_step_end", 2), *both("on_save", 2),
         *both("on_end", 2),
     ]
+    trainer.close()
+    trainer.close()
+    assert log[-2:] == both("on_close", 2)  # once
+
+
+def test_the_trainer_runs_each_evaluation_after_the_log_line_and_before_the_save(steps):
+    """An evaluation is a sync point the trainer decides (no callback asked for one): the callbacks' figures first,
+    then the validation loss, then ``after_eval``, between ``on_step_end`` and ``on_save``."""
+    log: list = []
+    trainer = make_trainer([Recorder("r", 5, log)], max_steps=2, validation=FakeValidation({2}, log))
+    state = trainer.fit()
+    step2 = [(who, hook) for who, hook, step in log if step == 2 or who == "validation"]
+    assert step2 == [("r", "after_step"), ("r", "at_sync"), ("r", "on_step_end"), ("r", "eval_figures"),
+                     ("validation", "losses"), ("r", "after_eval"), ("r", "on_save"), ("r", "on_end")]
+    assert state.last_val_loss == 2.0 and state.last_val_step == 2 and state.best_val_loss == 2.0
 
 
 class StopAt(Callback):
@@ -249,3 +289,44 @@ def test_a_stateful_callback_is_saved_and_restored_by_name(tmp_path, tiny_data):
     assert first.count == 2 and first.loaded_from_file is None
     resumed = fit(4)  # resumes at step 2: the count continues from the checkpoint's, not from 0
     assert resumed.loaded_from_file == 2 and resumed.count == 4
+
+
+class GradientsBeforeUpdate(Callback):
+    """Records, at ``pre_optim_step``, the gradient of every parameter and the weights (as the step left them)."""
+
+    def __init__(self):
+        self.seen: list[tuple[dict, dict]] = []
+
+    def pre_optim_step(self, trainer):
+        model = trainer.run.model
+        self.seen.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                          {n: p.detach().clone() for n, p in model.named_parameters()}))
+
+
+def test_pre_optim_step_sees_the_whole_steps_gradients_before_the_update(tmp_path, tiny_data):
+    """Accumulation 2 on one process: at ``pre_optim_step`` every parameter holds its gradient (both micro-batches
+    accumulated: the clip and update then use exactly these) and the weights are those before the update."""
+    from lmrecipe.train.setup import build_run
+    from lmrecipe.train.trainer import build_trainer
+
+    cfg = load_config("recipes/tiny.yaml", [
+        f"out_dir={tmp_path / 'run'}", f"data.path={tiny_data}", *TINY_OVERRIDES, "train.max_steps=2",
+        "train.micro_batch_size=4", "train.global_batch_size=8", "train.eval_every_steps=0",
+        "checkpoint.every_steps=0", "optim.grad_clip=0", "optim.weight_decay=0"])
+    run = build_run(cfg, Path(cfg.out_dir))
+    probe = GradientsBeforeUpdate()
+    trainer = build_trainer(run, Path(cfg.out_dir), extra=[probe])
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert len(probe.seen) == 2 and run.runtime.layout.accum_steps == 2
+    (grads, before), (_, after) = probe.seen
+    assert set(grads) == set(before) and all(torch.isfinite(g).all() for g in grads.values())
+    # The weights moved by the first update, and only through it: AdamW's first step moves each element by lr
+    # (sign of its gradient).
+    lr = run.lr_at(0)
+    for name, grad in grads.items():
+        moved = after[name] - before[name]
+        big = grad.abs() > 1e-4  # where AdamW's eps (1e-8) is negligible
+        torch.testing.assert_close(moved[big], -lr * grad[big].sign(), rtol=1e-3, atol=lr * 1e-3)

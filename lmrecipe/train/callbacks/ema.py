@@ -45,7 +45,7 @@ import torch
 from lmrecipe.checkpoint.ema_files import COUNT_KEY, FORMAT, FULL_FILE, SavedEMA, has_ema, partition_file
 from lmrecipe.errors import fail
 from lmrecipe.model import bare_parameter_name
-from lmrecipe.train.callback import Callback, EvalResult
+from lmrecipe.train.callback import Callback
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class WeightEMA(Callback):
         first = self.shadow[0].device if self.shadow else torch.device("cpu")
         self.num_updates = torch.zeros((), dtype=torch.float64, device=device or first)
         """Applied updates ``k`` so far (a device tensor: counting skips on the host would be a sync)."""
-        self._val_loss: float | None = None
-        """The averaged weights' validation loss at the latest evaluation."""
+        self.last_val_loss: float | None = None
+        """The averaged weights' validation loss at the latest evaluation (saved with the callback's state)."""
 
     def _owned(self) -> list[torch.Tensor]:
         """This rank's weights: the ZeRO-3 partitions (fetched each time: DeepSpeed may move them), or the params."""
@@ -120,11 +120,17 @@ class WeightEMA(Callback):
 
     def eval_figures(self, trainer, evaluate) -> dict[str, float]:
         with self.swapped_in():
-            self._val_loss = evaluate()
-        return {"val_loss_ema": self._val_loss}
+            self.last_val_loss = evaluate()
+        return {"val_loss_ema": self.last_val_loss}
 
-    def after_eval(self, trainer, result: EvalResult) -> None:
-        trainer.state.last_val_loss_ema = self._val_loss
+    def outcome(self, trainer) -> dict:
+        return {"last_val_loss_ema": self.last_val_loss}
+
+    def state_dict(self) -> dict:
+        return {"last_val_loss_ema": self.last_val_loss}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.last_val_loss = None if state is None else state.get("last_val_loss_ema")
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

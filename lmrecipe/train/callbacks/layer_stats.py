@@ -2,11 +2,8 @@
 before clipping, the parameter norm and the update/parameter ratio; each block's output RMS and the largest absolute
 logit on the step's first micro-batch. An unlogged step does nothing here.
 
-**Where the gradients are read.** Under DeepSpeed, Accelerate's engine wrapper calls ``engine.step()`` (clip, update,
-zero the gradients) inside the last micro-batch's backward; without DeepSpeed, ``train_step`` clips in place before
-the update. So after the step no pre-clip gradient is left, and at a logged step this callback puts a probe in front
-of the clip for that one step (``engine.step`` under DeepSpeed, ``accelerator.clip_grad_norm_`` without) that reads
-what each rank owns:
+**Where the gradients are read.** At the trainer's ``pre_optim_step`` of a logged step: every micro-batch's backward
+has run, the clip and the update have not (``lmrecipe/train/step.py``). Each rank reads what it owns:
 
 - without DeepSpeed: every parameter's ``.grad`` and weight (the same on every rank after DDP's all-reduce: no
   collective is needed);
@@ -164,7 +161,6 @@ class LayerStats(Callback):
         self.index = torch.tensor([i for i, params in enumerate(self.parts.values()) for _ in params])
         self.owned = OwnedTensors(run)
         self.armed: _Armed | None = None
-        self._restore: tuple[object, str] | None = None
         self._hooks: list = []
         self._acts: dict[str, torch.Tensor] = {}
         model = unwrapped(run.model)
@@ -176,31 +172,19 @@ class LayerStats(Callback):
             logger.info("logging.layer_stats under train.compile: the block output RMS and the largest logit are not "
                         "measured (the gradient, weight and update figures are)")
 
-    # ---- the probe of a logged step
+    # ---- a logged step
 
     def before_step(self, trainer) -> None:
         if not log_due(self.run.cfg.logging, trainer.state.step + 1, trainer.max_steps):
             return
         self.armed = _Armed(weights_before=[None if w is None else w.detach().clone()
                                             for w in self.owned.weights(self.params)])
-        if self.run.runtime.zero.deepspeed:
-            target, name = self.run.accelerator.deepspeed_engine_wrapped.engine, "step"
-        else:
-            target, name = self.run.accelerator, "clip_grad_norm_"
-        original = getattr(target, name)
-
-        def probe(*args, **kwargs):
-            self._read_gradients()
-            return original(*args, **kwargs)
-
-        setattr(target, name, probe)  # an instance attribute for this step only; removed in after_step
-        self._restore = (target, name)
         if self.measure_activations:
             self._hook_activations()
 
-    def _read_gradients(self) -> None:
+    def pre_optim_step(self, trainer) -> None:
         armed = self.armed
-        if armed is None or armed.grad_squares is not None:
+        if armed is None:
             return
         armed.loss_scale = self.owned.loss_scale()
         armed.grad_squares = _squares(self.owned.grads(self.params), self.index, len(self.parts),
@@ -233,10 +217,6 @@ class LayerStats(Callback):
             self._hooks.append(self.head.register_forward_hook(on_head))
 
     def _disarm(self) -> None:
-        if self._restore is not None:
-            target, name = self._restore
-            delattr(target, name)
-            self._restore = None
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -250,7 +230,7 @@ class LayerStats(Callback):
         if armed is None:
             return
         if armed.grad_squares is None:
-            raise RuntimeError("logging.layer_stats: the step ended without reaching its gradient probe")
+            raise RuntimeError("logging.layer_stats: the step ended without its pre_optim_step")
         result.figures.update(self.figures(armed))
         result.figures.update(acts)
 

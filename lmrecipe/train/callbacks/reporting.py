@@ -36,6 +36,7 @@ class Reporting(Callback):
         self.recipe = recipe
         self.command = command
         self.reporter: Reporter | None = None
+        self.closed = False
 
     def on_start(self, trainer) -> None:
         run = self.run
@@ -59,7 +60,7 @@ class Reporting(Callback):
 
     def after_eval(self, trainer, result: EvalResult) -> None:
         figures = dict(result.figures)
-        samples = figures.pop("samples", None)  # eval.samples' texts (callbacks/evaluation.py): a row of their own
+        samples = figures.pop("samples", None)  # eval.samples' texts (train/validation.py): a row of their own
         self.reporter.eval_done(trainer.state, result.val_loss, result.per_source, figures=figures)
         if samples:
             self.reporter.tracker.log({"step": trainer.state.step, "samples": samples})
@@ -74,13 +75,22 @@ class Reporting(Callback):
             if self.run.accelerator.is_main_process:
                 record_event(self.out_dir, {"kind": "stop", "step": trainer.state.step, "preempted": stop.exit_code is not None,
                                             "exit_code": 2 if stop.error else stop.exit_code, "message": stop.message})
-            self.reporter.close(plot=self.run.cfg.logging.plots)
+            self._close(plot=self.run.cfg.logging.plots)
 
     def on_end(self, trainer) -> None:
-        self.reporter.close(plot=self.run.cfg.logging.plots)
+        self._close(plot=self.run.cfg.logging.plots)
         if self.run.accelerator.is_main_process:
             write_run_end(self.out_dir, trainer.outcome(), self.run.cfg.logging.cost_per_device_hour,
                           run_prediction(self.run, self.reporter.peak_tflops, self.out_dir))
+
+
+    def on_close(self, trainer) -> None:
+        self._close(plot=False)
+
+    def _close(self, plot: bool) -> None:
+        if self.reporter is not None and not self.closed:
+            self.reporter.close(plot=plot)
+            self.closed = True
 
 
 def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict, launch: dict | None = None) -> Reporter:

@@ -1,13 +1,11 @@
-"""Evaluation: the validation loss every ``train.eval_every_steps`` steps and at the last, after the step's log line.
+"""Evaluation: the validation loss every ``train.eval_every_steps`` steps and at the last, which the trainer measures
+after the step's log line (``lmrecipe/train/trainer.py``, :meth:`Trainer.evaluate`).
 
-Each evaluation asks the callbacks for their figures first (``eval_figures``: the weight EMA's loss, the tasks'
-accuracy), then measures the validation loss of the trained weights (per source of a mixture), records it in the
-training state, and hands the whole to every callback's ``after_eval`` (the log, early stopping).
-
-With ``eval.samples``, each evaluation also continues those prompts by greedy decoding (``eval.sample_tokens``
-tokens) on the live model, decoded with the data's tokenizer. Every rank runs the same forwards (ZeRO-3 gathers
-the weights on all of them); the texts travel in the result's figures under ``"samples"`` (a list of
-``{"prompt", "text"}``), which the reporting callback writes as a ``samples`` row of ``metrics.jsonl``.
+:class:`Validation` measures the validation loss of the weights the model holds (per source of a mixture), and with
+``eval.samples`` continues those prompts by greedy decoding (``eval.sample_tokens`` tokens) on the live model,
+decoded with the data's tokenizer. Every rank runs the same forwards (ZeRO-3 gathers the weights on all of them); the
+texts travel in the result's figures under ``"samples"`` (a list of ``{"prompt", "text"}``), which the reporting
+callback writes as a ``samples`` row of ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from lmrecipe.config import due_at
 from lmrecipe.errors import fail
 from lmrecipe.evaluate import greedy_continuation
 from lmrecipe.loss import validation_loss
-from lmrecipe.train.callback import Callback, EvalResult
 from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
@@ -27,8 +24,8 @@ SAMPLES = "samples"
 """The figure (and ``metrics.jsonl`` row key) that carries the generated texts."""
 
 
-class Evaluation(Callback):
-    order = 130
+class Validation:
+    """The run's validation sets and prompts: when an evaluation is due, and what it measures."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -36,30 +33,27 @@ class Evaluation(Callback):
         self.max_steps = run.cfg.train.max_steps
         self.samples = PromptSamples(run) if run.cfg.eval.samples else None
 
-    def needs_sync(self, trainer, step: int) -> bool:
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) ends with an evaluation."""
         return due_at(step, self.every_steps, self.max_steps)
 
-    def on_step_end(self, trainer, result) -> None:
-        if self.needs_sync(trainer, trainer.state.step):
-            self.evaluate(trainer)
-
-    def _losses(self) -> dict[str, float]:
+    def losses(self) -> dict[str, float]:
+        """The validation loss of each source's windows, of the weights the model holds now."""
         run = self.run
         return {name: validation_loss(run.model, batches, run.accelerator, run.attention)
                 for name, batches in run.data.val_sets.items()}
 
-    def evaluate(self, trainer) -> EvalResult:
-        data = self.run.data
-        figures = trainer.figures("eval_figures", lambda: data.val_loss(self._losses()))
-        per_source = self._losses()
-        val_loss = data.val_loss(per_source)
-        if self.samples is not None:
-            figures = {**figures, SAMPLES: self.samples.generate(trainer.state.step)}
-        best_before = trainer.state.best_val_loss
-        trainer.state.record_eval(val_loss)
-        result = EvalResult(val_loss, best_before, per_source if data.is_mixture else None, figures)
-        trainer.call("after_eval", result)
-        return result
+    def loss(self, per_source: dict[str, float] | None = None) -> float:
+        """The run's validation loss (a mixture's weighted over its sources) of ``per_source`` or of the weights now."""
+        return self.run.data.val_loss(self.losses() if per_source is None else per_source)
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.run.data.is_mixture
+
+    def generate(self, step: int) -> dict[str, list]:
+        """``eval.samples``' continuations as a figure (empty without prompts)."""
+        return {} if self.samples is None else {SAMPLES: self.samples.generate(step)}
 
 
 class PromptSamples:
