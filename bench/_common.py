@@ -201,12 +201,12 @@ class OursLoop:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.run_ = build_run(cfg, out_dir)
-        if self.run_.runtime.zero.deepspeed:
+        if self.run_.runtime.topology.zero.deepspeed:
             raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
                              "(bench/mfu.py --device cuda does)")
         self.accelerator = self.run_.accelerator
         self.precision = self.run_.runtime.precision
-        self.layout = self.run_.runtime.layout
+        self.layout = self.run_.runtime.batch
         self.model, self.optimizer = self.run_.model, self.run_.optimizer
         self.train_batches = self.run_.train_batches
         self.n_params, self.flops_per_token = self.run_.n_params, self.run_.flops_per_token

@@ -79,7 +79,7 @@ def main() -> int:
                                                                                  background_save=side == "background"))
             checkpointers[side] = build_checkpointer(dataclasses.replace(run, cfg=side_cfg), Path(tmp) / side)
         state = TrainState()
-        report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.zero.describe()}, "
+        report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.topology.zero.describe()}, "
                     f"{run.tokens_per_step} tokens per step, "
                     f"{args.steps_between} steps between saves, threads {args.threads or 'default'}, files in {tmp}")
 

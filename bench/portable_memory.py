@@ -121,7 +121,7 @@ def baseline_module(rev: str):
 def worker_convert(args) -> None:
     """One process of a side: ``before`` converts everything; ``after`` writes rank ``--rank``'s share."""
     from lmrecipe.checkpoint import portable, readers
-    from lmrecipe.distributed import Layout
+    from lmrecipe.parallel.topology import Topology, ZeroSetup
 
     before = baseline_module(args.baseline) if args.side == "before" else None
     from deepspeed.utils import zero_to_fp32  # noqa: F401  (imported by both sides; part of the floor)
@@ -133,7 +133,7 @@ def worker_convert(args) -> None:
     start = time.perf_counter()
     if before is not None:
         before.convert(Path(args.checkpoint), Path(args.out), deepspeed_dir=ds_dir, param_names=[],
-                       source_layout=Layout(WORLD, True, 2), source_sha256="0" * 64)
+                       source_layout=Topology(WORLD, ZeroSetup(stage=2, deepspeed=True)), source_sha256="0" * 64)
     else:
         source = readers.open_source(Path(args.checkpoint), deepspeed_dir=ds_dir, param_names=[])
         plan = portable.plan_shards(source.shapes, WORLD)
@@ -151,7 +151,7 @@ def worker_convert(args) -> None:
 def run_side(side: str, args, out: Path) -> dict:
     """One side in fresh processes; returns its wall time and each process's memory."""
     from lmrecipe.checkpoint import portable, readers
-    from lmrecipe.distributed import Layout
+    from lmrecipe.parallel.topology import Topology, ZeroSetup
 
     base = [sys.executable, SCRIPT, "--worker", "convert", "--side", side, "--checkpoint", str(args.checkpoint),
             "--baseline", args.baseline, "--out", str(out)]
@@ -174,7 +174,7 @@ def run_side(side: str, args, out: Path) -> dict:
         source = readers.open_source(args.checkpoint, deepspeed_dir=args.checkpoint / "pytorch_model", param_names=[])
         finish_start = time.perf_counter()
         portable.finish(out, portable.plan_shards(source.shapes, WORLD), source.steps,
-                        source_layout=Layout(WORLD, True, 2), source_sha256="0" * 64)
+                        source_layout=Topology(WORLD, ZeroSetup(stage=2, deepspeed=True)), source_sha256="0" * 64)
         finish_s = time.perf_counter() - finish_start
         source.close()
     wall += finish_s

@@ -117,7 +117,7 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lmrecipe.data.format import load_meta, open_data
-    from lmrecipe.distributed import resolve_precision
+    from lmrecipe.parallel.precision import resolve_precision
     from lmrecipe.model import build_hf_config, build_model
     from lmrecipe.optim import build_optimizer, lr_at
 

@@ -32,8 +32,6 @@ from lmrecipe.config import (
 )
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import load_meta
-from lmrecipe.distributed import ZeroSetup, resolve_precision
-from lmrecipe.distributed import check_launch as check_distributed_launch
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_text_atomic
 from lmrecipe.launch import accelerate_launch_cmd
@@ -41,6 +39,9 @@ from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, 
 from lmrecipe.model import build_hf_config
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.plots import plot_memory_throughput
+from lmrecipe.parallel.launch import check_launch as check_distributed_launch
+from lmrecipe.parallel.precision import resolve_precision
+from lmrecipe.parallel.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -281,10 +282,10 @@ def recipe_vocab_size(model: ModelConfig, data: DataConfig, override: int | None
 
 
 def check_launch(work: Workload, ds_path: str | Path | None, world_size: int, num_nodes: int,
-                 precision: str) -> tuple[BatchLayout, dict | None]:
-    """What training checks of a launch before its first step (:func:`lmrecipe.distributed.check_launch`), for one
-    config on ``num_nodes`` nodes. Returns the batch layout and the filled DeepSpeed config (None without DeepSpeed);
-    UserError naming the reason and the fix."""
+                 precision: str) -> tuple[Topology, BatchLayout, dict | None]:
+    """What training checks of a launch before its first step (:func:`lmrecipe.parallel.launch.check_launch`), for
+    one config on ``num_nodes`` nodes. Returns the topology, the batch layout and the filled DeepSpeed config (None
+    without DeepSpeed); UserError naming the reason and the fix."""
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise fail(f"world size {world_size} must be a positive multiple of the node count {num_nodes}.")
     return check_distributed_launch(work, ds_path, world_size, precision)
@@ -294,15 +295,15 @@ def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | Non
                     precision: str) -> MemoryEstimate:
     """Per-rank memory of the recipe's workload (``Config.workload()``) under one DeepSpeed config (None = no
     DeepSpeed), refused as training would refuse it (:func:`check_launch`)."""
-    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
-    layout, ds = check_launch(work, ds_path, world_size, num_nodes, precision)
+    topology, batch, _ = check_launch(work, ds_path, world_size, num_nodes, precision)
     return estimate(
-        shape, ZeroSetup.from_ds_config(ds), world_size, num_nodes, precision,
-        accum_steps=layout.accum_steps, micro_batch_size=work.train.micro_batch_size,
+        shape, topology.zero, world_size, num_nodes, precision,
+        accum_steps=batch.accum_steps, micro_batch_size=work.train.micro_batch_size,
         seq_len=work.data.seq_len, gradient_checkpointing=work.train.gradient_checkpointing,
         attn_implementation=work.model.attn_implementation, ema=work.train.ema_decay > 0,
-        loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size), sequence_parallel_size=sp,
-        optimizer=work.optim.name, tensor_parallel_size=tp, expert_parallel_size=work.distributed.expert_parallel_size,
+        loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size),
+        sequence_parallel_size=topology.sequence_parallel_size, optimizer=work.optim.name,
+        tensor_parallel_size=topology.tensor_parallel_size, expert_parallel_size=topology.expert_parallel_size,
     )
 
 

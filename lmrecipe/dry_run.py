@@ -31,22 +31,15 @@ from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import open_data
 from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources
-from lmrecipe.distributed import (
-    ZeroSetup,
-    check_fp8,
-    check_launch,
-    check_launched_processes,
-    check_sequence_parallel_model,
-    check_tensor_parallel_model,
-    describe_expert_groups,
-    resolve_precision,
-    world_size_from_env,
-)
-from lmrecipe.errors import UserError, fail
+from lmrecipe.errors import UserError
 from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape
 from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
 from lmrecipe.objstore import check_access, is_remote
 from lmrecipe.observe.trackers import check_trackers
+from lmrecipe.parallel.launch import check_launch, check_launched_processes
+from lmrecipe.parallel.precision import check_precision
+from lmrecipe.parallel.splits import check_sequence_parallel_model, check_tensor_parallel_model
+from lmrecipe.parallel.topology import Topology, startup_line, world_size_from_env
 
 T = TypeVar("T")
 
@@ -104,11 +97,11 @@ def dry_run(cfg: Config) -> DryRunReport:
     vocab_size = cfg.model.vocab_size or (int(meta["vocab_size"]) if meta else None)
     shape = check_model(work, vocab_size, report, attention_runs) if vocab_size is not None else None
     if shape is not None and launch is not None and precision is not None:
-        layout, ds_config = launch
-        zero = ZeroSetup.from_ds_config(ds_config)
-        report.lines.append("start-up line: " + startup_line(shape.n_params, layout, work, precision, zero, vocab_size,
-                                                             shape.active() if shape.expert_params else None))
-        memory = report.check(lambda: estimate_memory(shape, zero, world_size, precision, layout, work))
+        topology, batch, _ = launch
+        report.lines.append("start-up line: " + startup_line(
+            shape.n_params, shape.active() if shape.expert_params else None, topology, batch, work.data.seq_len,
+            precision, work.train.chunk_tokens(vocab_size)))
+        memory = report.check(lambda: estimate_memory(shape, topology, precision, batch, work))
         if memory is not None:
             report.lines.append(memory_line(memory, cfg.train.gradient_checkpointing))
             report.lines += device_notes(memory, cfg.train.precision, precision)
@@ -118,16 +111,6 @@ def dry_run(cfg: Config) -> DryRunReport:
     if resume_from is not None:
         report.lines.append(f"note: the run resumes from {resume_from} (checkpoint.resume={cfg.checkpoint.resume}).")
     return report
-
-
-def check_precision(requested: str) -> str:
-    """The precision ``train.precision`` resolves to on this machine, refused where training refuses it."""
-    precision = resolve_precision(requested)
-    if precision == "fp16" and not torch.cuda.is_available():
-        raise fail("train.precision=fp16 needs a GPU; use fp32 or bf16 on a CPU.")
-    if precision == "fp8":
-        check_fp8()
-    return precision
 
 
 def device_notes(memory: MemoryEstimate, requested: str, precision: str) -> list[str]:
@@ -193,38 +176,18 @@ def check_model(work: Workload, vocab_size: int, report: DryRunReport, attention
     return model_shape(hf_config)
 
 
-def startup_line(n_params: int, layout: BatchLayout, work: Workload, precision: str, zero: ZeroSetup,
-                 vocab_size: int, n_active: int | None = None) -> str:
-    """The line a run logs at its start (``train/callbacks/reporting.py``: ``log_start``), from the config
-    (``n_active``: an MoE model's parameters per token)."""
-    sp, tp = work.distributed.sequence_parallel_size, work.distributed.tensor_parallel_size
-    ranks = f"{layout.world_size} processes"
-    if sp > 1:
-        ranks = f"{layout.world_size} data-parallel groups of {sp} ranks sharing each sequence"
-    elif tp > 1:
-        ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
-    elif work.distributed.uses_autoep():
-        ranks = (f"{layout.world_size} processes ("
-                 f"{describe_expert_groups(work.distributed.expert_parallel_size, layout.world_size)})")
-    chunk_tokens = work.train.chunk_tokens(vocab_size)
-    params = f"{n_params / 1e6:.2f}M params" + (f" ({n_active / 1e6:.2f}M active per token)" if n_active else "")
-    return (f"model {params} | {ranks} x micro-batch {layout.micro_batch_size} x accumulation "
-            f"{layout.accum_steps} = {layout.global_batch_size} sequences of {work.data.seq_len} tokens | precision "
-            f"{precision} | {zero.describe()}" + (f" | loss in chunks of {chunk_tokens} tokens" if chunk_tokens else ""))
-
-
-def estimate_memory(shape: ModelShape, zero: ZeroSetup, world_size: int, precision: str, layout: BatchLayout,
+def estimate_memory(shape: ModelShape, topology: Topology, precision: str, batch: BatchLayout,
                     work: Workload) -> MemoryEstimate:
     """Per-rank memory of the run (``lmrecipe/memory.py``), as ``tools/estimate_memory.py`` estimates it."""
     train = work.train
-    return estimate(shape, zero, world_size, _nodes(world_size), precision, accum_steps=layout.accum_steps,
-                    micro_batch_size=train.micro_batch_size, seq_len=work.data.seq_len,
+    return estimate(shape, topology.zero, topology.world_size, _nodes(topology.world_size), precision,
+                    accum_steps=batch.accum_steps, micro_batch_size=train.micro_batch_size, seq_len=work.data.seq_len,
                     gradient_checkpointing=train.gradient_checkpointing,
                     attn_implementation=work.model.attn_implementation, ema=train.ema_decay > 0,
                     loss_chunk_tokens=train.chunk_tokens(shape.vocab_size),
-                    sequence_parallel_size=work.distributed.sequence_parallel_size, optimizer=work.optim.name,
-                    tensor_parallel_size=work.distributed.tensor_parallel_size,
-                    expert_parallel_size=work.distributed.expert_parallel_size)
+                    sequence_parallel_size=topology.sequence_parallel_size, optimizer=work.optim.name,
+                    tensor_parallel_size=topology.tensor_parallel_size,
+                    expert_parallel_size=topology.expert_parallel_size)
 
 
 def _nodes(world_size: int) -> int:

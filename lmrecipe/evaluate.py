@@ -19,7 +19,7 @@ from lmrecipe.config import TrainConfig
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.data.format import TokenWindows, load_meta
 from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
-from lmrecipe.distributed import build_eval_accelerator
+from lmrecipe.parallel.accelerator import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
 from lmrecipe.loss import forward_kwargs, use_chunked_loss, validation_loss

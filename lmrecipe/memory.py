@@ -87,7 +87,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.model import param_counts
 from lmrecipe.optim import expert_params, muon_split
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lmrecipe.config import Config, ModelConfig, Workload, load_config, resolve_deepspeed_config, save_config
 from lmrecipe.data.batches import BatchRamp
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import fail
 from lmrecipe.memory import ModelShape, estimate, model_shape, read_measured
 from lmrecipe.model import flops_per_token

@@ -69,8 +69,13 @@ def record(out: Path, only: list[str]) -> None:
     out.write_text(json.dumps(result, indent=1, sort_keys=True))
 
 
+def compared(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not any(word in k for word in NOT_COMPARED)} for row in rows]
+
+
 def compare(a: Path, b: Path) -> int:
     left, right = json.loads(a.read_text()), json.loads(b.read_text())
+    left, right = ({name: compared(rows) for name, rows in side.items()} for side in (left, right))
     differ = 0
     for name in sorted(set(left) & set(right)):
         same = left[name] == right[name]

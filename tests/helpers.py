@@ -305,10 +305,10 @@ def siblings(out_dir: Path) -> list[str]:
 
 
 def layout(world_size: int, stage: int | None, offload: bool = False):
-    """The :class:`lmrecipe.distributed.Layout` of a run on ``world_size`` processes, ZeRO ``stage`` (None: no DeepSpeed)."""
-    from lmrecipe.distributed import Layout
+    """The :class:`lmrecipe.parallel.topology.Topology` of a run on ``world_size`` processes, ZeRO ``stage`` (None: no DeepSpeed)."""
+    from lmrecipe.parallel.topology import Topology
 
-    return Layout.from_topology({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
+    return Topology.from_record({"world_size": world_size, "deepspeed": stage is not None, "zero_stage": stage or 0,
                                  "offload_optimizer": offload})
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
-from lmrecipe.distributed import build_deepspeed_ops  # noqa: E402
+from lmrecipe.parallel.deepspeed_config import build_deepspeed_ops  # noqa: E402
 
 logger = logging.getLogger("build_ops")
 

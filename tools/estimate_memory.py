@@ -103,7 +103,7 @@ def _config(recipe: str, overrides: list[str], name: str):
 
 def _launch(name: str, cfg, world_size: int, nodes: int, precision: str):
     try:
-        return check_launch(cfg.workload(), ds_config_path(name), world_size, nodes, precision)[0]
+        return check_launch(cfg.workload(), ds_config_path(name), world_size, nodes, precision)[1]
     except UserError as err:
         raise refusal_of(name, f"cannot train on --world-size {world_size}", err) from None
 

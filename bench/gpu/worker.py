@@ -182,7 +182,7 @@ def _prediction(run, peak_tflops: float) -> dict:
     device = run.accelerator.device
     runtime = run.runtime
     return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, world_size=1,
-                       precision=runtime.precision, zero=runtime.zero, accum_steps=runtime.layout.accum_steps,
+                       precision=runtime.precision, zero=runtime.topology.zero, accum_steps=runtime.batch.accum_steps,
                        flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
                        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
@@ -219,10 +219,10 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         tokens_per_sec = steps * run.tokens_per_step / seconds
         result = {
             "label": side["label"], "overrides": side["overrides"], "device": str(device),
-            "precision": run.runtime.precision, "zero": run.runtime.zero.describe(),
+            "precision": run.runtime.precision, "zero": run.runtime.topology.zero.describe(),
             "attention": cfg.model.attn_implementation, "document_masking": cfg.data.document_masking,
             "n_params": run.n_params, "tokens_per_step": run.tokens_per_step,
-            "micro_batch_size": cfg.train.micro_batch_size, "accum_steps": run.runtime.layout.accum_steps,
+            "micro_batch_size": cfg.train.micro_batch_size, "accum_steps": run.runtime.batch.accum_steps,
             "warmup_steps": warmup_steps, "steps": steps, "build_s": build_s, "step_time_s": seconds / steps,
             "tokens_per_sec": tokens_per_sec,
             "mfu": mfu(tokens_per_sec, run.flops_per_token, 1, peak_tflops) if cuda else None,

@@ -17,7 +17,7 @@ from lmrecipe.checkpoint.resume import Resumer
 from lmrecipe.checkpoint.saving import Saver
 from lmrecipe.config import CheckpointConfig
 from lmrecipe.data.sources import TrainingData
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import Topology
 
 
 class Checkpointer:
@@ -25,7 +25,7 @@ class Checkpointer:
     :meth:`restore` (a rollback), :meth:`wait` for a background write; ``latest``, ``best()``, ``resumed_from`` and
     ``branched_from``."""
 
-    def __init__(self, section: CheckpointConfig, facts: RunFacts, accelerator, out_dir: Path, *, zero: ZeroSetup,
+    def __init__(self, section: CheckpointConfig, facts: RunFacts, accelerator, out_dir: Path, *, topology: Topology,
                  data: TrainingData, lr_schedule: Callable[[int], float], extras: Iterable[CheckpointState] = (),
                  next_sample: Callable[[int], int] | None = None,
                  probe_kwargs: Callable[[torch.device], dict] | None = None):
@@ -33,7 +33,7 @@ class Checkpointer:
         Args:
             section: the ``checkpoint`` section (interval, retention, resume, background writes).
             facts: what the checkpoints need to know of the run besides (``record.RunFacts``).
-            zero: the run's DeepSpeed setup (recorded, and compared on resume).
+            topology: the run's topology (recorded in each checkpoint, and compared on resume).
             data: the training data: its signature is recorded and compared on resume (for a mixture, its sources:
                 a resume must keep names and quotas), the probe window and the tokenizer files come from it.
             lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
@@ -43,9 +43,9 @@ class Checkpointer:
             probe_kwargs: the probe forward's further keyword arguments on a device (the document boundaries of
                 ``data.document_masking``); None for none.
         """
-        record = StateRecord(accelerator, facts, zero=zero, data=data, lr_schedule=lr_schedule, extras=extras,
+        record = StateRecord(accelerator, facts, topology=topology, data=data, lr_schedule=lr_schedule, extras=extras,
                              next_sample=next_sample)
-        self.saver = Saver(accelerator, section, facts, out_dir, record, deepspeed=zero.deepspeed, data=data,
+        self.saver = Saver(accelerator, section, facts, out_dir, record, deepspeed=topology.zero.deepspeed, data=data,
                            probe_kwargs=probe_kwargs)
         self.store = self.saver.store
         self.resumer = Resumer(accelerator, facts, record, resume=section.resume, root=self.store.root, data=data,

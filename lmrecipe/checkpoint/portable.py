@@ -57,7 +57,7 @@ import torch
 from lmrecipe.checkpoint.ep_split import contiguous, experts_of, local_experts
 from lmrecipe.checkpoint.readers import ParamNames, StateSource, open_source
 from lmrecipe.checkpoint.tp_split import local_slice
-from lmrecipe.distributed import Layout
+from lmrecipe.parallel.topology import Topology
 from lmrecipe.errors import fail
 from lmrecipe.fileio import building_dir, write_json_atomic
 from lmrecipe.optim import names_by_param
@@ -203,7 +203,7 @@ def write_share(source: StateSource, plan: ShardPlan, folder: Path, rank: int, p
     return total
 
 
-def finish(folder: Path, plan: ShardPlan, source_steps: Mapping[str, int], *, source_layout: Layout,
+def finish(folder: Path, plan: ShardPlan, source_steps: Mapping[str, int], *, source_layout: Topology,
            source_sha256: str) -> dict:
     """The main process, once every rank's files are written: each state's index and ``portable.json``."""
     for key in STATES:
@@ -211,7 +211,7 @@ def finish(folder: Path, plan: ShardPlan, source_steps: Mapping[str, int], *, so
         total = sum(plan.nbytes(name) for name in plan.shapes)
         write_json_atomic(folder / index_file(key), {"metadata": {"total_size": total}, "weight_map": weight_map})
     meta = {
-        "format_version": FORMAT_VERSION, "source_layout": source_layout.to_dict(), "source_state_sha256": source_sha256,
+        "format_version": FORMAT_VERSION, "source_layout": source_layout.record(), "source_state_sha256": source_sha256,
         "params": {name: list(shape) for name, shape in plan.shapes.items()},
         "step": {name: int(source_steps[name]) for name in plan.shapes},
     }
@@ -220,7 +220,7 @@ def finish(folder: Path, plan: ShardPlan, source_steps: Mapping[str, int], *, so
 
 
 def convert(checkpoint: Path, dest: Path, *, deepspeed_dir: Path | None, param_names: ParamNames,
-            source_layout: Layout, source_sha256: str, max_shard_bytes: int = SHARD_BYTES) -> dict:
+            source_layout: Topology, source_sha256: str, max_shard_bytes: int = SHARD_BYTES) -> dict:
     """Write the whole portable form of ``checkpoint`` to ``dest`` in this process (atomically: a folder built aside,
     then renamed); a resume spreads the same steps over its ranks (``resume.py``).
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Protocol
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.checkpoint.tp_split import splits_of
 from lmrecipe.data.sources import TrainingData
-from lmrecipe.distributed import Layout, ZeroSetup
+from lmrecipe.parallel.topology import Topology
 
 
 class CheckpointState(Protocol):
@@ -72,10 +72,6 @@ class RunFacts:
     """How long a background write waits for the other ranks' files (``distributed.timeout_s``)."""
     run_config: dict
     """The resolved config (``Config.to_dict()``), saved with each checkpoint and compared on resume."""
-    sequence_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    """DeepSpeed AutoEP's size (``distributed.expert_parallel_size`` with AutoEP's layers; 1 without them)."""
 
 
 class StateRecord:
@@ -84,12 +80,12 @@ class StateRecord:
     Every method is called on every rank.
     """
 
-    def __init__(self, accelerator, facts: RunFacts, *, zero: ZeroSetup, data: TrainingData,
+    def __init__(self, accelerator, facts: RunFacts, *, topology: Topology, data: TrainingData,
                  lr_schedule: Callable[[int], float], extras: Iterable[CheckpointState] = (),
                  next_sample: Callable[[int], int] | None = None):
         """
         Args:
-            zero: the run's DeepSpeed setup (the layout recorded, and compared on resume).
+            topology: the run's topology (recorded in each checkpoint, and compared on resume).
             data: the training data, whose signature is recorded (for a mixture, its sources).
             lr_schedule: the learning rate of a step, recorded so a resume can say if it changes.
             extras: the trainer's callbacks saved and restored by name.
@@ -98,7 +94,7 @@ class StateRecord:
         """
         self.accelerator = accelerator
         self.facts = facts
-        self.zero = zero
+        self.topology = topology
         self.data = data
         self.lr_schedule = lr_schedule
         self.extras: dict[str, CheckpointState] = {}
@@ -111,14 +107,9 @@ class StateRecord:
         """Where this run branched from (``{"checkpoint", "step", "out_dir"}``), recorded in every checkpoint; set
         by the resume."""
 
-    def layout(self) -> Layout:
-        """How this run cuts its optimizer state (recorded in each checkpoint's ``topology``)."""
-        return Layout.of_run(self.accelerator.num_processes, self.zero, self.facts.sequence_parallel_size,
-                             self.facts.tensor_parallel_size, self.facts.expert_parallel_size)
-
     def tensor_parallel(self, model) -> tuple[dict, int] | None:
         """This run's AutoTP splits and this rank's tensor-parallel rank; None without tensor parallelism."""
-        size = self.facts.tensor_parallel_size
+        size = self.topology.tensor_parallel_size
         if size == 1:
             return None
         return splits_of(self.accelerator.unwrap_model(model)), self.accelerator.process_index % size
@@ -131,9 +122,9 @@ class StateRecord:
         """The record at ``state``, as JSON values (a copy: a background write publishes it later)."""
         record = {
             "state": state.state_dict(),
-            "topology": self.layout().to_dict(),
+            "topology": self.topology.record(),
             **({TP_RECORD: splits_of(self.accelerator.unwrap_model(model))}
-               if self.facts.tensor_parallel_size > 1 else {}),
+               if self.topology.tensor_parallel_size > 1 else {}),
             "hf_config": self.hf_config(model),
             "config": self.facts.run_config,
             # A feature that keeps only files (the weight EMA) has an empty state: nothing to write for it.

@@ -51,7 +51,7 @@ from lmrecipe.checkpoint.storage import (
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import autoep_size_of
 from lmrecipe.data.sources import TrainingData
-from lmrecipe.distributed import Layout
+from lmrecipe.parallel.topology import Topology
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import install_dir, remove_path, temp_dir_for
 from lmrecipe.optim import optimizer_param_names
@@ -72,10 +72,10 @@ def _uses_deepspeed(value) -> bool:
     return value not in (None, "none", "null")
 
 
-def saved_layout(saved: dict) -> Layout:
-    """The layout a checkpoint (``saved``: its ``train_state.json``) was cut in; a record from before the AutoEP size
-    was part of it takes the size from its config."""
-    return Layout.from_topology({"expert_parallel_size": autoep_size_of(saved["config"]) or 1, **saved["topology"]})
+def saved_layout(saved: dict) -> Topology:
+    """The topology a checkpoint (``saved``: its ``train_state.json``) was cut in; a record from before the AutoEP
+    size was part of it takes the size from its config."""
+    return Topology.from_record({"expert_parallel_size": autoep_size_of(saved["config"]) or 1, **saved["topology"]})
 
 
 def forgotten_settings(saved_config: dict, run_config: dict) -> list[str]:
@@ -145,7 +145,7 @@ class Resumer:
         return path
 
     def _log_resume(self, path: Path, saved: dict, state: LoopState, branch: bool) -> None:
-        changes = self.record.layout().changes_from(saved_layout(saved))
+        changes = self.record.topology.changes_from(saved_layout(saved))
         verb = "Branched" if branch else "Resumed"
         if forgotten := forgotten_settings(saved["config"], self.facts.run_config):
             logger.warning("%s from %s at step %d on a new layout (%s): the checkpoint's run trained with %s, this "
@@ -197,12 +197,12 @@ class Resumer:
     def _load(self, path: Path, saved: dict, state: LoopState) -> None:
         """Weights, optimizer, training state, this rank's RNG and the extras, from checkpoint ``path``."""
         saved_on = saved_layout(saved)
-        converted = self.record.layout().needs_conversion_from(saved_on)
+        converted = self.record.topology.needs_conversion_from(saved_on)
         try:
             if converted:
                 folder = portable_form(self.accelerator, path, saved, self.model, self.root,
                                        beside=path != self.source)
-                load_portable(folder, self.model, self.optimizer, deepspeed=self.record.zero.deepspeed,
+                load_portable(folder, self.model, self.optimizer, deepspeed=self.record.topology.zero.deepspeed,
                               step=saved["state"]["step"], samples_per_step=self.facts.samples_per_step,
                               tensor_parallel=self.record.tensor_parallel(self.model))
             else:
@@ -219,7 +219,7 @@ class Resumer:
     def _check_optimizer(self, path: Path, saved: dict) -> None:
         """Stop when the checkpoint's optimizer state cannot be loaded into this run's optimizer."""
         saved_on = saved_layout(saved)
-        converted = self.record.layout().needs_conversion_from(saved_on)
+        converted = self.record.topology.needs_conversion_from(saved_on)
         optimizer_name = saved["config"]["optim"].get("name", "adamw")  # checkpoints from before optim.name: AdamW
         ours = self.facts.run_config["optim"]["name"]
         if optimizer_name != ours:
@@ -230,7 +230,7 @@ class Resumer:
         if optimizer_name != "adamw" and converted:
             # The topology-free form holds AdamW's moments only.
             raise fail(f"{path} holds {optimizer_name} optimizer state saved on another layout "
-                       f"({'; '.join(self.record.layout().changes_from(saved_on))}), which cannot be converted. "
+                       f"({'; '.join(self.record.topology.changes_from(saved_on))}), which cannot be converted. "
                        "Resume on the checkpoint's layout, or start a new run from its weights: python "
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
 

@@ -19,14 +19,6 @@ from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBatches
 from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
-from lmrecipe.distributed import (
-    Runtime,
-    autoep_registry_compat,
-    build_runtime,
-    check_sequence_parallel_model,
-    check_tensor_parallel_model,
-    name_sequence_parallel_attention,
-)
 from lmrecipe.errors import fail
 from lmrecipe.loss import use_chunked_loss
 from lmrecipe.model import (
@@ -41,6 +33,13 @@ from lmrecipe.model import (
 )
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
+from lmrecipe.parallel.accelerator import Runtime, build_runtime
+from lmrecipe.parallel.splits import (
+    autoep_registry_compat,
+    check_sequence_parallel_model,
+    check_tensor_parallel_model,
+    name_sequence_parallel_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +65,6 @@ class Run:
     n_active_params: int | None = None
     """Parameters one token passes through (an MoE model's routed experts counted ``experts_per_token`` times out of
     ``num_experts``); None: a dense model, all of ``n_params``."""
-
-    def describe_params(self) -> str:
-        """The model's parameter count for the start-up line: total, and active per token for an MoE model."""
-        if self.n_active_params is None:
-            return f"{self.n_params / 1e6:.2f}M params"
-        return f"{self.n_params / 1e6:.2f}M params ({self.n_active_params / 1e6:.2f}M active per token)"
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:
@@ -108,9 +101,9 @@ class Run:
         """
         if samples == (self.accumulating_samples or self.cfg.train.global_batch_size):
             return
-        layout = self.runtime.layout
+        layout = self.runtime.batch
         accum_steps = samples // (layout.micro_batch_size * layout.world_size)
-        if self.runtime.zero.deepspeed:
+        if self.runtime.topology.zero.deepspeed:
             # DeepSpeed's batch counts every rank of its data-parallel world, as the config it was built with did.
             ranks_per_sample = self.runtime.ds_config["train_batch_size"] // layout.global_batch_size
             self.model.set_train_batch_size(samples * ranks_per_sample)
@@ -123,7 +116,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
     maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
     runtime = build_runtime(cfg)
-    accelerator = runtime.accelerator
+    accelerator, topology, zero = runtime.accelerator, runtime.topology, runtime.topology.zero
     # The data is checked before out_dir is touched: bad data writes nothing.
     meta = check_sources(cfg.data)
     check_init_tokenizer(cfg.model, cfg.data.source_list()[0].path)
@@ -131,9 +124,9 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(meta["vocab_size"]), cfg.data.seq_len)
     # Validation windows: split over every rank, or over the data-parallel ranks under tensor parallelism (a
     # tensor-parallel group computes one forward together).
-    val_ranks = None if runtime.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
-    ramp = BatchRamp.from_config(cfg.train, runtime.layout)
-    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.layout, cfg.train.seed, val_ranks=val_ranks,
+    val_ranks = None if topology.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
+    ramp = BatchRamp.from_config(cfg.train, runtime.batch)
+    data = open_training_data(cfg.data, hf_config.vocab_size, runtime.batch, cfg.train.seed, val_ranks=val_ranks,
                               ramp=ramp)
     if not ramp.is_constant:
         logger.info("Batch-size ramp, sequences per step: %s (learning rate %s)",
@@ -147,32 +140,32 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
             f"{hf_config.max_position_embeddings}. Lower data.seq_len or raise model.max_position_embeddings."
         )
-    if runtime.zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
+    if zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
         logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
 
     torch.manual_seed(cfg.train.seed)
     attention = build_attention(cfg.model, cfg.data, hf_config)
     model = build_model(cfg.model, cfg.train, hf_config, attention)
-    check_sequence_parallel_model(cfg.distributed.sequence_parallel_size, hf_config)
-    check_tensor_parallel_model(cfg.distributed.tensor_parallel_size, hf_config)
+    check_sequence_parallel_model(topology.sequence_parallel_size, hf_config)
+    check_tensor_parallel_model(topology.tensor_parallel_size, hf_config)
     if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
         use_chunked_loss(model, chunk_tokens)
-    if runtime.zero.stage == 3 and not runtime.autoep:
+    if zero.stage == 3 and not topology.autoep:
         set_moe_leaf_modules(model)
     counts = param_counts(model)
     fpt = flops_per_token(counts["active"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size,
                           cfg.data.seq_len)
-    if cfg.train.compile and not runtime.zero.deepspeed:
+    if cfg.train.compile and not zero.deepspeed:
         model = torch.compile(model)
-    optimizer = build_optimizer(model, cfg.optim, cpu_offload=runtime.zero.offload_optimizer,
-                                fused=not runtime.zero.deepspeed and runtime.precision != "fp16",
-                                expert_group=runtime.expert_group())
+    optimizer = build_optimizer(model, cfg.optim, cpu_offload=zero.offload_optimizer,
+                                fused=not zero.deepspeed and runtime.precision != "fp16",
+                                expert_group=topology.expert_group())
     name_sequence_parallel_attention(accelerator, model)
     if runtime.precision == "fp8":
         choose_fp8_layers(accelerator, model)
-    with autoep_registry_compat() if runtime.autoep else contextlib.nullcontext():
+    with autoep_registry_compat() if topology.autoep else contextlib.nullcontext():
         model, optimizer = accelerator.prepare(model, optimizer)
-    if cfg.train.compile and runtime.zero.deepspeed:
+    if cfg.train.compile and zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
 

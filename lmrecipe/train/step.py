@@ -90,7 +90,7 @@ def backward(run: Run, objective: torch.Tensor) -> None:
     micro-batch ends Accelerate's accumulation (the engine reduces the gradients there), as Accelerate's wrapper does
     before it calls ``engine.step``; :func:`optim_step` makes that call."""
     accelerator = run.accelerator
-    if not run.runtime.zero.deepspeed:
+    if not run.runtime.topology.zero.deepspeed:
         accelerator.backward(objective)
         return
     engine = run.model
@@ -184,7 +184,7 @@ def optim_step(run: Run, gradients: Gradients, timer: SectionTimer | None = None
     optimizer_start = time.perf_counter()
     with region("optimizer"):
         grad_norm, skipped = optimizer_step(run.model, run.optimizer, run.accelerator, run.cfg.optim.grad_clip,
-                                            run.runtime.zero.deepspeed)
+                                            run.runtime.topology.zero.deepspeed)
     if timer is not None:
         timer("data", gradients.data_time_s)
         timer("clip+optimizer", time.perf_counter() - optimizer_start)

@@ -250,7 +250,7 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         Reporting(run, out_dir, recipe, command),
     ]
     if cfg.train.ema_decay > 0:
-        callbacks.append(WeightEMA(run.model, cfg.train.ema_decay, zero3=run.runtime.zero.stage == 3,
+        callbacks.append(WeightEMA(run.model, cfg.train.ema_decay, zero3=run.runtime.topology.zero.stage == 3,
                                    rank=acc.process_index, world_size=acc.num_processes, is_main=acc.is_main_process,
                                    device=acc.device))
     if cfg.eval.tasks:

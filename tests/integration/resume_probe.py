@@ -25,13 +25,13 @@ def main() -> None:
     run = build_run(cfg, Path(cfg.out_dir))
     build_checkpointer(run, Path(cfg.out_dir)).maybe_resume(run.model, run.optimizer, TrainState())
     param = dict(run.accelerator.unwrap_model(run.model).named_parameters())[name]
-    if run.runtime.zero.deepspeed:
+    if run.runtime.topology.zero.deepspeed:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         values = {"fp32": safe_get_full_fp32_param(param), "exp_avg": safe_get_full_optimizer_state(param, "exp_avg"),
                   "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq")}
         zero = run.model.optimizer
-        flats = zero.fp32_partitioned_groups_flat if run.runtime.zero.stage == 3 else zero.single_partition_of_fp32_groups
+        flats = zero.fp32_partitioned_groups_flat if run.runtime.topology.zero.stage == 3 else zero.single_partition_of_fp32_groups
         steps = [float(zero.optimizer.state[flat]["step"]) for flat in flats]
     else:
         state = run.optimizer.optimizer.state[param]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from lmrecipe.config import load_config
 from lmrecipe.data.format import load_meta
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import EXIT_USER_ERROR
 from lmrecipe.memory import estimate
 from lmrecipe.observe.metrics_log import read_metrics

@@ -187,7 +187,7 @@ def test_the_ramp_under_deepspeed_matches_the_plain_run(tmp_path, ramp_run, deep
 
 
 def test_the_planner_counts_the_ramps_tokens():
-    from lmrecipe.distributed import ZeroSetup
+    from lmrecipe.parallel.topology import ZeroSetup
     from lmrecipe.model import build_hf_config
     from lmrecipe.plan import predict_run
 

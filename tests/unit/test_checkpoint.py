@@ -192,13 +192,13 @@ def tmp_checkpointer(tmp_path: Path, model: torch.nn.Module, extras, *, resume: 
     from lmrecipe.checkpoint.checkpointer import Checkpointer
     from lmrecipe.checkpoint.record import RunFacts
     from lmrecipe.config import CheckpointConfig
-    from lmrecipe.distributed import ZeroSetup
+    from lmrecipe.parallel.topology import Topology
 
     (tmp_path / "tokenizer").mkdir(exist_ok=True)
     (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
     facts = RunFacts(samples_per_step=4, max_steps=10, publish_timeout_s=10, run_config={"optim": optim or {"name": "adamw"}})
     return Checkpointer(CheckpointConfig(every_steps=2, keep_last=2, resume=resume), facts, FakeAccelerator(model),
-                        tmp_path / "run", zero=ZeroSetup(), data=FakeData(tmp_path / "tokenizer"),
+                        tmp_path / "run", topology=Topology(1), data=FakeData(tmp_path / "tokenizer"),
                         lr_schedule=lambda step: 0.5 / (step + 1), extras=extras)
 
 
@@ -260,7 +260,7 @@ def test_a_feature_the_checkpoint_holds_nothing_for_gets_none_and_a_checkpoint_b
 
     newcomer = Counter("newcomer")
     Counter("newcomer", 9).save_files(tmp_path)
-    record = StateRecord(None, None, zero=None, data=None, lr_schedule=None, extras=[newcomer])
+    record = StateRecord(None, None, topology=None, data=None, lr_schedule=None, extras=[newcomer])
     record.restore_extras(tmp_path, {"state": {"step": 4}, "extras": {"counter": {"count": 7}}})
     assert newcomer.loaded is None and newcomer.count == -1
     assert torch.equal(newcomer.weights, torch.full((3,), 9.0))  # its files are loaded all the same
@@ -268,7 +268,7 @@ def test_a_feature_the_checkpoint_holds_nothing_for_gets_none_and_a_checkpoint_b
     record.restore_extras(tmp_path, {"state": flat})  # written before extras existed
     assert newcomer.loaded == flat and newcomer.count == 3
     with pytest.raises(ValueError, match="named 'newcomer'"):
-        StateRecord(None, None, zero=None, data=None, lr_schedule=None, extras=[newcomer, Counter("newcomer")])
+        StateRecord(None, None, topology=None, data=None, lr_schedule=None, extras=[newcomer, Counter("newcomer")])
 
 
 def test_a_resume_with_another_optimizer_is_refused_without_first_logging_it_as_allowed(tmp_path, caplog):

@@ -10,7 +10,7 @@ from helpers import ROOT, TINY_OVERRIDES, write_data
 
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.distributed import load_deepspeed_config
+from lmrecipe.parallel.deepspeed_config import load_deepspeed_config
 from lmrecipe.errors import UserError
 
 

@@ -56,7 +56,7 @@ def test_fp8_run_learns_and_exports_plain_weights(tmp_path, tiny_data, caplog, o
 def test_fp8_without_torchao_is_refused(monkeypatch):
     import sys
 
-    from lmrecipe.distributed import check_fp8
+    from lmrecipe.parallel.precision import check_fp8
     from lmrecipe.errors import UserError
 
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # an import of it raises ImportError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lmrecipe.checkpoint.resume import forgotten_settings
-from lmrecipe.distributed import check_launched_processes, shrunk_launch
+from lmrecipe.parallel.launch import check_launched_processes, shrunk_launch
 
 # What accelerate's simple launcher leaves in its one child process (accelerate 1.15, --num_processes 2): its own
 # variables and MASTER_ADDR/PORT, but no WORLD_SIZE or RANK.
@@ -43,9 +43,9 @@ def test_a_distributed_launchers_process_or_a_plain_one_is_not_questioned():
 
 
 def test_a_shrunk_launch_is_refused_naming_the_flag(monkeypatch):
-    import lmrecipe.distributed as distributed
+    import lmrecipe.parallel.launch as launch
 
-    monkeypatch.setattr(distributed, "_parent_command_line", lambda: [*VENV_ACCELERATE, "--num_processes", "2", *SCRIPT])
+    monkeypatch.setattr(launch, "_parent_command_line", lambda: [*VENV_ACCELERATE, "--num_processes", "2", *SCRIPT])
     for key, value in SIMPLE_CHILD_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

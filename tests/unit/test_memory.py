@@ -10,7 +10,7 @@ from helpers import ROOT
 from torch import nn
 
 from lmrecipe.config import load_config
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.memory import (
     estimate,
     estimate_activations,

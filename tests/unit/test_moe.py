@@ -12,7 +12,8 @@ from helpers import ROOT, TINY_OVERRIDES
 
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.distributed import autoep_registry_compat, load_deepspeed_config
+from lmrecipe.parallel.deepspeed_config import load_deepspeed_config
+from lmrecipe.parallel.splits import autoep_registry_compat
 from lmrecipe.errors import UserError
 from lmrecipe.loss import expert_tokens
 from lmrecipe.model import build_hf_config, build_model, param_counts, set_moe_leaf_modules
@@ -139,7 +140,7 @@ def test_the_registry_workaround_is_still_needed_and_only_inside_its_context():
 
 
 def test_the_planner_and_the_estimator_count_total_active_and_each_ranks_experts():
-    from lmrecipe.distributed import ZeroSetup
+    from lmrecipe.parallel.topology import ZeroSetup
     from lmrecipe.memory import estimate_model_states, model_shape
     from lmrecipe.plan import shape_from_config
 
@@ -178,12 +179,12 @@ def test_autoep_resumes_onto_any_expert_parallel_size_but_not_onto_another_moe_l
 def test_a_change_of_autoep_size_is_a_change_of_layout_and_auto_names_the_layer_it_picks():
     from lmrecipe.checkpoint.compat import _resolved
     from lmrecipe.checkpoint.resume import saved_layout
-    from lmrecipe.distributed import Layout, ZeroSetup
+    from lmrecipe.parallel.topology import Topology, ZeroSetup
 
     zero1 = ZeroSetup(stage=1, deepspeed=True)
-    saved, now = Layout.of_run(2, zero1, expert_parallel_size=2), Layout.of_run(2, zero1)
+    saved, now = Topology(2, zero1, expert_parallel_size=2, autoep=True), Topology(2, zero1)
     assert now.changes_from(saved) == ["expert parallel 2 -> 1"] and now.needs_conversion_from(saved)
-    assert Layout.from_topology(saved.to_dict()) == saved
+    assert Topology.from_record(saved.record()) == saved
     record = {"topology": {"world_size": 2, "deepspeed": True, "zero_stage": 1},  # from before the size was recorded
               "config": {"distributed": {"expert_parallel_size": 2, "expert_layer": "auto"}}}
     assert saved_layout(record) == saved

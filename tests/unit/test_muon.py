@@ -10,7 +10,7 @@ from torch import nn
 
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.distributed import load_deepspeed_config
+from lmrecipe.parallel.deepspeed_config import load_deepspeed_config
 from lmrecipe.errors import UserError
 from lmrecipe.optim import build_optimizer, optimizer_param_names, set_lr
 
@@ -101,7 +101,7 @@ def test_muon_run_learns_and_resumes_exactly(tmp_path, tiny_data, eager_muon):
 
 
 def test_memory_estimate_counts_one_moment_for_muon_matrices():
-    from lmrecipe.distributed import ZeroSetup
+    from lmrecipe.parallel.topology import ZeroSetup
     from lmrecipe.memory import estimate_model_states, model_shape
     from lmrecipe.model import build_hf_config
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT
 
 from lmrecipe.config import load_config
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import UserError
 from lmrecipe.memory import estimate, model_shape
 from lmrecipe.model import build_hf_config

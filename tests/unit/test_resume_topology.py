@@ -16,15 +16,15 @@ from helpers import (
     layout,
 )
 
-from lmrecipe.distributed import Layout
+from lmrecipe.parallel.topology import Topology
 from lmrecipe.optim import optimizer_param_names
 
 
-def needs_conversion(saved: Layout, current: Layout) -> bool:
+def needs_conversion(saved: Topology, current: Topology) -> bool:
     return current.needs_conversion_from(saved)
 
 
-def layout_changes(saved: Layout, current: Layout) -> list[str]:
+def layout_changes(saved: Topology, current: Topology) -> list[str]:
     return current.changes_from(saved)
 
 
@@ -37,8 +37,8 @@ def test_which_layout_changes_need_a_conversion():
     assert layout_changes(layout(2, 3), layout(1, None)) == ["processes 2 -> 1", "ZeRO-3 -> no DeepSpeed"]
     assert layout_changes(layout(2, 2), layout(2, 2, offload=True)) == ["ZeRO-2 -> ZeRO-2 (offload optimizer)"]
     # Checkpoints written before offload was recorded read as "no offload".
-    assert Layout.from_topology({"world_size": 1, "deepspeed": True, "zero_stage": 1}) == layout(1, 1)
-    assert Layout.from_topology(layout(2, 3, offload=True).to_dict()) == layout(2, 3, offload=True)
+    assert Topology.from_record({"world_size": 1, "deepspeed": True, "zero_stage": 1}) == layout(1, 1)
+    assert Topology.from_record(layout(2, 3, offload=True).record()) == layout(2, 3, offload=True)
 
 
 def test_optimizer_names_follow_the_optimizer_groups():

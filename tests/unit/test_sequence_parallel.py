@@ -11,16 +11,9 @@ from helpers import ROOT, TINY_OVERRIDES, write_data
 from lmrecipe.compare import config_label, config_overrides, ds_config_path
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.distributed import (
-    Layout,
-    SequenceParallel,
-    ZeroSetup,
-    check_sequence_parallel_model,
-    check_sequence_parallel_stage,
-    check_sequence_parallel_topology,
-    load_deepspeed_config,
-    name_sequence_parallel_attention,
-)
+from lmrecipe.parallel.deepspeed_config import check_sequence_parallel_stage, load_deepspeed_config
+from lmrecipe.parallel.splits import SequenceParallel, check_sequence_parallel_model, name_sequence_parallel_attention
+from lmrecipe.parallel.topology import Topology, ZeroSetup, check_sequence_parallel_topology
 from lmrecipe.errors import UserError
 from lmrecipe.model import build_hf_config
 
@@ -85,11 +78,11 @@ def test_a_continued_model_whose_heads_do_not_split_is_refused_once_its_config_i
 
 def test_a_change_of_sequence_parallel_size_is_a_layout_change():
     zero = ZeroSetup(stage=2, deepspeed=True)
-    saved, now = Layout.of_run(2, zero, 2), Layout.of_run(2, zero, 1)
+    saved, now = Topology(2, zero, 2), Topology(2, zero, 1)
     assert now.changes_from(saved) == ["sequence parallel 2 -> 1"] and now.needs_conversion_from(saved)
-    assert Layout.from_topology(saved.to_dict()) == saved
+    assert Topology.from_record(saved.record()) == saved
     older = {"world_size": 2, "deepspeed": True, "zero_stage": 2}  # written before the key existed
-    assert Layout.from_topology(older).sequence_parallel_size == 1
+    assert Topology.from_record(older).sequence_parallel_size == 1
 
 
 def test_compare_zero_configs_take_a_sequence_parallel_option():

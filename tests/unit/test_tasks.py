@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lmrecipe.attention import build_document_attention
 from lmrecipe.config import load_config
-from lmrecipe.distributed import build_eval_accelerator
+from lmrecipe.parallel.accelerator import build_eval_accelerator
 from lmrecipe.errors import UserError
 from lmrecipe.harness import lm_eval_results
 from lmrecipe.observe.run_report import task_table

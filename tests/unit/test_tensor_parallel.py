@@ -12,14 +12,9 @@ from lmrecipe.checkpoint.tp_split import full_shape, local_slice, merge
 from lmrecipe.compare import config_overrides, estimate_config
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.distributed import (
-    Layout,
-    ZeroSetup,
-    check_tensor_parallel_model,
-    check_tensor_parallel_stage,
-    check_tensor_parallel_topology,
-    load_deepspeed_config,
-)
+from lmrecipe.parallel.deepspeed_config import check_tensor_parallel_stage, load_deepspeed_config
+from lmrecipe.parallel.splits import check_tensor_parallel_model
+from lmrecipe.parallel.topology import Topology, ZeroSetup, check_tensor_parallel_topology
 from lmrecipe.errors import UserError
 from lmrecipe.memory import model_shape
 from lmrecipe.model import build_hf_config
@@ -96,11 +91,11 @@ def test_the_deepspeed_config_turns_on_autotp_and_counts_every_rank_in_its_batch
 
 def test_a_change_of_tensor_parallel_size_is_a_layout_change():
     zero = ZeroSetup(stage=1, deepspeed=True)
-    saved, now = Layout.of_run(2, zero, 1, 2), Layout.of_run(2, zero, 1, 1)
+    saved, now = Topology(2, zero, 1, 2), Topology(2, zero, 1, 1)
     assert now.changes_from(saved) == ["tensor parallel 2 -> 1"] and now.needs_conversion_from(saved)
-    assert Layout.from_topology(saved.to_dict()) == saved
+    assert Topology.from_record(saved.record()) == saved
     older = {"world_size": 2, "deepspeed": True, "zero_stage": 1}  # written before the key existed
-    assert Layout.from_topology(older).tensor_parallel_size == 1
+    assert Topology.from_record(older).tensor_parallel_size == 1
 
 
 def test_slices_merge_into_the_whole_and_each_rank_takes_its_own_back():

@@ -320,7 +320,7 @@ def test_pre_optim_step_sees_the_whole_steps_gradients_before_the_update(tmp_pat
         trainer.fit()
     finally:
         trainer.close()
-    assert len(probe.seen) == 2 and run.runtime.layout.accum_steps == 2
+    assert len(probe.seen) == 2 and run.runtime.batch.accum_steps == 2
     (grads, before), (_, after) = probe.seen
     assert set(grads) == set(before) and all(torch.isfinite(g).all() for g in grads.values())
     # The weights moved by the first update, and only through it: AdamW's first step moves each element by lr

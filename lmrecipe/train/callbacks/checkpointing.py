@@ -28,11 +28,8 @@ def build_checkpointer(run: Run, out_dir: Path, extras: Mapping[str, Callback] |
     step (None: ``step x train.global_batch_size``)."""
     cfg = run.cfg
     facts = RunFacts(samples_per_step=cfg.train.global_batch_size, max_steps=cfg.train.max_steps,
-                     publish_timeout_s=cfg.distributed.timeout_s, run_config=cfg.to_dict(),
-                     sequence_parallel_size=cfg.distributed.sequence_parallel_size,
-                     tensor_parallel_size=cfg.distributed.tensor_parallel_size,
-                     expert_parallel_size=run.runtime.expert_parallel_size if run.runtime.autoep else 1)
-    return Checkpointer(cfg.checkpoint, facts, run.accelerator, out_dir, zero=run.runtime.zero, data=run.data,
+                     publish_timeout_s=cfg.distributed.timeout_s, run_config=cfg.to_dict())
+    return Checkpointer(cfg.checkpoint, facts, run.accelerator, out_dir, topology=run.runtime.topology, data=run.data,
                         lr_schedule=run.lr_at, extras=(extras or {}).values(), next_sample=next_sample,
                         probe_kwargs=probe_kwargs(run))
 

@@ -86,7 +86,7 @@ class OwnedTensors:
 
     def __init__(self, run: Run):
         self.run = run
-        self.stage = run.runtime.zero.stage if run.runtime.zero.deepspeed else None
+        self.stage = run.runtime.topology.zero.stage if run.runtime.topology.zero.deepspeed else None
 
     def grads(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
         if self.stage is None:
@@ -242,7 +242,7 @@ class LayerStats(Callback):
         squares = torch.stack([armed.grad_squares, _squares(after, self.index, len(self.parts), device),
                                _squares(updates, self.index, len(self.parts), device),
                                _squares(armed.weights_before, self.index, len(self.parts), device)])
-        if self.run.runtime.zero.deepspeed:  # each rank holds its own elements: sum them over the ranks
+        if self.run.runtime.topology.zero.deepspeed:  # each rank holds its own elements: sum them over the ranks
             squares = self.run.accelerator.reduce(squares, reduction="sum")
         grad, weight, update, weight_before = squares.sqrt()
         grad = grad / armed.loss_scale

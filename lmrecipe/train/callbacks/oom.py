@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS
-from lmrecipe.distributed import ZeroSetup
+from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.memory import estimate, format_bytes, model_shape
 from lmrecipe.train.callback import Callback
@@ -52,7 +52,7 @@ class OOMDiagnosis(Callback):
 
     def diagnose(self, step: int, err: BaseException) -> UserError:
         cfg, runtime = self.cfg, self.runtime
-        layout, zero, device = runtime.layout, runtime.zero, runtime.accelerator.device
+        layout, zero, device = runtime.batch, runtime.topology.zero, runtime.accelerator.device
         host = isinstance(err, MemoryError) or device.type != "cuda"
         what = "host memory (RAM)" if host else f"GPU memory ({device})"
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
@@ -87,7 +87,7 @@ class OOMDiagnosis(Callback):
 
     def _alternatives(self) -> list[tuple[str, dict]]:
         """(the change, the estimate's arguments after it), cumulatively, skipping what is already in effect."""
-        cfg, layout, zero = self.cfg, self.runtime.layout, self.runtime.zero
+        cfg, layout, zero = self.cfg, self.runtime.batch, self.runtime.topology.zero
         chunk_tokens = cfg.train.chunk_tokens(self.model.config.vocab_size)
         args = {"setup": zero, "micro_batch_size": layout.micro_batch_size,
                 "gradient_checkpointing": cfg.train.gradient_checkpointing, "loss_chunk_tokens": chunk_tokens}
@@ -117,12 +117,12 @@ class OOMDiagnosis(Callback):
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         cfg, runtime = self.cfg, self.runtime
-        layout = runtime.layout
+        layout, topology = runtime.batch, runtime.topology
         # The run is over: detach transformers from a live ZeRO-3 config, or building the shape on the meta
         # device would enter zero.Init and wait for the other ranks.
         unset_hf_deepspeed_config()
         shape = model_shape(self.model.config)
-        world_size = runtime.accelerator.num_processes
+        world_size = topology.world_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         nodes = max(1, world_size // max(local, 1))
 
@@ -130,9 +130,9 @@ class OOMDiagnosis(Callback):
             est = estimate(shape, setup, world_size, nodes, runtime.precision, layout.accum_steps,
                            micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation,
                            ema=cfg.train.ema_decay > 0, loss_chunk_tokens=loss_chunk_tokens,
-                           sequence_parallel_size=cfg.distributed.sequence_parallel_size, optimizer=cfg.optim.name,
-                           tensor_parallel_size=cfg.distributed.tensor_parallel_size,
-                           expert_parallel_size=cfg.distributed.expert_parallel_size)
+                           sequence_parallel_size=topology.sequence_parallel_size, optimizer=cfg.optim.name,
+                           tensor_parallel_size=topology.tensor_parallel_size,
+                           expert_parallel_size=topology.expert_parallel_size)
             activations = est.activations_checkpointed if gradient_checkpointing else est.activations
             if host and setup.offload_optimizer:
                 return f"{format_bytes(est.cpu_per_node)} offloaded per node, {format_bytes(est.device_total)} per device"
@@ -144,7 +144,7 @@ class OOMDiagnosis(Callback):
                 text += f" + {format_bytes(est.cpu_per_node)} of CPU memory per node"
             return text
 
-        current = ("now", describe(runtime.zero, layout.micro_batch_size, cfg.train.gradient_checkpointing,
+        current = ("now", describe(runtime.topology.zero, layout.micro_batch_size, cfg.train.gradient_checkpointing,
                                    cfg.train.chunk_tokens(self.model.config.vocab_size)))
         return [current] + [(change, describe(**args)) for change, args in self._alternatives()]
 

@@ -16,6 +16,7 @@ from lmrecipe.loss import chunked_head
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
+from lmrecipe.parallel.topology import startup_line
 from lmrecipe.plan import predict_run
 from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.setup import Run
@@ -99,27 +100,16 @@ def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict, lau
                     start_step=start_step, tokens_per_step=run.step_tokens, flops_per_token=run.flops_per_token,
                     run_config=cfg.to_dict(), source_tokens=run.data.tokens_seen, launch=launch, run_meta={
                         "n_params": run.n_params, "flops_per_token": run.flops_per_token,
-                        "accum_steps": runtime.layout.accum_steps, "deepspeed_config": runtime.ds_config,
+                        "accum_steps": runtime.batch.accum_steps, "deepspeed_config": runtime.ds_config,
                         "n_train_windows": run.data.n_train_windows,
                         **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta})
 
 
 def log_start(run: Run) -> None:
-    cfg, layout, sequence = run.cfg, run.runtime.layout, run.runtime.sequence
-    tp = run.runtime.tensor_parallel_size
-    ranks = f"{layout.world_size} processes"
-    if sequence is not None:
-        ranks = f"{layout.world_size} data-parallel groups of {sequence.size} ranks sharing each sequence"
-    elif tp > 1:
-        ranks = f"{layout.world_size} data-parallel groups of {tp} ranks splitting each matrix (AutoTP)"
-    elif experts := run.runtime.describe_experts():
-        ranks = f"{layout.world_size} processes ({experts})"
-    logger.info(
-        "model %s | %s x micro-batch %d x accumulation %d = %d sequences of %d tokens | precision %s | %s%s",
-        run.describe_params(), ranks, layout.micro_batch_size, layout.accum_steps, layout.global_batch_size,
-        cfg.data.seq_len, run.runtime.precision, run.runtime.zero.describe(),
-        "" if (head := chunked_head(run.model)) is None else f" | loss in chunks of {head.chunk_tokens} tokens",
-    )
+    cfg, runtime = run.cfg, run.runtime
+    head = chunked_head(run.model)
+    logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
+                                   runtime.precision, 0 if head is None else head.chunk_tokens))
     if run.accelerator.is_main_process:
         warn_capped_val_windows(cfg.data, run.data.val_sets)
     if cfg.schedule.warmup_steps > cfg.train.max_steps:
@@ -150,6 +140,6 @@ def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:
     accelerator, runtime = run.accelerator, run.runtime
     device = accelerator.device
     return predict_run(run.cfg.workload(), accelerator.unwrap_model(run.model).config, world_size=accelerator.num_processes,
-                       precision=runtime.precision, zero=runtime.zero, accum_steps=runtime.layout.accum_steps,
+                       precision=runtime.precision, zero=runtime.topology.zero, accum_steps=runtime.batch.accum_steps,
                        flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
                        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None, out_dir=out_dir)

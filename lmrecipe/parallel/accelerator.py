@@ -1,0 +1,104 @@
+"""Building the Accelerator and its DeepSpeed plugin from the run's topology (:func:`build_runtime`), and the plain one
+evaluation uses."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from lmrecipe.config import Config
+from lmrecipe.data.batches import BatchLayout
+from lmrecipe.errors import fail
+from lmrecipe.observe.quiet import quiet_prints
+from lmrecipe.parallel.launch import check_launch, check_launched_processes
+from lmrecipe.parallel.precision import check_precision, fp8_recipe
+from lmrecipe.parallel.splits import SequenceParallel, _sequence_parallelism
+from lmrecipe.parallel.topology import Topology, world_size_from_env
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The Accelerator and what the run derived once for it."""
+
+    accelerator: object
+    precision: str
+    """bf16, fp16 or fp32, resolved from ``train.precision``."""
+    topology: Topology
+    batch: BatchLayout
+    """This rank's share of each optimizer step (the accumulation steps live here)."""
+    ds_config: dict | None
+    """The DeepSpeed config as given to DeepSpeed, every "auto" filled; None without DeepSpeed."""
+    sequence: SequenceParallel | None = None
+    """This rank's share of each sequence (``distributed.sequence_parallel_size`` > 1); None: whole sequences."""
+
+
+def build_runtime(cfg: Config) -> Runtime:
+    """The Accelerator (and DeepSpeed plugin). Build it before the model so ZeRO-3 partitions at construction."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    precision = check_precision(cfg.train.precision)
+    check_launched_processes()
+    world_size = world_size_from_env()
+    topology, batch, ds_config = check_launch(cfg.workload(), cfg.distributed.deepspeed_config_path(), world_size,
+                                              precision)
+    plugin = None
+    if ds_config is not None:
+        _ensure_single_process_env()
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+    sp = topology.sequence_parallel_size
+    parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
+    with quiet_prints():  # DeepSpeed prints a line per process as it sets up its CPU collectives
+        accelerator = _build_accelerator(world_size, precision, batch.accum_steps, plugin, cfg.distributed.timeout_s,
+                                         parallelism)
+    rank = accelerator.process_index
+    sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
+    return Runtime(accelerator, precision, topology, topology.batch_layout(cfg.train, rank), ds_config, sequence)
+
+
+def _ensure_single_process_env() -> None:
+    """``python train.py`` with DeepSpeed: give torch.distributed a one-process world on localhost."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def build_eval_accelerator():
+    """A plain Accelerator (no DeepSpeed: evaluated weights are consolidated), fp32, on any number of processes."""
+    return _build_accelerator(world_size_from_env(), "fp32", 1, None, 1800)
+
+
+def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin, timeout_s: int,
+                       parallelism=None):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # Without an accelerator, Accelerate must be told the backend or every rank believes it is rank 0.
+    distributed = world_size > 1 or plugin is not None
+    backend = "gloo" if distributed and not torch.cuda.is_available() else None
+    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=timeout_s))] if distributed else []
+    if precision == "fp8":
+        handlers.append(fp8_recipe())
+    accelerator = Accelerator(
+        # Without cpu=True, Accelerate 1.15 on a GPU-less machine leaves several processes unsynchronised
+        # (DistributedType.NO: no DDP wrapper, every rank trains alone).
+        cpu=plugin is None and not torch.cuda.is_available(),
+        mixed_precision={"fp32": "no"}.get(precision, precision),
+        gradient_accumulation_steps=accum_steps,
+        deepspeed_plugin=plugin,
+        kwargs_handlers=handlers,
+        step_scheduler_with_optimizer=False,
+        parallelism_config=parallelism,
+    )
+    if accelerator.num_processes != world_size or (world_size > 1 and accelerator.distributed_type.value == "NO"):
+        raise fail(
+            f"The launcher announced WORLD_SIZE={world_size} but Accelerate formed {accelerator.num_processes} "
+            "synchronised processes. Launch with `accelerate launch --multi_gpu --num_processes N SCRIPT ...` or torchrun."
+        )
+    return accelerator
