@@ -35,7 +35,7 @@ from lmrecipe.data.format import load_meta
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_text_atomic
 from lmrecipe.launch import accelerate_launch_cmd
-from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape, read_measured
+from lmrecipe.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape, read_measured
 from lmrecipe.model import build_hf_config
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.plots import plot_memory_throughput
@@ -296,15 +296,7 @@ def estimate_config(work: Workload, shape: ModelShape, ds_path: str | Path | Non
     """Per-rank memory of the recipe's workload (``Config.workload()``) under one DeepSpeed config (None = no
     DeepSpeed), refused as training would refuse it (:func:`check_launch`)."""
     topology, batch, _ = check_launch(work, ds_path, world_size, num_nodes, precision)
-    return estimate(
-        shape, topology.zero, world_size, num_nodes, precision,
-        accum_steps=batch.accum_steps, micro_batch_size=work.train.micro_batch_size,
-        seq_len=work.data.seq_len, gradient_checkpointing=work.train.gradient_checkpointing,
-        attn_implementation=work.model.attn_implementation, ema=work.train.ema_decay > 0,
-        loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size),
-        sequence_parallel_size=topology.sequence_parallel_size, optimizer=work.optim.name,
-        tensor_parallel_size=topology.tensor_parallel_size, expert_parallel_size=topology.expert_parallel_size,
-    )
+    return estimate_run(shape, work, topology, precision, batch.accum_steps, num_nodes)
 
 
 def add_loss_differences(results: list[ConfigResult], out: Path) -> None:

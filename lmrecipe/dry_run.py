@@ -27,19 +27,18 @@ from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
 from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config, DataConfig, ModelConfig, Workload
 from lmrecipe.config.sections import fail_all
-from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import open_data
 from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources
 from lmrecipe.errors import UserError
-from lmrecipe.memory import MemoryEstimate, ModelShape, estimate, format_bytes, model_shape
+from lmrecipe.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape
 from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
 from lmrecipe.objstore import check_access, is_remote
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.parallel.launch import check_launch, check_launched_processes
 from lmrecipe.parallel.precision import check_precision
 from lmrecipe.parallel.splits import check_sequence_parallel_model, check_tensor_parallel_model
-from lmrecipe.parallel.topology import Topology, startup_line, world_size_from_env
+from lmrecipe.parallel.topology import startup_line, world_size_from_env
 
 T = TypeVar("T")
 
@@ -101,7 +100,8 @@ def dry_run(cfg: Config) -> DryRunReport:
         report.lines.append("start-up line: " + startup_line(
             shape.n_params, shape.active() if shape.expert_params else None, topology, batch, work.data.seq_len,
             precision, work.train.chunk_tokens(vocab_size)))
-        memory = report.check(lambda: estimate_memory(shape, topology, precision, batch, work))
+        memory = report.check(lambda: estimate_run(shape, work, topology, precision, batch.accum_steps,
+                                                   _nodes(world_size)))
         if memory is not None:
             report.lines.append(memory_line(memory, cfg.train.gradient_checkpointing))
             report.lines += device_notes(memory, cfg.train.precision, precision)
@@ -174,20 +174,6 @@ def check_model(work: Workload, vocab_size: int, report: DryRunReport, attention
     if attention_runs:
         report.check(lambda: build_attention(work.model, work.data, hf_config))
     return model_shape(hf_config)
-
-
-def estimate_memory(shape: ModelShape, topology: Topology, precision: str, batch: BatchLayout,
-                    work: Workload) -> MemoryEstimate:
-    """Per-rank memory of the run (``lmrecipe/memory.py``), as ``tools/estimate_memory.py`` estimates it."""
-    train = work.train
-    return estimate(shape, topology.zero, topology.world_size, _nodes(topology.world_size), precision,
-                    accum_steps=batch.accum_steps, micro_batch_size=train.micro_batch_size, seq_len=work.data.seq_len,
-                    gradient_checkpointing=train.gradient_checkpointing,
-                    attn_implementation=work.model.attn_implementation, ema=train.ema_decay > 0,
-                    loss_chunk_tokens=train.chunk_tokens(shape.vocab_size),
-                    sequence_parallel_size=topology.sequence_parallel_size, optimizer=work.optim.name,
-                    tensor_parallel_size=topology.tensor_parallel_size,
-                    expert_parallel_size=topology.expert_parallel_size)
 
 
 def _nodes(world_size: int) -> int:

@@ -87,9 +87,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmrecipe.parallel.topology import ZeroSetup
+from lmrecipe.config import Workload
 from lmrecipe.model import param_counts
 from lmrecipe.optim import expert_params, muon_split
+from lmrecipe.parallel.topology import Topology, ZeroSetup
 
 logger = logging.getLogger(__name__)
 
@@ -458,6 +459,23 @@ def estimate(shape: ModelShape, setup: ZeroSetup, world_size: int, num_nodes: in
         **states, gathered=gathered, activations=full, activations_checkpointed=checkpointed,
         device_total=states["model_states_device"] + gathered + ema_bytes + activations, ema=ema_bytes,
     )
+
+
+def estimate_run(shape: ModelShape, work: Workload, topology: Topology, precision: str, accum_steps: int,
+                 num_nodes: int = 1, **changes) -> MemoryEstimate:
+    """:func:`estimate` of a recipe's workload (``Config.workload()``) on ``topology``: each setting is read from
+    ``work`` here, once. ``changes``: keyword arguments of :func:`estimate` that differ from the recipe's (the
+    alternatives the out-of-memory diagnosis weighs: ``setup``, ``micro_batch_size``, ...)."""
+    train = work.train
+    settings = dict(setup=topology.zero, micro_batch_size=train.micro_batch_size, seq_len=work.data.seq_len,
+                    gradient_checkpointing=train.gradient_checkpointing,
+                    attn_implementation=work.model.attn_implementation, ema=train.ema_decay > 0,
+                    loss_chunk_tokens=train.chunk_tokens(shape.vocab_size),
+                    sequence_parallel_size=topology.sequence_parallel_size, optimizer=work.optim.name,
+                    tensor_parallel_size=topology.tensor_parallel_size,
+                    expert_parallel_size=topology.expert_parallel_size)
+    return estimate(shape, world_size=topology.world_size, num_nodes=num_nodes, precision=precision,
+                    accum_steps=accum_steps, **{**settings, **changes})
 
 
 def format_bytes(n: float) -> str:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 from lmrecipe.config import Config, ModelConfig, Workload, load_config, resolve_deepspeed_config, save_config
 from lmrecipe.data.batches import BatchRamp
-from lmrecipe.parallel.topology import ZeroSetup
+from lmrecipe.parallel.topology import Topology, ZeroSetup
 from lmrecipe.errors import fail
-from lmrecipe.memory import ModelShape, estimate, model_shape, read_measured
+from lmrecipe.memory import ModelShape, estimate, estimate_run, model_shape, read_measured
 from lmrecipe.model import flops_per_token
-from lmrecipe.observe.device import cpu_matmul_tflops, gpu_peak_tflops
+from lmrecipe.observe.device import DEVICES, Device, cpu_matmul_tflops, device_named, gpu_peak_tflops
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.observe.run_report import FINAL_FILE, summarize_metrics
 
@@ -40,38 +40,6 @@ DEFAULT_RESERVE = 0.10
 allocator's fragmentation, which the estimator does not count."""
 STAGES = (0, 1, 2, 3)
 
-_H100_MFU = ("Llama 3 (Dubey et al. 2024, Table 4): 38-43% BF16 MFU on 8,192-16,384 H100s")
-_A100_MFU = ("Narayanan et al. 2021 (Megatron-LM): 52% of peak, GPT-3 175B on 3,072 A100s; MegaScale "
-             "(Jiang et al. 2024): 55.2% on 12,288 GPUs")
-_OTHER_MFU = "no large-scale figure published; the H100's 40% assumed"
-
-
-@dataclass(frozen=True)
-class Device:
-    """One kind of accelerator the planner knows."""
-
-    name: str
-    """The name fragment of :data:`lmrecipe.observe.device._GPU_PEAK_TFLOPS` (the peak FLOP/s table MFU uses)."""
-    memory_gb: float | None
-    """Nominal memory per device (GB = 1e9 bytes, the vendor's figure); None = this host's RAM (the CPU)."""
-    mfu: float
-    """Default MFU assumed for a large run."""
-    mfu_source: str
-
-
-DEVICES = {
-    "h100": Device("H100", 80, 0.40, _H100_MFU),
-    "h100-pcie": Device("H100 PCIe", 80, 0.40, _H100_MFU),
-    "h200": Device("H200", 141, 0.40, _H100_MFU),
-    "a100": Device("A100", 80, 0.50, _A100_MFU),
-    "a100-40gb": Device("A100", 40, 0.50, _A100_MFU),
-    "l40s": Device("L40S", 48, 0.40, _OTHER_MFU),
-    "a10g": Device("A10G", 24, 0.40, _OTHER_MFU),
-    "l4": Device("L4", 24, 0.40, _OTHER_MFU),
-    "cpu": Device("cpu", None, 0.40, "BENCHMARKS.md section 5: the tiny recipe at 38-42% of this CPU's matmul peak"),
-}
-
-
 def device_spec(key: str) -> Device:
     """The :data:`DEVICES` entry for ``--gpu`` (case-insensitive); UserError naming the choices."""
     device = DEVICES.get(key.strip().lower())
@@ -79,15 +47,6 @@ def device_spec(key: str) -> Device:
         raise fail(f"--gpu {key!r} is not a device the planner knows. Choose one of {', '.join(DEVICES)}, or pass "
                    "the nearest one with --peak-tflops and --memory-gb for yours.")
     return device
-
-
-def device_for_name(device_name: str | None) -> Device:
-    """The entry for a device as torch names it (``NVIDIA H100 80GB HBM3``); None or unknown -> the CPU's MFU."""
-    if device_name:
-        for device in DEVICES.values():
-            if device.name != "cpu" and device.name in device_name:
-                return device
-    return DEVICES["cpu"]
 
 
 def peak_tflops(device: Device, precision: str) -> float:
@@ -646,7 +605,7 @@ def plan_summary(plan: Plan) -> dict:
 # A finished run's prediction
 
 
-def predict_run(work: Workload, hf_config, *, world_size: int, precision: str, zero: ZeroSetup, accum_steps: int,
+def predict_run(work: Workload, hf_config, *, topology: Topology, precision: str, accum_steps: int,
                 flops_per_token: float, peak_tflops: float, device_name: str | None,
                 out_dir: str | Path | None = None) -> dict:
     """What the planner predicts for this run's own workload (``Config.workload()``), for ``report.md``: tokens/s (all
@@ -654,15 +613,9 @@ def predict_run(work: Workload, hf_config, *, world_size: int, precision: str, z
     steps (``train.max_steps`` steps at their sizes: a batch-size ramp's smaller steps count as they are), the per-process
     peak memory (GB = 1e9 bytes) and the model states; with ``out_dir``, the model states measured by
     ``logging.measure_model_states`` (largest rank) beside them."""
-    device = device_for_name(device_name)
-    tokens_per_sec = device.mfu * peak_tflops * 1e12 * world_size / flops_per_token
-    shape = model_shape(hf_config)
-    est = estimate(shape, zero, world_size, 1, precision, accum_steps, work.train.micro_batch_size, work.data.seq_len,
-                   work.train.gradient_checkpointing, work.model.attn_implementation, ema=work.train.ema_decay > 0,
-                   loss_chunk_tokens=work.train.chunk_tokens(shape.vocab_size),
-                   sequence_parallel_size=work.distributed.sequence_parallel_size, optimizer=work.optim.name,
-                   tensor_parallel_size=work.distributed.tensor_parallel_size,
-                   expert_parallel_size=work.distributed.expert_parallel_size)
+    device = device_named(device_name)
+    tokens_per_sec = device.mfu * peak_tflops * 1e12 * topology.world_size / flops_per_token
+    est = estimate_run(model_shape(hf_config), work, topology, precision, accum_steps)
     measured = read_measured(out_dir) if out_dir is not None else []
     run_tokens = BatchRamp(work.train.ramp_points()).start(work.train.max_steps) * work.data.seq_len
     return {

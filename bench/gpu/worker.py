@@ -181,8 +181,8 @@ def _prediction(run, peak_tflops: float) -> dict:
     unset_hf_deepspeed_config()
     device = run.accelerator.device
     runtime = run.runtime
-    return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, world_size=1,
-                       precision=runtime.precision, zero=runtime.topology.zero, accum_steps=runtime.batch.accum_steps,
+    return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, topology=runtime.topology,
+                       precision=runtime.precision, accum_steps=runtime.batch.accum_steps,
                        flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
                        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 

@@ -12,6 +12,7 @@ import resource
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,26 +21,62 @@ from lmrecipe.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per GPU by name fragment (no sparsity), for bf16/fp16 and for fp32 (TF32 off).
-_GPU_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "A10G": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
-    "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
-    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6},
-    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6},
+_H100_MFU = "Llama 3 (Dubey et al. 2024, Table 4): 38-43% BF16 MFU on 8,192-16,384 H100s"
+_A100_MFU = ("Narayanan et al. 2021 (Megatron-LM): 52% of peak, GPT-3 175B on 3,072 A100s; MegaScale "
+             "(Jiang et al. 2024): 55.2% on 12,288 GPUs")
+_OTHER_MFU = "no large-scale figure published; the H100's 40% assumed"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One kind of accelerator: what MFU is measured against and what the planner assumes of it."""
+
+    name: str
+    """A fragment of the name torch gives the device (``NVIDIA H100 80GB HBM3`` holds ``H100``); ``cpu``."""
+    peak_tflops: dict[str, float]
+    """Dense peak TFLOP/s (no sparsity) for bf16/fp16 and fp32 (TF32 off); empty for the CPU, whose peak is probed."""
+    memory_gb: float | None
+    """Nominal memory per device (GB = 1e9 bytes, the vendor's figure); None = this host's RAM (the CPU)."""
+    mfu: float
+    """MFU assumed for a large run (the planner's default)."""
+    mfu_source: str
+
+
+def _peaks(bf16: float, fp32: float, fp16: float | None = None) -> dict[str, float]:
+    return {"bf16": bf16, "fp16": bf16 if fp16 is None else fp16, "fp32": fp32}
+
+
+DEVICES = {
+    "h100": Device("H100", _peaks(989.0, 67.0), 80, 0.40, _H100_MFU),
+    "h100-pcie": Device("H100 PCIe", _peaks(756.0, 51.0), 80, 0.40, _H100_MFU),
+    "h200": Device("H200", _peaks(989.0, 67.0), 141, 0.40, _H100_MFU),
+    "a100": Device("A100", _peaks(312.0, 19.5), 80, 0.50, _A100_MFU),
+    "a100-40gb": Device("A100", _peaks(312.0, 19.5), 40, 0.50, _A100_MFU),
+    "l40s": Device("L40S", _peaks(362.0, 91.6), 48, 0.40, _OTHER_MFU),
+    "a10g": Device("A10G", _peaks(125.0, 31.2), 24, 0.40, _OTHER_MFU),
+    "l4": Device("L4", _peaks(121.0, 30.3), 24, 0.40, _OTHER_MFU),
+    "v100": Device("V100", _peaks(0.0, 15.7, fp16=125.0), 32, 0.40, _OTHER_MFU),
+    "rtx-4090": Device("RTX 4090", _peaks(165.0, 82.6), 24, 0.40, _OTHER_MFU),
+    "rtx-3090": Device("RTX 3090", _peaks(71.0, 35.6), 24, 0.40, _OTHER_MFU),
+    "cpu": Device("cpu", {}, None, 0.40, "BENCHMARKS.md section 5: the tiny recipe at 38-42% of this CPU's matmul peak"),
 }
+"""The one device catalogue: MFU's peaks (:func:`device_peak_tflops`) and the planner's devices (``--gpu`` keys)."""
+
+
+def device_named(device_name: str | None) -> Device:
+    """The catalogue's entry for a device as torch names it (the longest matching fragment: ``H100 PCIe`` before
+    ``H100``); the CPU's for None or an unknown name."""
+    if device_name:
+        for device in sorted(DEVICES.values(), key=lambda d: -len(d.name)):
+            if device.name != "cpu" and device.name in device_name:
+                return device
+    return DEVICES["cpu"]
 
 
 def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
-    for fragment, peaks in _GPU_PEAK_TFLOPS.items():
-        if fragment in device_name:
-            return peaks.get(precision) or None
-    return None
+    """The catalogue's dense peak of a GPU as torch names it; None when unknown (or 0: no such precision)."""
+    device = device_named(device_name)
+    return device.peak_tflops.get(precision) or None
 
 
 PEAK_CACHE_FILE = "peak_tflops.json"

@@ -187,13 +187,13 @@ def test_the_ramp_under_deepspeed_matches_the_plain_run(tmp_path, ramp_run, deep
 
 
 def test_the_planner_counts_the_ramps_tokens():
-    from lmrecipe.parallel.topology import ZeroSetup
+    from lmrecipe.parallel.topology import Topology
     from lmrecipe.model import build_hf_config
     from lmrecipe.plan import predict_run
 
     cfg = load_config(TINY, ["train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=10", RAMP])
     hf = build_hf_config(cfg.model, 8192, cfg.data.seq_len)
-    out = predict_run(cfg.workload(), hf, world_size=1, precision="fp32", zero=ZeroSetup(), accum_steps=1,
+    out = predict_run(cfg.workload(), hf, topology=Topology(1), precision="fp32", accum_steps=1,
                       flops_per_token=1e7, peak_tflops=0.08, device_name=None)
     assert out["run_tokens"] == (4 + 4 + 8 + 8 + 6 * 16) * cfg.data.seq_len
     assert out["run_time_s"] == pytest.approx(out["run_tokens"] / out["tokens_per_sec"])

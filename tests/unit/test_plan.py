@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT
 
 from lmrecipe.config import load_config
-from lmrecipe.parallel.topology import ZeroSetup
+from lmrecipe.parallel.topology import Topology, ZeroSetup
 from lmrecipe.errors import UserError
 from lmrecipe.memory import estimate, model_shape
 from lmrecipe.model import build_hf_config
@@ -155,7 +155,7 @@ def test_run_prediction_by_hand(tmp_path):
     hf = build_hf_config(cfg.model, 8192, cfg.data.seq_len)
     fpt = 12_196_608.0  # the tiny recipe's flops_per_token at vocabulary 8,192
     (tmp_path / "memory_rank0.json").write_text(json.dumps({"total": 47_200_000}))
-    out = predict_run(cfg.workload(), hf, world_size=2, precision="fp32", zero=ZeroSetup(), accum_steps=1, flops_per_token=fpt,
+    out = predict_run(cfg.workload(), hf, topology=Topology(2), precision="fp32", accum_steps=1, flops_per_token=fpt,
                       peak_tflops=0.08, device_name=None, out_dir=tmp_path)
     assert out["mfu"] == DEVICES["cpu"].mfu == 0.4
     assert out["tokens_per_sec"] == pytest.approx(0.4 * 0.08e12 * 2 / fpt, rel=1e-12)
@@ -163,7 +163,7 @@ def test_run_prediction_by_hand(tmp_path):
     expected = estimate(model_shape(hf), ZeroSetup(), 2, 1, "fp32", 1, 8, 128, False)
     assert out["peak_mem_gb"] == pytest.approx(expected.device_total / 1e9, rel=1e-12)
     assert out["model_states_gb"] == pytest.approx(expected.model_states / 1e9) and out["model_states_measured_gb"] == 0.0472
-    h100 = predict_run(cfg.workload(), hf, world_size=1, precision="bf16", zero=ZeroSetup(), accum_steps=2, flops_per_token=fpt,
+    h100 = predict_run(cfg.workload(), hf, topology=Topology(1), precision="bf16", accum_steps=2, flops_per_token=fpt,
                        peak_tflops=989.0, device_name="NVIDIA H100 80GB HBM3")
     assert h100["mfu"] == 0.4 and h100["model_states_measured_gb"] is None and "Llama 3" in h100["mfu_source"]
 

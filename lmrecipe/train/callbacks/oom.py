@@ -21,7 +21,7 @@ import torch
 from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS
 from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import UserError, fail
-from lmrecipe.memory import estimate, format_bytes, model_shape
+from lmrecipe.memory import estimate_run, format_bytes, model_shape
 from lmrecipe.train.callback import Callback
 from lmrecipe.train.setup import Run
 
@@ -127,12 +127,9 @@ class OOMDiagnosis(Callback):
         nodes = max(1, world_size // max(local, 1))
 
         def describe(setup, micro_batch_size, gradient_checkpointing, loss_chunk_tokens) -> str:
-            est = estimate(shape, setup, world_size, nodes, runtime.precision, layout.accum_steps,
-                           micro_batch_size, cfg.data.seq_len, gradient_checkpointing, cfg.model.attn_implementation,
-                           ema=cfg.train.ema_decay > 0, loss_chunk_tokens=loss_chunk_tokens,
-                           sequence_parallel_size=topology.sequence_parallel_size, optimizer=cfg.optim.name,
-                           tensor_parallel_size=topology.tensor_parallel_size,
-                           expert_parallel_size=topology.expert_parallel_size)
+            est = estimate_run(shape, cfg.workload(), topology, runtime.precision, layout.accum_steps, nodes,
+                               setup=setup, micro_batch_size=micro_batch_size,
+                               gradient_checkpointing=gradient_checkpointing, loss_chunk_tokens=loss_chunk_tokens)
             activations = est.activations_checkpointed if gradient_checkpointing else est.activations
             if host and setup.offload_optimizer:
                 return f"{format_bytes(est.cpu_per_node)} offloaded per node, {format_bytes(est.device_total)} per device"

@@ -139,7 +139,7 @@ def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:
     unset_hf_deepspeed_config()
     accelerator, runtime = run.accelerator, run.runtime
     device = accelerator.device
-    return predict_run(run.cfg.workload(), accelerator.unwrap_model(run.model).config, world_size=accelerator.num_processes,
-                       precision=runtime.precision, zero=runtime.topology.zero, accum_steps=runtime.batch.accum_steps,
+    return predict_run(run.cfg.workload(), accelerator.unwrap_model(run.model).config, topology=runtime.topology,
+                       precision=runtime.precision, accum_steps=runtime.batch.accum_steps,
                        flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
                        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None, out_dir=out_dir)
