@@ -317,7 +317,7 @@ def _convert(accelerator, path: Path, saved: dict, model, tmp: Path, dest: Path,
     names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
     source = plan = error = None
     try:
-        source = open_source(path, deepspeed_dir=path / DS_TAG if saved_on.deepspeed else None, param_names=names,
+        source = open_source(path, deepspeed_dir=path / DS_TAG if saved_on.zero.deepspeed else None, param_names=names,
                              tensor_parallel=(saved_on.tensor_parallel_size, saved.get(TP_RECORD, {})))
         plan = plan_shards(source.shapes, acc.num_processes)
         write_share(source, plan, tmp, acc.process_index, progress=acc.is_main_process)
