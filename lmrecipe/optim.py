@@ -89,9 +89,11 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, cpu_offload: bool, fus
     """AdamW (``optim.name=adamw``); DeepSpeed's CPU Adam when ZeRO offloads the optimizer state (its update runs on
     the CPU); or DeepSpeed's Muon (``optim.name=muon``, :func:`build_muon`).
 
-    ``fused``: torch's fused AdamW, one kernel for all parameters, which can skip its update on the device
-    (``found_inf``) so that a non-finite gradient costs no host sync. Used without DeepSpeed, whose engine
-    makes that decision itself. ``expert_group``: DeepSpeed AutoEP's expert-parallel group (:func:`param_groups`).
+    ``fused``: torch's fused AdamW, one kernel for all parameters (under DeepSpeed, for the fp32 partitions each rank
+    updates) instead of foreach's kernel per operation; without DeepSpeed it also skips its update on the device
+    (``found_inf``), so that a non-finite gradient costs no host sync (under DeepSpeed the engine decides). Not with
+    fp16 without DeepSpeed, where the GradScaler steps the optimizer. ``expert_group``: DeepSpeed AutoEP's
+    expert-parallel group (:func:`param_groups`).
     """
     if optim.name == "muon":
         return build_muon(model, optim)

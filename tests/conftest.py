@@ -164,3 +164,24 @@ def short_docs(tmp_path_factory, tiny_data) -> Path:
                 shutil.copy(file, folder / file.name)
 
     return build_once(tmp_path_factory, "short_docs", build)
+
+
+@pytest.fixture
+def deepspeed_in_process():
+    """DeepSpeed's one-process world for the runs of a test, torn down after them: its process group, and the
+    environment the run sets (RANK, WORLD_SIZE, MASTER_*, Accelerate's ACCELERATE_USE_DEEPSPEED and its DeepSpeed
+    settings), so the later tests of this process start as plain one-process runs."""
+    import os
+
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    environment = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ds_comm.cdb = None
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(environment)

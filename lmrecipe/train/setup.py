@@ -158,7 +158,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     if cfg.train.compile and not zero.deepspeed:
         model = torch.compile(model)
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=zero.offload_optimizer,
-                                fused=not zero.deepspeed and runtime.precision != "fp16",
+                                fused=zero.deepspeed or runtime.precision != "fp16",
                                 expert_group=topology.expert_group())
     name_sequence_parallel_attention(accelerator, model)
     if runtime.precision == "fp8":
