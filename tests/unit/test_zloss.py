@@ -39,9 +39,9 @@ def batch(rows: int = 3, seq: int = 33):
 
 def terms_and_grads(model, inputs, targets, coef):
     model.zero_grad(set_to_none=True)
-    loss, z_term = training_loss(model, inputs, targets, coef)[:2]
-    (loss if z_term is None else loss + z_term).backward()
-    return loss.detach(), z_term, {name: p.grad.clone() for name, p in model.named_parameters()}
+    terms = training_loss(model, inputs, targets, coef)
+    terms.objective().backward()
+    return terms.lm.detach(), terms.z, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,7 +78,9 @@ def test_the_chunked_path_gives_the_full_paths_z_loss_and_gradients(tie, chunk):
 
 
 @pytest.mark.parametrize("chunk", [0, 7])
-def test_off_leaves_the_loss_and_gradients_bit_identical(chunk):
+def test_off_leaves_the_loss_and_gradients_of_the_language_model_loss(chunk):
+    """Full logits: bit-identical to the loss alone. Chunked: the training head (gradients formed in its forward)
+    against the per-token path's loss and backward, to fp32 rounding."""
     a = llama()
     b = copy.deepcopy(a)
     if chunk:
@@ -89,8 +91,13 @@ def test_off_leaves_the_loss_and_gradients_bit_identical(chunk):
     want = causal_lm_loss(a, inputs, targets)
     want.backward()
     got, z_term, grads = terms_and_grads(b, inputs, targets, 0.0)
-    assert z_term is None and torch.equal(got, want.detach())
-    assert all(torch.equal(grads[name], p.grad) for name, p in a.named_parameters())
+    assert z_term is None
+    if chunk:
+        assert relative(got, want.detach()) <= 1e-6
+        assert max(relative(grads[name], p.grad) for name, p in a.named_parameters()) <= 1e-6
+    else:
+        assert torch.equal(got, want.detach())
+        assert all(torch.equal(grads[name], p.grad) for name, p in a.named_parameters())
 
 
 def test_the_chunked_z_loss_makes_no_host_sync():
@@ -98,8 +105,7 @@ def test_the_chunked_z_loss_makes_no_host_sync():
     use_chunked_loss(model, 16)
     inputs, targets = batch()
     with HostSyncCounter() as counter:
-        loss, z_term = training_loss(model, inputs, targets, COEF)[:2]
-        (loss + z_term).backward()
+        training_loss(model, inputs, targets, COEF).objective().backward()
     assert counter.total == 0, counter.sources
 
 
