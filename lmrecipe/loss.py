@@ -38,6 +38,7 @@ the mask or the variable-length offsets of the attention path.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator, NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ from lmrecipe.attention import DocumentAttention
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.errors import fail
 
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """A target that counts in no average (``F.cross_entropy``'s default): the z-loss skips the tokens the loss skips."""
@@ -68,9 +70,10 @@ def compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
     return weight.dtype
 
 
-_ADDMM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
-"""``torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32)``, one GEMM that sums a bf16 product into fp32, exists
-from torch 2.8 on, on CUDA only (no CPU kernel in torch 2.13)."""
+_addmm_out_dtype = {"usable": torch.torch_version.TorchVersion(torch.__version__) >= "2.8"}
+"""Whether ``torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32)``, one GEMM that sums a bf16 product into fp32,
+can be used: it exists from torch 2.8 on, on CUDA only (no CPU kernel in torch 2.13); a device or build that refuses
+it turns it off for the process, and the sum falls back to a product then an add."""
 
 
 def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -79,10 +82,16 @@ def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidde
     An explicit in-place GEMM, because autocast never casts an in-place op."""
     if grad_logits.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden)
-    elif _ADDMM_OUT_DTYPE and grad_weight.is_cuda:
-        torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
-    else:  # a [vocab, dim] product in the inputs' dtype per chunk, then summed in fp32
-        grad_weight.add_(grad_logits.t() @ hidden)
+        return
+    if _addmm_out_dtype["usable"] and grad_weight.is_cuda:
+        try:
+            torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
+            return
+        except (RuntimeError, TypeError) as err:  # refused before it wrote anything: the fallback below
+            _addmm_out_dtype["usable"] = False
+            logger.info("torch.addmm with out_dtype=float32 is not available here (%s); the chunked loss's weight "
+                        "gradient is summed as a product then an add.", str(err)[:200])
+    grad_weight.add_(grad_logits.t() @ hidden)  # a [vocab, dim] product in the inputs' dtype, summed in fp32
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
