@@ -5,8 +5,8 @@
     python tools/plan.py --gpus 1 --gpu cpu --recipe recipes/tiny.yaml --model-from-recipe --tokens 614400
 
 Exactly one of --days, --tokens and --params (or --params with --tokens). The MFU is the device's default (a
-table with its sources, lmrecipe/plan.py), --mfu, or --from-run RUN: the measured MFU of a finished run. The
-arithmetic and its sources are in lmrecipe/plan.py; memory comes from lmrecipe/memory.py (tools/estimate_memory.py).
+table with its sources, lmrecipe/observe/device.py), --mfu, or --from-run RUN: the measured MFU of a finished run. The
+arithmetic and its sources are in lmrecipe/planning/budget.py; memory comes from lmrecipe/memory.py (tools/estimate_memory.py).
 """
 
 import argparse
@@ -92,7 +92,14 @@ def check_numbers(args: argparse.Namespace) -> None:
 def plan_inputs(args: argparse.Namespace):
     from lmrecipe.config import load_config
     from lmrecipe.data.format import load_meta
-    from lmrecipe.plan import DEFAULT_VOCAB_SIZE, PlanInputs, device_spec, host_memory_gb, measured_mfu, peak_tflops
+    from lmrecipe.planning.budget import (
+        DEFAULT_VOCAB_SIZE,
+        PlanInputs,
+        device_spec,
+        host_memory_gb,
+        measured_mfu,
+        peak_tflops,
+    )
 
     device = device_spec(args.gpu)
     base = load_config(args.recipe, args.overrides)
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
         check_tool_output(args.write_recipe, "--write-recipe", folder=False, overwrite=args.overwrite,
                           reads=[args.recipe, *([args.from_run] if args.from_run else [])])
 
-    from lmrecipe.plan import format_plan, make_plan, plan_summary, write_recipe
+    from lmrecipe.planning.budget import make_plan
+    from lmrecipe.planning.write import format_plan, plan_summary, write_recipe
 
     plan = make_plan(plan_inputs(args))
     print(json.dumps(plan_summary(plan), indent=2) if args.json else format_plan(plan))

@@ -16,7 +16,7 @@ DeepSpeed). Figures:
   ``build_checkpointer``, once synchronous and once in the background, with steps in between;
 - the profile (``profile``): one more step under ``torch.profiler``, the share of its wall time the GPU was busy
   (the union of its kernels and copies) and the kernels that took the most time;
-- the planner's prediction at this configuration (``lmrecipe.plan.predict_run``).
+- the planner's prediction at this configuration (``lmrecipe.planning.prediction.predict_run``).
 
 The result so far is written after the timed steps and after each slow measurement, so a worker stopped by the
 call's budget still gives its timed figures.
@@ -174,7 +174,7 @@ def _prediction(run, peak_tflops: float) -> dict:
     import torch
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from lmrecipe.plan import predict_run
+    from lmrecipe.planning.prediction import predict_run
 
     # As the trainer's report does once training is over: a live ZeRO-3 config would make building the shape on the
     # meta device enter zero.Init.

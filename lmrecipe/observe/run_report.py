@@ -30,7 +30,7 @@ def write_run_end(out_dir: Path, outcome: dict, cost_per_device_hour: float | No
                   prediction: dict | None = None) -> None:
     """Main process, at the end of a run: ``final.json``, ``run_meta.json["outcome"]``, ``report.md``.
 
-    ``prediction``: the planner's figures at the run's configuration (``lmrecipe.plan.predict_run``), which the
+    ``prediction``: the planner's figures at the run's configuration (``lmrecipe.planning.prediction.predict_run``), which the
     report sets against the measured ones.
     """
     write_json_atomic(out_dir / FINAL_FILE, outcome)
@@ -219,7 +219,7 @@ def _plan_check(predicted: dict, figures: dict, meta: dict, gpu: str | None) -> 
     lines = [
         "## Plan against measurement",
         "",
-        f"Predicted by `lmrecipe.plan.predict_run` at this run's configuration: MFU {100 * predicted['mfu']:.0f}% "
+        f"Predicted by `lmrecipe.planning.prediction.predict_run` at this run's configuration: MFU {100 * predicted['mfu']:.0f}% "
         f"assumed ({predicted['mfu_source']}), {meta.get('peak_tflops_per_device', float('nan')):.3g} TFLOP/s "
         f"per device, {_fmt(meta.get('flops_per_token'), 0)} FLOPs per token; memory by `lmrecipe.memory.estimate` "
         f"(model states, activations of one micro-batch). Measured memory: {memory_note}. Measured throughput, MFU "

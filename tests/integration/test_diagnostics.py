@@ -18,7 +18,7 @@ from lmrecipe.errors import EXIT_USER_ERROR
 from lmrecipe.memory import estimate
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.profiler import PREFIX
-from lmrecipe.plan import shape_from_config
+from lmrecipe.planning.shapes import shape_from_config
 from lmrecipe.train.callbacks.faults import OOM_FAULT_ENV as FAULT_ENV
 
 

@@ -1,4 +1,4 @@
-"""The run planner (lmrecipe/plan.py, tools/plan.py): its arithmetic against hand-computed values, its shapes against
+"""The run planner (lmrecipe/planning/, tools/plan.py): its arithmetic against hand-computed values, its shapes against
 transformers' own models, bad input (exit 2), and the recipe it writes."""
 
 from __future__ import annotations
@@ -16,16 +16,10 @@ from lmrecipe.parallel.topology import Topology, ZeroSetup
 from lmrecipe.errors import UserError
 from lmrecipe.memory import estimate, model_shape
 from lmrecipe.model import build_hf_config
-from lmrecipe.plan import (
-    DEVICES,
-    budget_flops,
-    compute_optimal,
-    family_shape,
-    measured_mfu,
-    predict_run,
-    shape_from_config,
-    shapes_near,
-)
+from lmrecipe.observe.device import DEVICES
+from lmrecipe.planning.budget import budget_flops, compute_optimal, measured_mfu
+from lmrecipe.planning.prediction import predict_run
+from lmrecipe.planning.shapes import family_shape, shape_from_config, shapes_near
 
 
 def _plan_main():

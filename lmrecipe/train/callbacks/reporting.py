@@ -17,7 +17,7 @@ from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
 from lmrecipe.parallel.topology import startup_line
-from lmrecipe.plan import predict_run
+from lmrecipe.planning.prediction import predict_run
 from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.setup import Run
 

@@ -1,4 +1,4 @@
-"""A compute budget turned into a run, and the prediction a finished run is checked against.
+"""A compute budget turned into a run.
 
 Budget: ``C = devices x peak FLOP/s x MFU x seconds`` (or ``6 N D`` from a parameter count N and tokens D). The
 compute-optimal split takes ``D = k N`` tokens for N parameters (``k`` = ``tokens_per_param``, 20 by default:
@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lmrecipe.config import Config, ModelConfig, Workload, load_config, resolve_deepspeed_config, save_config
-from lmrecipe.data.batches import BatchRamp
-from lmrecipe.parallel.topology import Topology, ZeroSetup
+from lmrecipe.config import Config, Workload, resolve_deepspeed_config
 from lmrecipe.errors import fail
-from lmrecipe.memory import ModelShape, estimate, estimate_run, model_shape, read_measured
-from lmrecipe.model import flops_per_token
-from lmrecipe.observe.device import DEVICES, Device, cpu_matmul_tflops, device_named, gpu_peak_tflops
+from lmrecipe.memory import ModelShape, estimate
+from lmrecipe.observe.device import DEVICES, Device, cpu_matmul_tflops, gpu_peak_tflops
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.observe.run_report import FINAL_FILE, summarize_metrics
+from lmrecipe.parallel.topology import ZeroSetup
+from lmrecipe.planning.shapes import LlamaShape, family_widths, family_shape, shape_from_config, shapes_near
 
 DEFAULT_TOKENS_PER_PARAM = 20.0
 """Hoffmann et al. 2022 (Chinchilla): about 20 training tokens per parameter at the compute-optimal point."""
@@ -94,139 +93,6 @@ def compute_optimal(compute_flops: float, tokens_per_param: float) -> tuple[floa
 def budget_flops(devices: int, peak: float, mfu: float, days: float) -> float:
     """Training FLOPs ``devices`` devices of ``peak`` TFLOP/s deliver at ``mfu`` in ``days`` days."""
     return devices * peak * 1e12 * mfu * days * 86_400.0
-
-
-# --------------------------------------------------------------------------------------------------
-# Shapes
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    """A Llama decoder's sizes (no biases; RMSNorm; SwiGLU MLP), or with ``num_experts`` > 0 an MoE decoder whose every
-    MLP is ``num_experts`` SwiGLU experts of width ``expert_size`` and a router, ``experts_per_token`` per token."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_embeddings: bool
-    num_experts: int = 0
-    experts_per_token: int = 0
-    expert_size: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def layer_params(self, active: bool = False) -> int:
-        """One block's parameters (``active``: those one token passes through: its experts only)."""
-        h, kv, f = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size
-        mlp = 3 * h * f
-        if self.num_experts:
-            mlp = (self.experts_per_token if active else self.num_experts) * 3 * h * self.expert_size + h * self.num_experts
-        return h * (h + 2 * kv) + h * h + mlp + 2 * h
-
-    @property
-    def n_params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return self.num_layers * self.layer_params() + embeddings + self.hidden_size
-
-    @property
-    def n_active(self) -> int:
-        """Parameters one token passes through (``n_params`` for a dense shape)."""
-        return self.n_params - self.num_layers * (self.layer_params() - self.layer_params(active=True))
-
-    @property
-    def n_lookup(self) -> int:
-        """Parameters used only as a lookup: the input embedding, unless tied to the output projection."""
-        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token from the active parameters (:func:`lmrecipe.model.flops_per_token`)."""
-        return flops_per_token(self.n_active, self.n_lookup, self.num_layers, self.hidden_size, seq_len)
-
-    def memory_shape(self) -> ModelShape:
-        """What :func:`lmrecipe.memory.estimate` needs, counted without building the model."""
-        h, kv, f, v = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size, self.vocab_size
-        if self.num_experts:
-            return self._moe_memory_shape()
-        per_layer = (h * h, h * kv, h * kv, h * h, f * h, f * h, h * f, h, h)  # q k v o, gate up down, two norms
-        sizes = (v * h, *per_layer * self.num_layers, h, *(() if self.tie_embeddings else (v * h,)))
-        return ModelShape(n_params=self.n_params, largest_layer_params=max(v * h, f * h), param_sizes=sizes,
-                          num_layers=self.num_layers, hidden_size=h, kv_size=kv, mlp_size=f,
-                          num_heads=self.num_heads, vocab_size=v,
-                          muon_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f),
-                          tp_split_params=self.num_layers * (2 * h * h + 2 * h * kv + 3 * h * f)
-                          + (0 if self.tie_embeddings else v * h))
-
-    def _moe_memory_shape(self) -> ModelShape:
-        """:meth:`memory_shape` of an MoE shape: each layer's experts as the class's two fused weights."""
-        h, kv, v, e, n = self.hidden_size, self.num_kv_heads * self.head_dim, self.vocab_size, self.expert_size, \
-            self.num_experts
-        per_layer = (h * h, h * kv, h * kv, h * h, n * 2 * e * h, n * h * e, n * h, h, h)  # ..., experts, router, norms
-        sizes = (v * h, *per_layer * self.num_layers, h, *(() if self.tie_embeddings else (v * h,)))
-        return ModelShape(n_params=self.n_params, largest_layer_params=max(v * h, 3 * n * e * h), param_sizes=sizes,
-                          num_layers=self.num_layers, hidden_size=h, kv_size=kv, mlp_size=self.experts_per_token * e,
-                          num_heads=self.num_heads, vocab_size=v, expert_params=self.num_layers * 3 * n * e * h,
-                          active_params=self.n_active)
-
-    def overrides(self) -> list[str]:
-        """The recipe's ``model.*`` keys for this shape."""
-        return [f"model.hidden_size={self.hidden_size}", f"model.num_layers={self.num_layers}",
-                f"model.num_heads={self.num_heads}", f"model.num_kv_heads={self.num_kv_heads}",
-                f"model.intermediate_size={self.intermediate_size}", f"model.tie_embeddings={str(self.tie_embeddings).lower()}"]
-
-    def describe(self) -> str:
-        mlp = (f"{self.num_experts} experts of {self.expert_size} ({self.experts_per_token} per token, "
-               f"{self.n_active / 1e9:.2f}B active)" if self.num_experts else f"MLP {self.intermediate_size}")
-        return (f"{self.num_layers} x {self.hidden_size}, {self.num_heads} heads ({self.num_kv_heads} kv), "
-                f"{mlp}{', tied' if self.tie_embeddings else ''}")
-
-
-def _round_up(value: float, multiple: int) -> int:
-    return int(-(-value // multiple) * multiple)
-
-
-def family_shape(hidden_size: int, vocab_size: int) -> LlamaShape:
-    """The family's shape of width ``hidden_size`` (module docstring): a multiple of 64."""
-    head_dim = 64 if hidden_size <= 2048 else 128
-    heads = hidden_size // head_dim
-    mlp = _round_up(3.5 * hidden_size, 64 if hidden_size < 1024 else 256)
-    return LlamaShape(hidden_size=hidden_size, num_layers=max(2, round(hidden_size / 128)), num_heads=heads,
-                      num_kv_heads=math.gcd(heads, 8), intermediate_size=mlp, vocab_size=vocab_size,
-                      tie_embeddings=hidden_size <= 3072)
-
-
-def _widths() -> list[int]:
-    """Widths whose head count takes 8 (or 4) key/value heads evenly above 1,024."""
-    return [*range(128, 1024, 64), *range(1024, 2048, 256), *range(2048, 32769, 512)]
-
-
-def shapes_near(n_params: float, vocab_size: int, count: int = 3) -> list[LlamaShape]:
-    """Up to ``count`` family shapes around ``n_params``: the nearest (in log size), and the nearest to 1/1.5 and 1.5
-    times it, smallest first."""
-    family = [family_shape(h, vocab_size) for h in _widths()]
-    targets = [n_params, n_params / 1.5, n_params * 1.5][:count]
-    chosen: list[LlamaShape] = []
-    for target in targets:
-        best = min(family, key=lambda s: abs(math.log(s.n_params / target)))
-        if best not in chosen:
-            chosen.append(best)
-    return sorted(chosen, key=lambda s: s.n_params)
-
-
-def shape_from_config(m: ModelConfig, vocab_size: int) -> LlamaShape:
-    """The recipe's own model (its ``model`` section) as a Llama shape."""
-    return LlamaShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.kv_heads(),
-                      intermediate_size=m.mlp_size(), vocab_size=vocab_size, tie_embeddings=m.tie_embeddings,
-                      num_experts=m.num_experts, experts_per_token=m.experts_per_token if m.is_moe() else 0,
-                      expert_size=m.expert_size() if m.is_moe() else 0)
-
-
-# --------------------------------------------------------------------------------------------------
-# The plan
 
 
 @dataclass
@@ -405,14 +271,14 @@ def _asked(i: PlanInputs) -> str:
 def check_within_family(i: PlanInputs, n_opt: float) -> None:
     """UserError when the compute-optimal size lies beyond the family's largest shape: the planner would plan that
     shape for a budget it cannot spend, and then blame the device count when it does not fit."""
-    largest = family_shape(_widths()[-1], i.vocab_size)
+    largest = family_shape(family_widths()[-1], i.vocab_size)
     if n_opt <= _BRACKET * largest.n_params:
         return
     smaller = "--days or --gpus" if i.days is not None else "--params" if i.params is not None else "--tokens"
-    raise fail(f"{_asked(i)} calls for a compute-optimal model of {_fmt_count(n_opt)} parameters, beyond the largest "
-               f"shape the planner knows ({largest.describe()}, {_fmt_count(largest.n_params)} parameters). Plan a "
+    raise fail(f"{_asked(i)} calls for a compute-optimal model of {format_count(n_opt)} parameters, beyond the largest "
+               f"shape the planner knows ({largest.describe()}, {format_count(largest.n_params)} parameters). Plan a "
                f"smaller budget (lower {smaller}), or fix the model with --params (at most "
-               f"{_fmt_count(largest.n_params)}) and the data with --tokens.")
+               f"{format_count(largest.n_params)}) and the data with --tokens.")
 
 
 def nothing_fits(i: PlanInputs, candidates: list[Candidate], tried: str, micro_batch: int, checkpointing: bool,
@@ -445,16 +311,16 @@ def budget_warnings(plan: Plan) -> list[str]:
     step = (f"one optimizer step is {plan.global_batch_size:,} sequences x {i.seq_len:,} tokens = "
             f"{plan.global_batch_size * i.seq_len:,} tokens")
     if i.days is not None and plan.wall_seconds > OVER_BUDGET * i.days * 86_400.0:
-        warnings.append(f"The plan runs {_duration(plan.wall_seconds)}, {plan.wall_seconds / (i.days * 86_400.0):,.3g} "
-                        f"times the asked {_asked(i)}: {step} of a {_fmt_count(plan.chosen.shape.n_params)}-parameter "
+        warnings.append(f"The plan runs {format_duration(plan.wall_seconds)}, {plan.wall_seconds / (i.days * 86_400.0):,.3g} "
+                        f"times the asked {_asked(i)}: {step} of a {format_count(plan.chosen.shape.n_params)}-parameter "
                         "model, and a run takes whole steps. Ask for a larger budget, or a smaller batch "
                         "(train.global_batch_size=N) in the recipe.")
     elif i.tokens is not None and run_tokens > OVER_BUDGET * i.tokens:
-        warnings.append(f"The plan trains {_fmt_count(run_tokens)} tokens, {run_tokens / i.tokens:,.3g} times the asked "
+        warnings.append(f"The plan trains {format_count(run_tokens)} tokens, {run_tokens / i.tokens:,.3g} times the asked "
                         f"--tokens {i.tokens:g}: {step}, and a run takes whole steps. Ask for more tokens, or a "
                         "smaller batch (train.global_batch_size=N) in the recipe.")
     if i.params is not None and not i.model_from_recipe and plan.chosen.shape.n_params > _BRACKET * i.params:
-        warnings.append(f"The chosen shape has {_fmt_count(plan.chosen.shape.n_params)} parameters, "
+        warnings.append(f"The chosen shape has {format_count(plan.chosen.shape.n_params)} parameters, "
                         f"{plan.chosen.shape.n_params / i.params:,.3g} times the asked --params {i.params:g}: the "
                         "planner's smallest shape that fits is that large. Plan your own model with --recipe and "
                         "--model-from-recipe.")
@@ -482,49 +348,14 @@ def batch_and_steps(inputs: PlanInputs, tokens: float) -> tuple[int, int]:
     return gbs, max(1, math.ceil(tokens / (gbs * i.seq_len)))
 
 
-def recipe_overrides(plan: Plan, out_dir: str) -> list[str]:
-    """The ``key=value`` overrides that turn the base recipe into the chosen configuration."""
-    i, c = plan.inputs, plan.chosen
-    warmup = min(i.base.schedule.warmup_steps, max(1, plan.max_steps // 10))
-
-    def every(interval: int) -> int:  # an interval no longer than the run (0 keeps its meaning: never / end only)
-        return min(interval, plan.max_steps)
-
-    out = [*c.shape.overrides(), f"data.seq_len={i.seq_len}", f"model.max_position_embeddings={i.seq_len}",
-           f"train.micro_batch_size={i.micro_batch_size}", f"train.global_batch_size={plan.global_batch_size}",
-           f"train.max_steps={plan.max_steps}", f"schedule.warmup_steps={warmup}",
-           f"train.eval_every_steps={every(i.base.train.eval_every_steps)}",
-           f"checkpoint.every_steps={every(i.base.checkpoint.every_steps)}",
-           f"train.gradient_checkpointing={str(i.gradient_checkpointing).lower()}",
-           f"distributed.deepspeed_config={'null' if c.stage == 0 else f'zero{c.stage}'}", f"out_dir={out_dir}",
-           f"model.vocab_size={i.vocab_size}"]
-    if i.cost_per_device_hour is not None:
-        out.append(f"logging.cost_per_device_hour={i.cost_per_device_hour}")
-    if i.device.name != "cpu":
-        out.append(f"train.precision={i.precision}")
-    return out
-
-
-def write_recipe(plan: Plan, base_recipe: str | None, path: str | Path, base_overrides: list[str] = ()) -> Config:
-    """Write the chosen configuration as a recipe YAML (atomically) that ``train.py`` accepts; returns it as loaded."""
-    path = Path(path)
-    cfg = load_config(base_recipe, [*base_overrides, *recipe_overrides(plan, f"runs/{path.stem}")])
-    save_config(cfg, path)
-    return load_config(path)
-
-
-# --------------------------------------------------------------------------------------------------
-# Text
-
-
-def _fmt_count(n: float) -> str:
+def format_count(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:,.2f}{unit}"
     return f"{n:,.0f}"
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     if seconds >= 86_400:
         return f"{seconds / 86_400:,.2f} days"
     if seconds >= 3600:
@@ -532,96 +363,3 @@ def _duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds / 60:,.1f} minutes"
     return f"{seconds:.3g} seconds"
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as the text ``tools/plan.py`` prints."""
-    i, c = plan.inputs, plan.chosen
-    asked = (f"{i.days:g} days" if i.days is not None else
-             " and ".join(x for x in (f"{_fmt_count(i.params)} parameters" if i.params is not None else "",
-                                      f"{_fmt_count(i.tokens)} tokens" if i.tokens is not None else "") if x))
-    lines = [
-        f"Devices: {i.devices} x {i.device.name}, {i.peak_tflops:,.3g} TFLOP/s peak ({i.precision}), "
-        f"{i.memory_gb:,.0f} GB each ({100 * i.reserve:.0f}% kept free); MFU {100 * i.mfu:.1f}% ({i.mfu_source})",
-        f"Asked: {asked}; {i.tokens_per_param:g} tokens per parameter (Hoffmann et al. 2022); seq_len {i.seq_len}, "
-        f"micro-batch {i.micro_batch_size}, vocabulary {i.vocab_size:,}, activation checkpointing "
-        f"{'on' if i.gradient_checkpointing else 'off'}",
-        "",
-        f"Compute budget:   {plan.compute_flops:.3e} FLOPs",
-        f"Compute-optimal:  {_fmt_count(plan.optimal_params)} parameters, {_fmt_count(plan.optimal_tokens)} tokens",
-        "",
-        "Shapes (FLOPs per token: 6 x active non-embedding parameters + attention at seq_len):",
-    ]
-    for s in plan.shapes:
-        lines.append(f"  {_fmt_count(s.n_params):>9} params  {s.flops_per_token(i.seq_len) / 1e9:>9,.3f} GFLOP/token  "
-                     f"{s.describe()}")
-    lines += ["", "Memory per device (GB, lmrecipe.memory.estimate) by ZeRO stage, and whether it fits "
-              f"{c.capacity_bytes / 1e9:,.1f} GB:"]
-    header = f"  {'params':>9}" + "".join(f"  {'ZeRO-' + str(s) if s else 'no ZeRO':>14}" for s in STAGES)
-    lines.append(header)
-    for s in plan.shapes:
-        cells = [x for x in plan.candidates if x.shape == s]
-        lines.append(f"  {_fmt_count(s.n_params):>9}" + "".join(
-            f"  {x.device_bytes / 1e9:>10,.2f} {'ok ' if x.fits else 'OOM'}" for x in cells))
-    run_tokens = plan.max_steps * plan.global_batch_size * i.seq_len
-    cost = (f", cost {plan.device_hours * i.cost_per_device_hour:,.2f} at {i.cost_per_device_hour:g} per device-hour"
-            if i.cost_per_device_hour is not None else "")
-    lines += [
-        "",
-        f"Chosen: {c.shape.describe()} ({_fmt_count(c.shape.n_params)} params), "
-        f"{'ZeRO-' + str(c.stage) if c.stage else 'no ZeRO'}: {c.device_bytes / 1e9:,.2f} GB per device, "
-        f"{c.headroom_bytes / 1e9:,.2f} GB headroom (the nearest fitting shape to the optimum, under the stage that "
-        "leaves the most memory free)",
-        f"Run: {_fmt_count(run_tokens)} tokens ({run_tokens / c.shape.n_params:,.1f} per parameter) = "
-        f"{plan.max_steps:,} steps x {plan.global_batch_size} sequences x {i.seq_len} tokens",
-        f"Predicted: {plan.tokens_per_sec:,.0f} tokens/s, wall time {_duration(plan.wall_seconds)}, "
-        f"{plan.device_hours:,.1f} device-hours{cost}",
-        *(["", *plan.notes] if plan.notes else []),
-    ]
-    return "\n".join(lines)
-
-
-def plan_summary(plan: Plan) -> dict:
-    """The plan as JSON-ready numbers (``tools/plan.py --json``)."""
-    i, c = plan.inputs, plan.chosen
-    return {
-        "devices": i.devices, "device": i.device.name, "peak_tflops": i.peak_tflops, "mfu": i.mfu,
-        "precision": i.precision, "compute_flops": plan.compute_flops, "optimal_params": plan.optimal_params,
-        "optimal_tokens": plan.optimal_tokens,
-        "shapes": [{"n_params": s.n_params, "flops_per_token": s.flops_per_token(i.seq_len), **asdict(s),
-                    "device_bytes": {str(x.stage): x.device_bytes for x in plan.candidates if x.shape == s}}
-                   for s in plan.shapes],
-        "chosen": {"n_params": c.shape.n_params, "stage": c.stage, "device_bytes": c.device_bytes,
-                   "headroom_bytes": c.headroom_bytes},
-        "tokens": plan.max_steps * plan.global_batch_size * i.seq_len, "max_steps": plan.max_steps,
-        "global_batch_size": plan.global_batch_size, "tokens_per_sec": plan.tokens_per_sec,
-        "wall_seconds": plan.wall_seconds, "device_hours": plan.device_hours,
-        "cost": plan.device_hours * i.cost_per_device_hour if i.cost_per_device_hour is not None else None,
-        "warnings": plan.warnings,
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# A finished run's prediction
-
-
-def predict_run(work: Workload, hf_config, *, topology: Topology, precision: str, accum_steps: int,
-                flops_per_token: float, peak_tflops: float, device_name: str | None,
-                out_dir: str | Path | None = None) -> dict:
-    """What the planner predicts for this run's own workload (``Config.workload()``), for ``report.md``: tokens/s (all
-    devices), MFU, the step time (one optimizer step at ``train.global_batch_size``), the run's tokens and time in training
-    steps (``train.max_steps`` steps at their sizes: a batch-size ramp's smaller steps count as they are), the per-process
-    peak memory (GB = 1e9 bytes) and the model states; with ``out_dir``, the model states measured by
-    ``logging.measure_model_states`` (largest rank) beside them."""
-    device = device_named(device_name)
-    tokens_per_sec = device.mfu * peak_tflops * 1e12 * topology.world_size / flops_per_token
-    est = estimate_run(model_shape(hf_config), work, topology, precision, accum_steps)
-    measured = read_measured(out_dir) if out_dir is not None else []
-    run_tokens = BatchRamp(work.train.ramp_points()).start(work.train.max_steps) * work.data.seq_len
-    return {
-        "tokens_per_sec": tokens_per_sec, "mfu": device.mfu, "mfu_source": device.mfu_source,
-        "step_time_s": work.train.global_batch_size * work.data.seq_len / tokens_per_sec,
-        "run_tokens": run_tokens, "run_time_s": run_tokens / tokens_per_sec,
-        "peak_mem_gb": est.device_total / 1e9, "model_states_gb": est.model_states / 1e9,
-        "model_states_measured_gb": max(m["total"] for m in measured) / 1e9 if measured else None,
-    }
