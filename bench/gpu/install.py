@@ -1,8 +1,8 @@
-"""What the GPU machine lacks, installed from the packed folder (``bench/gpu/pack.sh``) with no network.
+"""What an offline GPU node lacks, installed from the packed folder (``bench/gpu/pack.sh``) with no network.
 
 Everything goes into one folder (``--target``) that the kit's processes put first on ``PYTHONPATH``, so the
-machine's own packages (torch, accelerate, triton) stay as they are and its transformers 5.17 is shadowed by the
-pinned one. pip's ``--target`` ignores what is installed, hence ``--no-deps`` and the exact file list of the pack.
+node's own packages (torch, accelerate, triton) stay as they are and an older transformers of its own is shadowed by
+the pinned one. pip's ``--target`` ignores what is installed, hence ``--no-deps`` and the exact file list of the pack.
 DeepSpeed comes as its sdist, built there with ``DS_BUILD_OPS=0`` (no CUDA op compiled, so no nvcc needed; ops would
 be built at first use, and the recipe's ZeRO stages use none) and without build isolation (its setup.py imports
 torch), with the packed setuptools on the path.
@@ -37,7 +37,8 @@ def project_pins() -> dict[str, str]:
 def check_packed(packed: Path) -> dict:
     """The packed folder's file list and pins, checked against pyproject.toml; ValueError naming what is wrong."""
     if not (packed / "files.txt").is_file():
-        raise ValueError(f"{packed} holds no files.txt: run bash bench/gpu/pack.sh on a machine with network")
+        raise ValueError(f"{packed} holds no files.txt, so nothing is installed: the environment's packages are "
+                         "measured (for an offline node, run bash bench/gpu/pack.sh on a machine with PyPI)")
     files = (packed / "files.txt").read_text().split()
     missing = [f for f in files if not (packed / f).is_file()]
     if missing:
@@ -67,7 +68,7 @@ def install(packed: Path, target: Path, log) -> dict:
     info = check_packed(packed)
     marker = target / MARKER
     if marker.is_file() and marker.read_text() == _digest(packed):
-        return {**info, "installed": "already, from an earlier call"}
+        return {**info, "installed": "already, by an earlier run"}
     start = time.perf_counter()
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade", "--target", str(target),
            "--disable-pip-version-check", "--no-warn-conflicts"]

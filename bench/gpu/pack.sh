@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Fill bench/gpu/packed/ with what the lent GPU machine lacks, for Python 3.12 on x86-64 Linux:
-# DeepSpeed's sdist and its pure-Python needs, torchao built for torch 2.11, the transformers and tokenizers the
-# project pins (the machine has transformers 5.17), and setuptools to build DeepSpeed there without build isolation.
-# Versions come from pyproject.toml, so they have one home. Run from anywhere: bash bench/gpu/pack.sh
-# The folder travels with the working tree (64 MiB in all); this script fails above PACK_LIMIT_MB (default 55).
+# Fill bench/gpu/packed/ with what an offline GPU node lacks, for Python 3.12 on x86-64 Linux: DeepSpeed's sdist
+# and its pure-Python needs, torchao (its kernels load on torch >= 2.11), the transformers and tokenizers the project
+# pins, and setuptools to build DeepSpeed there without build isolation. Versions come from pyproject.toml, so they
+# have one home. Run from anywhere on a machine with PyPI (bash bench/gpu/pack.sh), then copy the tree with this
+# folder to the node. The pack is about 36 MB; it fails above PACK_LIMIT_MB (default 55), which means torch or
+# another package the node should already have was pulled in.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -26,9 +27,9 @@ TORCHAO="$(pin torchao)"
 TRANSFORMERS="$(pin transformers)"
 TOKENIZERS="$(pin tokenizers)"
 # DeepSpeed's requirements (requirements/requirements.txt of its sdist, and nvidia-ml-py on CUDA), less torch,
-# numpy, packaging, psutil and tqdm, which torch, accelerate and transformers already brought to the machine.
+# numpy, packaging, psutil and tqdm, which torch, accelerate and transformers already brought to the node.
 DEEPSPEED_NEEDS=(einops hjson msgpack ninja py-cpuinfo "pydantic>=2" nvidia-ml-py)
-# On the machine already (accelerate's and torch's own requirements): left out of the folder to keep it small.
+# On the node already (accelerate's and torch's own requirements): left out of the folder to keep it small.
 EXCLUDE=(numpy torch)
 
 WHEEL_FLAGS=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
@@ -51,7 +52,7 @@ $TRANSFORMERS
 $TOKENIZERS
 $DEEPSPEED
 REQ
-# The commit the kit measures, for a machine whose copy of the tree has no .git.
+# The commit the kit measures, for a node whose copy of the tree has no .git.
 (cd "$ROOT" && echo "$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo ' (with uncommitted changes)')") \
     > "$OUT.tmp/commit.txt"
 find "$OUT.tmp" -maxdepth 1 \( -name '*.whl' -o -name '*.tar.gz' \) -printf '%f\n' | sort > "$OUT.tmp/files.txt"
@@ -59,7 +60,7 @@ find "$OUT.tmp" -maxdepth 1 \( -name '*.whl' -o -name '*.tar.gz' \) -printf '%f\
 size_mb=$(du -sm "$OUT.tmp" | cut -f1)
 tree_mb=$(cd "$ROOT" && git ls-files -z | xargs -0 du -cm 2>/dev/null | tail -1 | cut -f1)
 if [ "$size_mb" -gt "$LIMIT_MB" ]; then
-    echo "pack.sh: $OUT.tmp holds $size_mb MB, over PACK_LIMIT_MB=$LIMIT_MB (the tree adds $tree_mb MB of 64 MiB)" >&2
+    echo "pack.sh: $OUT.tmp holds $size_mb MB, over PACK_LIMIT_MB=$LIMIT_MB: is torch or another large package in it?" >&2
     exit 1
 fi
 mkdir -p "$OUT"
@@ -67,4 +68,5 @@ find "$OUT" -mindepth 1 -not -name .gitkeep -delete
 mv "$OUT.tmp"/* "$OUT"/
 rmdir "$OUT.tmp"
 echo "packed $(wc -l < "$OUT/files.txt") files, $size_mb MB, into $OUT (the tracked tree adds about $tree_mb MB)"
-echo "on the GPU machine, from the repository root (carrying this folder): python3 bench/gpu/run.py --out \$OUT"
+echo "copy the tree with this folder to the GPU node; there, from the repository root:"
+echo "python3 bench/gpu/run.py --out runs/gpu_kit"

@@ -1,17 +1,18 @@
-"""The GPU kit: one command on a lent H100/H200 that installs what the machine lacks, prepares data and measures
-every GPU figure of the recipe, writing them as it goes.
+"""The GPU kit: one command on a GPU node that prepares data and measures every GPU figure of the recipe, writing
+them as it goes; on an offline node it first installs what the node lacks from a pack.
 
-    python3 bench/gpu/run.py --out $OUT                          # on the GPU machine: the default stages
-    python3 bench/gpu/run.py --out $OUT --stages zero_stages,flash,document_masking,compile,checkpoint_stall
-    .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # here, on a CPU: every stage, tiny recipe, 2 steps
+    python3 bench/gpu/run.py --out runs/gpu_kit                  # on the GPU node: the default stages
+    python3 bench/gpu/run.py --out runs/gpu_kit --stages zero_stages,flash,document_masking,compile,checkpoint_stall
+    .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # on a CPU: every stage, tiny recipe, 2 steps
 
-1. install: the packed folder (``bench/gpu/pack.sh``) into ``--work``/site with no network (``install.py``);
+1. install: the packed folder (``bench/gpu/pack.sh``), where there is one, into ``--work``/site with no network
+   (``install.py``); without one the environment's packages are measured as they are;
 2. data: the embedded corpus prepared by ``tools/prepare_data.py`` (BPE of 8,192 ids), trained with
    ``model.vocab_size=128256`` so that the model keeps the Llama-3 vocabulary's shape and cost;
 3. the stages (``stages.py``), each a set of sides; each side is measured in a fresh process (``worker.py``: the
    trainer's own ``build_run`` and ``train_step``) on ``recipes/llama_1b.yaml`` at global batch 16 (accumulation 2);
 4. after every stage: ``gpu_kit.json`` (every figure, the device, versions, commit) and ``gpu_kit.md`` (one row per
-   stage) under ``--out``, so a call cut short still returns what it measured.
+   stage) under ``--out``, so a run cut short keeps what it measured.
 
 ``--dry-run``: no GPU; the same stages and sides on ``recipes/tiny.yaml`` for 2 steps in one worker process, with the
 install checked (not done) and TorchDynamo off (compiling takes minutes on a CPU); figures are CPU figures and say
@@ -59,7 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per side (default: 20; dry run 2)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps before measuring (default: 5; dry run 0)")
     parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="start no side after this many seconds of the call (default: %(default)s)")
+                        help="start no side after this many seconds, and stop a running worker when they are spent; "
+                             "if your time on the node is limited, a minute under it (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         args.selected = S.select(args.stages)
@@ -72,8 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def commit(packed: Path) -> str:
     """The commit measured. The tree's own git HEAD where it is the one pack.sh recorded; else what pack.sh recorded,
-    with the HEAD beside it: a copy of the tree on the GPU machine may carry no ``.git``, or an older one than the
-    files it holds (seen on the first GPU call)."""
+    with the HEAD beside it: a copy of the tree on a GPU node may hold no ``.git``, or an older one than its
+    files."""
     recorded = packed / "commit.txt"
     packed_commit = recorded.read_text().strip() if recorded.is_file() else None
     proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -88,7 +90,7 @@ def commit(packed: Path) -> str:
 
 
 class Record:
-    """gpu_kit.json and gpu_kit.md, rewritten whole after every step (atomically: a call cut short leaves both)."""
+    """gpu_kit.json and gpu_kit.md, rewritten whole after every step (atomically: a run cut short leaves both)."""
 
     def __init__(self, out: Path, args: argparse.Namespace):
         self.out = out
@@ -206,13 +208,13 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
                                   stdout=sink, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1))
         failure = None if proc.returncode == 0 else f"worker exited {proc.returncode}"
     except subprocess.TimeoutExpired:
-        failure = f"worker stopped after {timeout_s:.0f} s (the call's budget)"
+        failure = f"worker stopped after {timeout_s:.0f} s (--budget-s)"
     results = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
     versions = results.pop("_versions", None)
     text = log.read_text(errors="replace") if log.is_file() else ""
     tail = text[-1500:]
-    # The work folder stays on the machine: the end of each worker's log comes back in one file (the device tool
-    # returns at most 8 files, and a call may run a dozen workers).
+    # The work folder stays on the node; the end of each worker's log goes into one file beside the results, so
+    # --out holds three files however many workers ran.
     with open(args.out / LOG_NAME, "a") as logs:
         logs.write(f"\n===== {name}: {', '.join(g['label'] for g in groups)} =====\n{text[-200_000:]}")
     for group in groups:
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             left = args.budget_s - (time.perf_counter() - start)
             if left <= 30:
-                done[key] = {"label": side.label, "error": f"not run: the call's budget of {args.budget_s:.0f} s was spent"}
+                done[key] = {"label": side.label, "error": f"not run: --budget-s {args.budget_s:.0f} was spent"}
                 continue
             record.log(f"{stage.name}: measuring {side.label} ({key or 'the base recipe'})")
             done.update(measure_sides(args, env, record, [groups[key]], f"side{len(done)}", left))

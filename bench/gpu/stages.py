@@ -176,10 +176,9 @@ STAGES = (
           "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )
 DEFAULT_STAGES = ("mfu_zero2", "host_syncs", "data_wait", "profile", "compile", "checkpoint_stall")
-"""What one call on a lent machine runs, most wanted first, within one 10-minute command with the install: the MFU
-figure again (so every call has it), why it is what it is (``profile``), and what the first GPU call (2026-11-26,
-docs/benchmarks/gpu.md) left unmeasured. ``chunked_loss``, ``fp8``, ``document_masking`` and ``zero_stages`` were
-measured then; name them to measure them again."""
+"""What a run of the kit measures when no stage is named, in four runs (bf16 ZeRO-2, no DeepSpeed, compiled bf16 and
+compiled fp8): the MFU figure, what the same runs tell besides it (host syncs, data wait, ``profile``: why the MFU is
+what it is), ``compile`` and ``checkpoint_stall``. The other stages add a run or more each: name them, or ``all``."""
 BY_NAME = {stage.name: stage for stage in STAGES}
 
 

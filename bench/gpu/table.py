@@ -4,8 +4,8 @@
     python bench/gpu/table.py --write         # put it into docs/benchmarks/gpu.md, between its markers
     python bench/gpu/table.py --check         # exit 1 if the page's table is not the one the results give
 
-A lent GPU call's ``$OUT/gpu_kit.json`` is committed as it came back, under ``bench/gpu/results/`` named by its
-start time and device (``2026-11-26T161627-h100.json``). For each stage the table takes the row of the latest run
+A GPU run's ``gpu_kit.json`` (under its ``--out``) is committed as written, under ``bench/gpu/results/`` named by
+its start time and GPU (``2026-11-26T161627-h100.json``). For each stage the table takes the row of the latest run
 that measured it; a stage no GPU run has measured says so. Dry runs (CPU) are refused: their figures are not GPU
 figures.
 """
@@ -35,7 +35,7 @@ def load_runs(paths: list[Path]) -> list[dict]:
         record = json.loads(path.read_text())
         if record.get("mode") != "gpu":
             raise ValueError(f"{path} is not a GPU run of the kit (mode: {record.get('mode')!r}): only gpu_kit.json "
-                             "files from a GPU machine go in bench/gpu/results/")
+                             "files of GPU runs go in bench/gpu/results/")
         runs.append({**record, "file": path.name})
     return sorted(runs, key=lambda r: r["started"])
 

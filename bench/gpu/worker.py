@@ -19,7 +19,7 @@ DeepSpeed). Figures:
 - the planner's prediction at this configuration (``lmrecipe.planning.prediction.predict_run``).
 
 The result so far is written after the timed steps and after each slow measurement, so a worker stopped by the
-call's budget still gives its timed figures.
+kit's ``--budget-s`` still gives its timed figures.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -
         checkpointer.wait()
         wait_s = time.perf_counter() - start
         result[kind] = {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s}
-        # A 1B checkpoint with its optimizer state is 15-20 GB: one at a time on the machine's disk.
+        # A 1B checkpoint with its optimizer state is 15-20 GB: one at a time on the node's disk.
         result["checkpoint_gb"] = sum(p.stat().st_size for p in (out_dir / kind).rglob("*") if p.is_file()) / 1e9
         shutil.rmtree(out_dir / kind)
     result["steps_between"] = steps_between
@@ -233,7 +233,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
             "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds,
             "loss": float(last.loss),
         }
-        save(result)  # the timed figures come back even if what follows runs out of the call's time
+        save(result)  # the timed figures stay even if what follows runs out of the kit's budget
         next_step = warmup_steps + steps
         if side["count_syncs"]:
             sync_steps = min(steps, SYNC_STEPS)
