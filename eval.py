@@ -13,7 +13,7 @@ Prints one JSON line {"loss": ..., "perplexity": ..., "tokens": ..., "document_m
 each folder's loss, perplexity, tokens and weight). The result is the same on any number of processes. Each token attends only to its own document, as in training with data.document_masking;
 --no-document-masking evaluates each window as one stream.
 
---tasks scores multiple-choice tasks by log-likelihood (lmrecipe/tasks.py: JSON-lines task files, or next_line, built
+--tasks scores multiple-choice tasks by log-likelihood (lmrecipe/evaluation/tasks.py: JSON-lines task files, or next_line, built
 from the validation split of the first --data folder) and adds "tasks": {task: {"acc", "acc_norm", "items", "chance"}},
 the same on any number of processes; --data alone adds the loss, as above. --lm-eval runs lm-evaluation-harness
 itself on the model (one process): tasks of its registry (downloaded), of --include-path folders, or ours (a .jsonl
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         from lmrecipe.data.remote import staged_path
 
         args.data = [staged_path(d, DataConfig.cache_dir, "--data") for d in args.data]
-    from lmrecipe.evaluate import evaluate_path, evaluate_tasks  # heavy imports only after the arguments parsed
+    from lmrecipe.evaluation.evaluate import evaluate_path, evaluate_tasks  # heavy imports only after the arguments parsed
 
     result, is_main = {}, True
     first_data = args.data[0] if args.data else None
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = {**loss, **result}
     if args.lm_eval and is_main:
-        from lmrecipe.harness import run_lm_eval
+        from lmrecipe.evaluation.lm_eval import run_lm_eval
 
         result["lm_eval"] = run_lm_eval(args.path, args.lm_eval, first_data, args.include_path, limit=args.limit,
                                         num_fewshot=args.num_fewshot, **task_options)
@@ -132,8 +132,8 @@ def check_arguments(args) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise fail(f"--{name.replace('_', '-')}={value} must be positive.")
-    from lmrecipe.harness import check_lm_eval_arguments
-    from lmrecipe.tasks import NEXT_LINE, resolve_tasks
+    from lmrecipe.evaluation.lm_eval import check_lm_eval_arguments
+    from lmrecipe.evaluation.tasks import NEXT_LINE, resolve_tasks
 
     resolve_tasks([spec for spec in args.tasks if spec != NEXT_LINE], None, 1, 0)
     if args.lm_eval:

@@ -31,7 +31,7 @@ from lmrecipe.data.format import open_data
 from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources
 from lmrecipe.errors import UserError
-from lmrecipe.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape
+from lmrecipe.planning.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape
 from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
 from lmrecipe.objstore import check_access, is_remote
 from lmrecipe.observe.trackers import check_trackers
@@ -185,7 +185,7 @@ def _nodes(world_size: int) -> int:
 def memory_line(memory: MemoryEstimate, checkpointing: bool) -> str:
     offloaded = f", {format_bytes(memory.cpu_per_node)} offloaded to each node's CPU memory" if memory.cpu_per_node else ""
     activations = memory.activations_checkpointed if checkpointing else memory.activations
-    return (f"memory per rank (estimate, lmrecipe/memory.py): {format_bytes(memory.device_total)} on the device = "
+    return (f"memory per rank (estimate, lmrecipe/planning/memory.py): {format_bytes(memory.device_total)} on the device = "
             f"model states {format_bytes(memory.model_states_device)} + activations {format_bytes(activations)} "
             f"(activation checkpointing {'on' if checkpointing else 'off'})"
             + (f" + ZeRO-3 gathered {format_bytes(memory.gathered)}" if memory.gathered else "")

@@ -5,7 +5,7 @@
 
 Each config trains for --steps steps on --nproc processes (sequentially) into OUT/<config>/ and the tool
 writes OUT/results.csv, OUT/results.md and OUT/memory_throughput.png. Configs are names in ds_configs/
-(none = no DeepSpeed) or paths to DeepSpeed JSON files. See lmrecipe/compare.py.
+(none = no DeepSpeed) or paths to DeepSpeed JSON files. See lmrecipe/planning/zero_comparison.py.
 """
 
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
-from lmrecipe.compare import COMPARE_LOG, DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
+from lmrecipe.planning.zero_comparison import COMPARE_LOG, DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402
 
 

@@ -7,7 +7,7 @@
 For each config (names in ds_configs/, none = no DeepSpeed) it prints weights, gradients and optimizer states
 per rank, what stays in accelerator memory, what offload moves to each node's CPU memory, ZeRO-3's gathered
 working set, and the activations of one micro-batch with and without activation checkpointing. The
-formulas, and how they relate to the ZeRO paper and DeepSpeed's estimators, are in lmrecipe/memory.py.
+formulas, and how they relate to the ZeRO paper and DeepSpeed's estimators, are in lmrecipe/planning/memory.py.
 """
 
 import argparse
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main  # noqa: E402
-from lmrecipe.compare import (  # noqa: E402
+from lmrecipe.planning.zero_comparison import (  # noqa: E402
     DEFAULT_CONFIGS,
     check_launch,
     config_for,
@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     args = parser.parse_intermixed_args()  # options may come before or after the overrides
 
-    from lmrecipe.memory import format_estimates, model_shape
+    from lmrecipe.planning.memory import format_estimates, model_shape
     from lmrecipe.model import build_hf_config  # noqa: PLC0415
 
     if args.nodes < 1:
@@ -90,7 +90,7 @@ def main() -> int:
         f"activation checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'} (device total uses it).\n"
     )
     print(format_estimates(rows))
-    print("\nPer rank, except 'offloaded / node' (CPU memory of one node). Formulas: lmrecipe/memory.py.")
+    print("\nPer rank, except 'offloaded / node' (CPU memory of one node). Formulas: lmrecipe/planning/memory.py.")
     return 0
 
 

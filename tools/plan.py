@@ -6,7 +6,7 @@
 
 Exactly one of --days, --tokens and --params (or --params with --tokens). The MFU is the device's default (a
 table with its sources, lmrecipe/observe/device.py), --mfu, or --from-run RUN: the measured MFU of a finished run. The
-arithmetic and its sources are in lmrecipe/planning/budget.py; memory comes from lmrecipe/memory.py (tools/estimate_memory.py).
+arithmetic and its sources are in lmrecipe/planning/budget.py; memory comes from lmrecipe/planning/memory.py (tools/estimate_memory.py).
 """
 
 import argparse

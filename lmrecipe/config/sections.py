@@ -470,7 +470,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     tasks: list[str] = field(default_factory=list)
-    """Multiple-choice tasks scored by log-likelihood on the live model at evaluations (``lmrecipe/tasks.py``):
+    """Multiple-choice tasks scored by log-likelihood on the live model at evaluations (``lmrecipe/evaluation/tasks.py``):
     JSON-lines task files, or ``next_line`` (the true next line of a held-out document against lines of other
     documents, built from the validation split of ``data.path``, or of the first of ``data.sources``). Logged as
     ``acc/<task>``, ``acc_norm/<task>`` and ``chance/<task>``. [] = none."""

@@ -221,7 +221,7 @@ def _plan_check(predicted: dict, figures: dict, meta: dict, gpu: str | None) -> 
         "",
         f"Predicted by `lmrecipe.planning.prediction.predict_run` at this run's configuration: MFU {100 * predicted['mfu']:.0f}% "
         f"assumed ({predicted['mfu_source']}), {meta.get('peak_tflops_per_device', float('nan')):.3g} TFLOP/s "
-        f"per device, {_fmt(meta.get('flops_per_token'), 0)} FLOPs per token; memory by `lmrecipe.memory.estimate` "
+        f"per device, {_fmt(meta.get('flops_per_token'), 0)} FLOPs per token; memory by `lmrecipe.planning.memory.estimate` "
         f"(model states, activations of one micro-batch). Measured memory: {memory_note}. Measured throughput, MFU "
         "and step time: over the time in training steps of every logged interval, as in the figures above.",
         "",

@@ -7,7 +7,7 @@ parameter), so ``N = sqrt(C / (6 k))``. Near N, :func:`shapes_near` takes Llama 
 width / 128, as Llama 3.2 1B 2048/16, Llama 3 8B 4096/32 and 405B 16384/126; MLP 3.5 x width, as Llama 3 8B and
 70B; 64-wide heads up to width 2048, else 128; at most 8 key/value heads), and for each the training FLOPs per
 token (:func:`lmrecipe.model.flops_per_token`) and the per-device memory under every ZeRO stage
-(:func:`lmrecipe.memory.estimate`). The chosen configuration is the shape nearest N that fits, under the stage that
+(:func:`lmrecipe.planning.memory.estimate`). The chosen configuration is the shape nearest N that fits, under the stage that
 leaves the most memory free. Its wall time is ``tokens x FLOPs per token / (devices x peak x MFU)``.
 
 The same arithmetic at a finished run's own configuration (:func:`predict_run`) is what ``report.md`` puts next
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lmrecipe.config import Config, Workload, resolve_deepspeed_config
 from lmrecipe.errors import fail
-from lmrecipe.memory import ModelShape, estimate
+from lmrecipe.planning.memory import ModelShape, estimate
 from lmrecipe.observe.device import DEVICES, Device, cpu_matmul_tflops, gpu_peak_tflops
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.observe.run_report import FINAL_FILE, summarize_metrics
@@ -133,7 +133,7 @@ class Candidate:
     shape: LlamaShape
     stage: int
     device_bytes: float
-    """Estimated per-device memory (lmrecipe.memory.estimate's ``device_total``)."""
+    """Estimated per-device memory (lmrecipe.planning.memory.estimate's ``device_total``)."""
     capacity_bytes: float
 
     @property
@@ -191,7 +191,7 @@ def stage_setup(stage: int) -> ZeroSetup:
 
 def estimate_device_bytes(shape: ModelShape, stage: int, devices: int, precision: str, micro_batch_size: int,
                           seq_len: int, gradient_checkpointing: bool, work: Workload, accum_steps: int) -> float:
-    """Per-device memory of one configuration (lmrecipe.memory.estimate's ``device_total``); ``work`` gives the base
+    """Per-device memory of one configuration (lmrecipe.planning.memory.estimate's ``device_total``); ``work`` gives the base
     recipe's attention, weight EMA, chunked loss and optimizer."""
     est = estimate(shape, stage_setup(stage), devices, 1, precision, accum_steps=accum_steps, micro_batch_size=micro_batch_size,
                    seq_len=seq_len, gradient_checkpointing=gradient_checkpointing,

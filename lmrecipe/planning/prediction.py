@@ -7,7 +7,7 @@ from pathlib import Path
 
 from lmrecipe.config import Workload
 from lmrecipe.data.batches import BatchRamp
-from lmrecipe.memory import estimate_run, model_shape, read_measured
+from lmrecipe.planning.memory import estimate_run, model_shape, read_measured
 from lmrecipe.observe.device import device_named
 from lmrecipe.parallel.topology import Topology
 

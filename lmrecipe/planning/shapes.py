@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from lmrecipe.config import ModelConfig
-from lmrecipe.memory import ModelShape
+from lmrecipe.planning.memory import ModelShape
 from lmrecipe.model import flops_per_token
 
 
@@ -60,7 +60,7 @@ class LlamaShape:
         return flops_per_token(self.n_active, self.n_lookup, self.num_layers, self.hidden_size, seq_len)
 
     def memory_shape(self) -> ModelShape:
-        """What :func:`lmrecipe.memory.estimate` needs, counted without building the model."""
+        """What :func:`lmrecipe.planning.memory.estimate` needs, counted without building the model."""
         h, kv, f, v = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size, self.vocab_size
         if self.num_experts:
             return self._moe_memory_shape()

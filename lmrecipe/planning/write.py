@@ -61,7 +61,7 @@ def format_plan(plan: Plan) -> str:
     for s in plan.shapes:
         lines.append(f"  {format_count(s.n_params):>9} params  {s.flops_per_token(i.seq_len) / 1e9:>9,.3f} GFLOP/token  "
                      f"{s.describe()}")
-    lines += ["", "Memory per device (GB, lmrecipe.memory.estimate) by ZeRO stage, and whether it fits "
+    lines += ["", "Memory per device (GB, lmrecipe.planning.memory.estimate) by ZeRO stage, and whether it fits "
               f"{c.capacity_bytes / 1e9:,.1f} GB:"]
     header = f"  {'params':>9}" + "".join(f"  {'ZeRO-' + str(s) if s else 'no ZeRO':>14}" for s in STAGES)
     lines.append(header)

@@ -14,7 +14,7 @@ import logging
 
 from lmrecipe.config import due_at
 from lmrecipe.errors import fail
-from lmrecipe.evaluate import greedy_continuation
+from lmrecipe.evaluation.evaluate import greedy_continuation
 from lmrecipe.loss import validation_loss
 from lmrecipe.train.setup import Run
 

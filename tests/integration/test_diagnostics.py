@@ -15,7 +15,7 @@ from lmrecipe.config import load_config
 from lmrecipe.data.format import load_meta
 from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import EXIT_USER_ERROR
-from lmrecipe.memory import estimate
+from lmrecipe.planning.memory import estimate
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.profiler import PREFIX
 from lmrecipe.planning.shapes import shape_from_config
@@ -193,7 +193,7 @@ def test_oom_in_a_step_ends_with_a_diagnosis_and_no_partial_checkpoint(tmp_path,
     assert "Traceback" not in err
     assert "Out of host memory (RAM) in optimizer step 3" in err
     assert "train.micro_batch_size=4 sequences of data.seq_len=32 tokens" in err
-    assert re.search(r"Estimated need per rank \(lmrecipe/memory.py\): [\d.]+ \w+ .*; host RAM: [\d.]+ GiB", err)
+    assert re.search(r"Estimated need per rank \(lmrecipe/planning/memory.py\): [\d.]+ \w+ .*; host RAM: [\d.]+ GiB", err)
     ways = ["train.micro_batch_size=2: train.global_batch_size stays 8, accumulation becomes 4",
             "train.gradient_checkpointing=true", "distributed.deepspeed_config=zero3 ",
             "distributed.deepspeed_config=zero3_offload"]

@@ -337,7 +337,7 @@ def test_eval_refuses_other_tokenizers_data_and_an_output_under_a_file(tmp_path,
 
     from lmrecipe.data.prepare.pipeline import prepare
     from lmrecipe.errors import UserError
-    from lmrecipe.evaluate import evaluate_path
+    from lmrecipe.evaluation.evaluate import evaluate_path
 
     export = plain_run(tmp_path_factory, tiny_data) / "export"
     other = tmp_path / "other"

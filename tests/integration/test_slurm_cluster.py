@@ -209,7 +209,7 @@ def test_compare_zero_sbatch(slurm_cluster, tiny_data, tmp_path):
         assert abs(float(row["final_loss"]) - float(rows["none"]["final_loss"])) < 1e-4
         # fp32 on a CPU: every stage computes the same losses up to reduction order.
         assert float(row["max_loss_diff_vs_none"]) < 1e-4, name
-        # Model-state bytes measured from the tensors agree with lmrecipe.memory's estimate.
+        # Model-state bytes measured from the tensors agree with lmrecipe.planning.memory's estimate.
         assert float(row["measured_over_estimated"]) == pytest.approx(1.0, abs=0.10), row
         assert float(row["memory_per_rank_gb"]) == pytest.approx(float(row["model_states_measured_mb"]) / 1e3)
     assert float(rows["zero3"]["model_states_measured_mb"]) < float(rows["none"]["model_states_measured_mb"])

@@ -12,7 +12,7 @@ from lmrecipe.observe.metrics_log import read_metrics
 
 @pytest.mark.slow
 def test_tasks_scored_live_under_zero3_on_2_processes_equal_one_process_on_the_checkpoint(tmp_path_factory, tiny_data):
-    from lmrecipe.evaluate import evaluate_tasks
+    from lmrecipe.evaluation.evaluate import evaluate_tasks
 
     run = zero_pair(tmp_path_factory, tiny_data, 3)["a"]
     rows = [r for r in read_metrics(run / "metrics.jsonl") if "acc/next_line" in r]

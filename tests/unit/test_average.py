@@ -29,7 +29,7 @@ def exact_average(checkpoints: list[Path], weights: list[float]) -> dict[str, to
 def test_the_average_of_the_last_checkpoints_equals_an_independent_average(tmp_path, tmp_path_factory, tiny_data):
     from safetensors.torch import load_file
 
-    from lmrecipe.evaluate import evaluate_path
+    from lmrecipe.evaluation.evaluate import evaluate_path
 
     run = wsd_run(tmp_path_factory, tiny_data, 24)
     checkpoints = select_checkpoints([run], last=3)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lmrecipe.config import load_config
 from lmrecipe.parallel.topology import ZeroSetup
-from lmrecipe.memory import (
+from lmrecipe.planning.memory import (
     estimate,
     estimate_activations,
     model_shape,

@@ -141,7 +141,7 @@ def test_the_registry_workaround_is_still_needed_and_only_inside_its_context():
 
 def test_the_planner_and_the_estimator_count_total_active_and_each_ranks_experts():
     from lmrecipe.parallel.topology import ZeroSetup
-    from lmrecipe.memory import estimate_model_states, model_shape
+    from lmrecipe.planning.memory import estimate_model_states, model_shape
     from lmrecipe.planning.shapes import shape_from_config
 
     cfg, hf_config, model = moe_model("mixtral")

@@ -74,7 +74,7 @@ def test_deepspeed_settings_muon_needs_are_filled_or_refused():
         load_config(None, ["optim.name=sgd"])
     with pytest.raises(UserError, match="muon_momentum"):
         load_config(None, ["optim.muon_momentum=1.0"])
-    from lmrecipe.compare import config_overrides  # tools/compare_zero.py's and estimate_memory's +muon rows
+    from lmrecipe.planning.zero_comparison import config_overrides  # tools/compare_zero.py's and estimate_memory's +muon rows
 
     assert config_overrides("zero3+muon") == ["optim.name=muon", "optim.grad_clip=0"]
 
@@ -102,7 +102,7 @@ def test_muon_run_learns_and_resumes_exactly(tmp_path, tiny_data, eager_muon):
 
 def test_memory_estimate_counts_one_moment_for_muon_matrices():
     from lmrecipe.parallel.topology import ZeroSetup
-    from lmrecipe.memory import estimate_model_states, model_shape
+    from lmrecipe.planning.memory import estimate_model_states, model_shape
     from lmrecipe.model import build_hf_config
 
     cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128"])

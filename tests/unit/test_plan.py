@@ -14,7 +14,7 @@ from helpers import ROOT
 from lmrecipe.config import load_config
 from lmrecipe.parallel.topology import Topology, ZeroSetup
 from lmrecipe.errors import UserError
-from lmrecipe.memory import estimate, model_shape
+from lmrecipe.planning.memory import estimate, model_shape
 from lmrecipe.model import build_hf_config
 from lmrecipe.observe.device import DEVICES
 from lmrecipe.planning.budget import budget_flops, compute_optimal, measured_mfu

@@ -12,7 +12,7 @@ from helpers import TINY_OVERRIDES
 from lmrecipe.attention import build_document_attention
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
-from lmrecipe.evaluate import greedy_continuation
+from lmrecipe.evaluation.evaluate import greedy_continuation
 
 
 def random_model():

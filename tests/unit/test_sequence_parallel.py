@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import ROOT, TINY_OVERRIDES, write_data
 
-from lmrecipe.compare import config_label, config_overrides, ds_config_path
+from lmrecipe.planning.zero_comparison import config_label, config_overrides, ds_config_path
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.parallel.deepspeed_config import check_sequence_parallel_stage, load_deepspeed_config
@@ -93,8 +93,8 @@ def test_compare_zero_configs_take_a_sequence_parallel_option():
 
 
 def test_the_long_context_recipe_fits_eight_80gb_gpus_by_the_estimate():
-    from lmrecipe.compare import estimate_config
-    from lmrecipe.memory import model_shape
+    from lmrecipe.planning.zero_comparison import estimate_config
+    from lmrecipe.planning.memory import model_shape
 
     def device_total(*overrides: str) -> float:
         cfg = load_config(ROOT / "recipes" / "llama3_8b_long.yaml", ["model.init_from=null", "model.vocab_size=128256",

@@ -13,9 +13,9 @@ from lmrecipe.attention import build_document_attention
 from lmrecipe.config import load_config
 from lmrecipe.parallel.accelerator import build_eval_accelerator
 from lmrecipe.errors import UserError
-from lmrecipe.harness import lm_eval_results
+from lmrecipe.evaluation.lm_eval import lm_eval_results
 from lmrecipe.observe.run_report import task_table
-from lmrecipe.tasks import (Item, Task, encode_pair, load_task_file, loglikelihoods, next_line_task, prepare_tasks,
+from lmrecipe.evaluation.tasks import (Item, Task, encode_pair, load_task_file, loglikelihoods, next_line_task, prepare_tasks,
                             rank_requests, score_tasks, val_documents, write_task_file)
 
 MAX_LENGTH = 48

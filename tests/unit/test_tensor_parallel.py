@@ -9,14 +9,14 @@ import torch
 from helpers import ROOT, TINY_OVERRIDES
 
 from lmrecipe.checkpoint.tp_split import full_shape, local_slice, merge
-from lmrecipe.compare import config_overrides, estimate_config
+from lmrecipe.planning.zero_comparison import config_overrides, estimate_config
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.parallel.deepspeed_config import check_tensor_parallel_stage, load_deepspeed_config
 from lmrecipe.parallel.splits import check_tensor_parallel_model
 from lmrecipe.parallel.topology import Topology, ZeroSetup, check_tensor_parallel_topology
 from lmrecipe.errors import UserError
-from lmrecipe.memory import model_shape
+from lmrecipe.planning.memory import model_shape
 from lmrecipe.model import build_hf_config
 
 TINY = ROOT / "recipes" / "tiny.yaml"

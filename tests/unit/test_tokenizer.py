@@ -87,7 +87,7 @@ def test_init_from_a_model_of_another_tokenizer_of_the_same_vocabulary_size_is_r
 
 
 def test_eval_refuses_the_same_pairing_and_allows_it_when_asked(model_dir, other_data, tiny_data, caplog):
-    from lmrecipe.evaluate import evaluate_path
+    from lmrecipe.evaluation.evaluate import evaluate_path
 
     with pytest.raises(UserError, match=r"prepared with another tokenizer than the model's, .*export \(tokenizer.json "
                                          r"sha256 .* 2 ids that both define name other tokens\).*--allow-other-tokenizer"):

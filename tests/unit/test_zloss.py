@@ -117,7 +117,7 @@ def test_a_negative_coefficient_is_refused():
 def test_validation_and_eval_report_the_language_model_loss_alone(tmp_path, tiny_data):
     """A run with a large z-loss logs it apart from ``loss``; its validation loss (and perplexity) and ``eval.py``'s
     loss on its export are the export's language-model loss, without the z-loss."""
-    from lmrecipe.evaluate import evaluate_path
+    from lmrecipe.evaluation.evaluate import evaluate_path
     from lmrecipe.train.trainer import train
 
     out = tmp_path / "run"

@@ -1,5 +1,5 @@
 """``logging.measure_model_states``: this rank's model-state bytes (weights, gradients, optimizer states), measured
-from the tensors it holds (``lmrecipe.memory.model_state_bytes``) and written to ``memory_rank{rank}.json`` in the
+from the tensors it holds (``lmrecipe.planning.memory.model_state_bytes``) and written to ``memory_rank{rank}.json`` in the
 run folder, for ``tools/compare_zero.py`` to set beside the ZeRO estimate.
 
 The sample is taken in the second optimizer step the process runs, the first that finds the optimizer states (the
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from lmrecipe.fileio import write_json_atomic
-from lmrecipe.memory import format_bytes, model_state_bytes
+from lmrecipe.planning.memory import format_bytes, model_state_bytes
 from lmrecipe.train.callback import Callback
 from lmrecipe.train.setup import Run
 

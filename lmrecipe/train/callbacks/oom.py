@@ -1,7 +1,7 @@
 """Out-of-memory diagnosis: an OOM during a step ends the run with one message that says what to change.
 
 A ``torch.OutOfMemoryError`` (device memory) or a ``MemoryError`` (host memory, e.g. under offload) in a step becomes a :class:`UserError` (exit 2) naming the step, the
-micro-batch, the estimate of :mod:`lmrecipe.memory` for this configuration next to the capacity (the GPU's total
+micro-batch, the estimate of :mod:`lmrecipe.planning.memory` for this configuration next to the capacity (the GPU's total
 memory, or the host's RAM), and the ways out in order, each with its own estimate. Nothing is saved: the error
 leaves the loop before the step's checkpoint, so no partial checkpoint is written.
 
@@ -21,7 +21,7 @@ import torch
 from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS
 from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import UserError, fail
-from lmrecipe.memory import estimate_run, format_bytes, model_shape
+from lmrecipe.planning.memory import estimate_run, format_bytes, model_shape
 from lmrecipe.train.callback import Callback
 from lmrecipe.train.setup import Run
 
@@ -72,7 +72,7 @@ class OOMDiagnosis(Callback):
         if estimates is not None:
             now = estimates.pop(0)[1]
             lines.append(f"Estimated need per {'node' if host and zero.offload_optimizer else 'rank'} "
-                         f"(lmrecipe/memory.py): {now}; {capacity_name}: {format_bytes(capacity) if capacity else 'unknown'}.")
+                         f"(lmrecipe/planning/memory.py): {now}; {capacity_name}: {format_bytes(capacity) if capacity else 'unknown'}.")
         else:
             lines.append(f"{capacity_name}: {format_bytes(capacity) if capacity else 'unknown'}.")
         lines.append("Ways out, in this order (the optimization stays the same with each):")

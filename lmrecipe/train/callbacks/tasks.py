@@ -3,7 +3,7 @@
 The tasks are read (or built, ``next_line``) and tokenized once, when the run starts, so a bad task file stops the
 run before its first step. At each evaluation that ``eval.every_steps`` selects, every rank scores its share of the
 items on the prepared model (DDP or any ZeRO stage: every rank runs the same number of forwards) and one
-all-reduce sums the counts, so the figures do not depend on the process count (``lmrecipe/tasks.py``). They are
+all-reduce sums the counts, so the figures do not depend on the process count (``lmrecipe/evaluation/tasks.py``). They are
 added to the evaluation's metrics row as ``acc/<task>``, ``acc_norm/<task>`` and ``chance/<task>``.
 """
 
@@ -13,7 +13,7 @@ import logging
 import time
 
 from lmrecipe.config import EvalConfig, TrainConfig
-from lmrecipe.tasks import NEXT_LINE, describe, flat_metrics, prepare_tasks, resolve_tasks, score_tasks
+from lmrecipe.evaluation.tasks import NEXT_LINE, describe, flat_metrics, prepare_tasks, resolve_tasks, score_tasks
 from lmrecipe.train.callback import Callback
 from lmrecipe.train.setup import Run
 

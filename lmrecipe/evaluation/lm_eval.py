@@ -3,7 +3,7 @@
 The model and tokenizer are loaded as ``eval.py`` loads them (:func:`lmrecipe.export.load_for_inference`) and handed
 to lm-eval's ``HFLM``. Task names come from lm-eval's registry (their datasets are downloaded, so that needs the
 network), from task folders given as include paths (lm-eval's YAML task configurations), or are this project's own
-tasks: a JSON-lines task file or ``next_line`` (``lmrecipe/tasks.py``), which are written with an lm-eval
+tasks: a JSON-lines task file or ``next_line`` (``lmrecipe/evaluation/tasks.py``), which are written with an lm-eval
 configuration into a temporary folder so that lm-eval scores exactly the items our scorer does.
 """
 
@@ -19,7 +19,7 @@ import yaml
 from lmrecipe.errors import EXIT_FAILURE, fail
 from lmrecipe.export import load_for_inference
 from lmrecipe.fileio import write_text_atomic
-from lmrecipe.tasks import NEXT_LINE, Task, lm_eval_task_config, resolve_tasks, write_task_file
+from lmrecipe.evaluation.tasks import NEXT_LINE, Task, lm_eval_task_config, resolve_tasks, write_task_file
 
 logger = logging.getLogger(__name__)
 

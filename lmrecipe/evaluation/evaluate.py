@@ -23,7 +23,7 @@ from lmrecipe.parallel.accelerator import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
 from lmrecipe.loss import forward_kwargs, use_chunked_loss, validation_loss
-from lmrecipe.tasks import NEXT_LINE, describe, prepare_tasks, resolve_tasks, score_tasks, single_documents
+from lmrecipe.evaluation.tasks import NEXT_LINE, describe, prepare_tasks, resolve_tasks, score_tasks, single_documents
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def evaluate_tasks(
     seed: int = 0,
 ) -> tuple[dict, bool]:
     """Score the multiple-choice tasks ``specs`` (task files, or ``next_line`` built from ``data_dir``'s validation
-    split) on ``path`` (export folder or training checkpoint), items split over the processes (``lmrecipe/tasks.py``).
+    split) on ``path`` (export folder or training checkpoint), items split over the processes (``lmrecipe/evaluation/tasks.py``).
 
     Returns ``({task: {"acc", "acc_norm", "items", "chance"}}, is_main_process)``, the same on any number of processes.
     """

@@ -35,7 +35,7 @@ from lmrecipe.data.format import load_meta
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_text_atomic
 from lmrecipe.launch import accelerate_launch_cmd
-from lmrecipe.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape, read_measured
+from lmrecipe.planning.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape, read_measured
 from lmrecipe.model import build_hf_config
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.plots import plot_memory_throughput
@@ -120,7 +120,7 @@ class ConfigResult:
     model_states_measured_mb: float | None = None
     """Weights + gradients + optimizer states held by the largest rank, measured from the tensors (MB = 1e6 B)."""
     model_states_estimated_mb: float | None = None
-    """The same from lmrecipe.memory's formulas."""
+    """The same from lmrecipe.planning.memory's formulas."""
     measured_over_estimated: float | None = None
     model_states_offloaded_mb: float | None = None
     """Part of the measured model states in CPU memory while training on GPUs (offload)."""
@@ -260,7 +260,7 @@ def collect_result(label: str, work: Workload, run_dir: Path, seconds: float) ->
 
 
 def estimate_for_run(work: Workload, meta: dict) -> MemoryEstimate:
-    """lmrecipe.memory's estimate for the topology and precision the run actually had."""
+    """lmrecipe.planning.memory's estimate for the topology and precision the run actually had."""
     shape = model_shape(build_hf_config(work.model, recipe_vocab_size(work.model, work.data), work.data.seq_len))
     precision = meta.get("precision") or resolve_precision(work.train.precision)
     return estimate_config(work, shape, work.distributed.deepspeed_config_path(), int(meta["world_size"]), 1, precision)
@@ -350,9 +350,9 @@ def results_markdown(results: list[ConfigResult], steps: int, num_processes: int
         "- tokens/s: median over steps after the first, all processes together.",
         *(["- Peak allocated: the CUDA allocator's peak on rank 0 over the run (`peak_mem_gb`)."] if on_gpu else []),
         "- Model states: weights + gradients + optimizer states held by the largest rank, measured from the tensors "
-        "during the second step, offloaded ones included (lmrecipe/memory.py). The figure plots "
+        "during the second step, offloaded ones included (lmrecipe/planning/memory.py). The figure plots "
         + ("the allocator's peak." if on_gpu else "these."),
-        "- Estimated: lmrecipe/memory.py's formulas for the same model, world size, precision and config.",
+        "- Estimated: lmrecipe/planning/memory.py's formulas for the same model, world size, precision and config.",
         "- Loss differences are against the `none` (no DeepSpeed) run at every logged step.",
         "",
     ]
