@@ -10,7 +10,7 @@ its current size read, after it the high-water mark: the step's peak is the diff
 mmap threshold fixed at 64 KiB, so freed tensors leave the resident set). The loss is the mean over ranks (under
 sequence parallelism each rank's loss covers its share of the window). It holds what a
 step allocates and frees (activations, logits, gradients), not the weights and optimizer states held throughout.
-The same run's ``lmrecipe.memory`` estimate (activations of one micro-batch on one rank, output layer and its weight's
+The same run's ``lmrecipe.planning.memory`` estimate (activations of one micro-batch on one rank, output layer and its weight's
 gradient included) is printed beside it. Step time: the median over the measured steps; ratios against the baseline
 of the same run.
 
@@ -120,10 +120,10 @@ def measure(name: str, recipe: str, data: str, overrides: list[str], nproc: int)
 
 
 def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
-    """What lmrecipe.memory says a step's peak holds on one rank: one micro-batch's activations with the output
+    """What lmrecipe.planning.memory says a step's peak holds on one rank: one micro-batch's activations with the output
     layer's (the peak is in the output layer's backward, before any other layer's gradient exists)."""
     from lmrecipe.data.format import load_meta
-    from lmrecipe.memory import estimate_activations, model_shape
+    from lmrecipe.planning.memory import estimate_activations, model_shape
     from lmrecipe.model import build_hf_config
 
     vocab = cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"])

@@ -140,7 +140,7 @@ def main() -> int:
     from lmrecipe.average import average_checkpoints
     from lmrecipe.checkpoint.storage import complete_checkpoints, step_dir_name
     from lmrecipe.config import load_config
-    from lmrecipe.evaluate import evaluate_path
+    from lmrecipe.evaluation.evaluate import evaluate_path
 
     n = args.steps
     every = max(1, n // 10)

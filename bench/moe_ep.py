@@ -10,10 +10,10 @@ at 2 each holds 4 of every layer's 8 and the tokens travel to their experts by a
 data and the losses are the same (``tests/integration/test_moe.py`` proves the equality); what changes is where the
 experts live and what moves.
 
-Each side is one ``tools/compare_zero.py`` run (``lmrecipe.compare.run_comparison``), launched in alternating order
+Each side is one ``tools/compare_zero.py`` run (``lmrecipe.planning.zero_comparison.run_comparison``), launched in alternating order
 (A B, B A, ...). Per round: tokens/s of each side (the median over logged steps after the first, both processes
 together), and the ratio EP2 / EP1. Per rank: the model states measured from the tensors during the second step
-(weights, gradients, optimizer states of the largest rank) beside ``lmrecipe.memory``'s estimate. The figures are
+(weights, gradients, optimizer states of the largest rank) beside ``lmrecipe.planning.memory``'s estimate. The figures are
 the median ratio over the rounds with its min and max.
 """
 
@@ -47,7 +47,7 @@ def main() -> int:
     args = parser.parse_args()
     C.check_data(args.data)
     logging.disable(logging.INFO)
-    from lmrecipe.compare import run_comparison
+    from lmrecipe.planning.zero_comparison import run_comparison
     from lmrecipe.config import load_config
     from transformers import AutoModelForCausalLM
 
