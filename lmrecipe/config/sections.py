@@ -650,10 +650,56 @@ class DistributedConfig:
     """Which MoE layer trains: ``hf`` = the model class's own block (under ZeRO-3 made a leaf module, so its
     experts are gathered together); ``autoep`` = DeepSpeed AutoEP's layer (needs DeepSpeed; also at
     ``expert_parallel_size=1``); ``auto`` = ``autoep`` when ``expert_parallel_size`` > 1, else ``hf``."""
+    hang_watchdog: bool = True
+    """A watchdog thread on every rank of a multi-process run (``docs/hangs.md``): when a rank makes no progress for
+    longer than its phase's budget (the ``hang_*_s`` keys, each below ``timeout_s``), the live ranks write
+    ``hang.md`` naming the stuck rank, dump their stacks and end the run with exit code 3. false = only ``timeout_s``
+    bounds a wait."""
+    hang_step_s: str = "auto"
+    """Budget (seconds) of each phase of a training step (data and forward/backward, optimizer, the step's end): a
+    number, or auto = max(10 x the median step time after the session's first 2 steps, ``hang_step_floor_s``), at
+    most 0.9 x ``timeout_s``."""
+    hang_step_floor_s: float = 120.0
+    """The least budget (seconds) ``hang_step_s=auto`` gives."""
+    hang_first_step_s: float = 900.0
+    """Budget (seconds) of the start (the resume) and of the session's first step; with ``hang_step_s=auto``, of
+    every step until one after the first 2 was measured."""
+    hang_checkpoint_s: float = 900.0
+    """Budget (seconds) of a checkpoint's save, and of the end of the run (the last write's wait, the export)."""
+    hang_eval_s: float = 900.0
+    """Budget (seconds) of an evaluation (validation loss, tasks, samples)."""
 
     def validate(self) -> None:
-        _positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size", "expert_parallel_size")
+        _positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size", "expert_parallel_size",
+                  "hang_step_floor_s", "hang_first_step_s", "hang_checkpoint_s", "hang_eval_s")
+        self.fixed_hang_step_s()
+        if self.hang_watchdog:
+            self._check_hang_budgets()
         self.deepspeed_config_path()
+
+    def _check_hang_budgets(self) -> None:
+        """Every watchdog budget below ``timeout_s`` (the section's own keys: checked here, not in rules.py)."""
+        budgets = {"hang_step_s": self.fixed_hang_step_s(), "hang_step_floor_s": self.hang_step_floor_s,
+                   "hang_first_step_s": self.hang_first_step_s, "hang_checkpoint_s": self.hang_checkpoint_s,
+                   "hang_eval_s": self.hang_eval_s}
+        over = [f"distributed.{key}={value:g}" for key, value in budgets.items()
+                if value is not None and value >= self.timeout_s]
+        if over:
+            raise fail(f"{', '.join(over)} must each be below distributed.timeout_s={self.timeout_s}: the collective's "
+                       "timeout would end a hung run first, naming nobody. Lower the budget, or raise "
+                       "distributed.timeout_s above it (docs/hangs.md).")
+
+    def fixed_hang_step_s(self) -> Optional[float]:
+        """``hang_step_s`` in seconds, or None for auto."""
+        if self.hang_step_s.strip().lower() == "auto":
+            return None
+        try:
+            value = float(self.hang_step_s)
+        except ValueError:
+            value = math.nan
+        if not value > 0:
+            raise fail(f"distributed.hang_step_s={self.hang_step_s!r} must be auto or a positive number of seconds.")
+        return value
 
     def deepspeed_config_path(self) -> Optional[Path]:
         """The DeepSpeed JSON file, or None: see :func:`resolve_deepspeed_config`."""

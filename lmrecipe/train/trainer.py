@@ -12,6 +12,7 @@ of a run, in the order they run at every hook (:attr:`Callback.order`):
   40  Preemption             a signal (or a lost launcher) stops the run after this step's checkpoint; a lost
                              peer process is named
   45  RemoteResume           ``checkpoint.remote`` (access checked when built): a newer remote checkpoint downloaded
+  48  Watchdog               every rank's phase; a thread names a rank stuck past its budget in hang.md (exit 3)
   50  Checkpointing          resume at the start; save at the save point; wait for a background write at the end
   60  SpikeGuard             a loss spike rolls the run back to the checkpoint before it
   70  NonFiniteStop          too many non-finite updates in a row end the run (exit 2)
@@ -56,6 +57,7 @@ from lmrecipe.train.callbacks.reporting import Reporting
 from lmrecipe.train.callbacks.spikes import SpikeGuard
 from lmrecipe.train.callbacks.stopping import EarlyStopping, NonFiniteStop
 from lmrecipe.train.callbacks.tasks import TaskEval
+from lmrecipe.train.callbacks.watchdog import Watchdog
 from lmrecipe.train.lock import RunLock
 from lmrecipe.train.setup import Run, build_run
 from lmrecipe.train.state import TrainState
@@ -241,6 +243,7 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         StepProfiling(cfg.profile, out_dir, acc),
         OOMDiagnosis(run),
         Preemption(signal, acc, out_dir / "checkpoints"),
+        Watchdog(cfg.distributed, acc, out_dir),
         Checkpointing(),
         ExportAtEnd(cfg.checkpoint, acc, out_dir, early_stopping=cfg.train.early_stopping_patience > 0),
         SpikeGuard(cfg.spike, acc, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,

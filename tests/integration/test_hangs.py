@@ -1,0 +1,104 @@
+"""The hang watchdog under a real 2-process launch: a rank frozen with SIGSTOP is named in hang.md and the run ends
+within its budget + 60 s (exit 3 in ``$LMRECIPE_EXIT_FILE``); a checkpoint and an evaluation slower than the step's
+budget but within their own do not trip it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, TINY_OVERRIDES, launch_cmd, run_script, subprocess_env
+
+from lmrecipe.observe.metrics_log import read_metrics
+
+BUDGETS = ["distributed.timeout_s=120", "distributed.hang_step_floor_s=4", "distributed.hang_first_step_s=60",
+           "distributed.hang_checkpoint_s=60", "distributed.hang_eval_s=60"]
+
+
+def _rank_pid(out: Path, rank: int) -> int:
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"out_dir={out}".encode() in (proc / "cmdline").read_bytes() \
+                    and f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no rank {rank} of {out} is running")
+
+
+def _steps(out: Path) -> int:
+    try:
+        return max((r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_and_the_run_ends_within_its_budget(tmp_path, tiny_data):
+    out, exit_file = tmp_path / "run", tmp_path / "exit.json"
+    args = ["train.py", "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES, *BUDGETS,
+            "train.max_steps=100000", "checkpoint.every_steps=0", "train.eval_every_steps=0"]
+    env = {**subprocess_env(), "LMRECIPE_EXIT_FILE": str(exit_file), "TORCH_FR_BUFFER_SIZE": "2000"}
+    launcher = subprocess.Popen(launch_cmd(2) + args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and _steps(out) < 6 and launcher.poll() is None:
+            time.sleep(0.2)
+        rank1 = _rank_pid(out, 1)
+        os.kill(rank1, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        _, stderr = launcher.communicate(timeout=4 + 60 + 30)
+        ended_s = time.monotonic() - frozen_at
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0 and ended_s < 4 + 60, stderr[-4000:]
+    report = (out / "hang.md").read_text()
+    assert f"**Stuck: rank 1 (pid {rank1} on " in report and "frozen" in report, report
+    assert "- Waiting: rank 0 (pid " in report
+    assert "in _run" in (out / "hang_stacks_rank0.txt").read_text()  # the watchdog's own thread, among all
+    assert json.loads((out / "hang_flight_rank0.json").read_text())["entries"]  # gloo's collectives recorded
+    assert json.loads(exit_file.read_text())["exit_code"] == 3
+    assert "Training stopped by the hang watchdog: rank 1" in stderr
+    assert not Path(f"/proc/{rank1}").exists() or "Z" in Path(f"/proc/{rank1}/stat").read_text().split(")")[-1][:3]
+    print(f"frozen -> launcher exit: {ended_s:.1f} s")
+
+
+SLOW_RANK0 = """import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+from lmrecipe.checkpoint.saving import Saver
+from lmrecipe.train.validation import Validation
+
+def slowed(method):
+    def slow(*args, **kwargs):
+        if os.environ.get("RANK") == "0":
+            time.sleep({sleep_s})
+        return method(*args, **kwargs)
+    return slow
+
+Saver._write_small_files = slowed(Saver._write_small_files)
+Validation.losses = slowed(Validation.losses)
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_slow_checkpoint_and_evaluation_within_their_budgets_do_not_trip(tmp_path, tiny_data):
+    """Rank 0 takes 6 s over a checkpoint and over an evaluation (rank 1 waits for it), against a step budget of 3 s."""
+    driver = tmp_path / "slow_rank0.py"
+    driver.write_text(SLOW_RANK0.format(root=str(ROOT), sleep_s=6))
+    out = tmp_path / "run"
+    proc = run_script([str(driver), "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
+                       *BUDGETS, "distributed.hang_step_s=3", "distributed.hang_checkpoint_s=20",
+                       "distributed.hang_eval_s=20", "train.max_steps=3", "checkpoint.every_steps=3",
+                       "train.eval_every_steps=3"], nproc=2, timeout=300)
+    assert proc.returncode == 0 and not (out / "hang.md").exists()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r] == [3]
+    assert (out / "checkpoints" / "latest").is_file()
