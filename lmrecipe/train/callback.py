@@ -6,10 +6,12 @@ The trainer (``lmrecipe/train/trainer.py``) runs, for every optimizer step::
         -> [sync point: host read, at_sync] -> on_step_end -> [evaluation: eval_figures, after_eval] -> on_save
 
 after ``on_start`` and before ``on_end``; ``on_stop`` when a callback ends the run early, ``on_error`` when an
-exception leaves the loop, ``on_close`` when the trainer is closed. Each hook is called on the callbacks in ascending
-:attr:`Callback.order`; a callback overrides only the hooks it uses, and receives the trainer (its run, state,
-checkpointer and the other hooks' dispatch), so nothing is wired by hand, no callback replaces another object's
-method, and the loop never looks a callback up by type.
+exception leaves the loop, ``on_close`` when the trainer is closed. Each hook is called on the run's callbacks in the
+order of their list (``build_callbacks``), which is the run order: a callback that must run after another names it
+in :attr:`Callback.follows`, and the trainer refuses a list that breaks it. A callback is built from its own config
+section and receives the trainer twice: at :meth:`Callback.attach`, once, when the trainer is built (what it needs of
+the run: its model, accelerator, data, folder), and at every hook. It overrides only the hooks it uses, so nothing is
+wired by hand, no callback replaces another object's method, and the loop never looks a callback up by type.
 
 - ``on_start``: once, before the first step (resume, open the logs);
 - ``before_step``: before the step's first forward;
@@ -84,10 +86,15 @@ class Callback:
     the layer above its callbacks).
     """
 
-    order: int = 0
-    """Where the callback runs among the others at every hook (ascending); see ``Trainer`` for the table."""
     name: str | None = None
     """Its key in every checkpoint's ``extras``; None: it keeps no state across a resume."""
+    follows: tuple[str, ...] = ()
+    """The callback classes (by name) that, when the run has them, come before this one at every hook; the trainer
+    checks the run's list against it."""
+
+    def attach(self, trainer) -> None:
+        """Take what the callback needs of the run (``trainer.run``, ``trainer.out_dir``); once, when the trainer is
+        built, in the list's order, on every rank."""
 
     def on_start(self, trainer) -> None:
         pass

@@ -2,32 +2,12 @@
 and everything else the loop does done by callbacks.
 
 ``train`` takes the run folder's lock, builds the run, its checkpointer and its callbacks, and calls
-:meth:`Trainer.fit`. The hooks and their timeline are described in ``lmrecipe/train/callback.py``; the callbacks
-of a run, in the order they run at every hook (:attr:`Callback.order`):
+:meth:`Trainer.fit`. The hooks and their timeline are described in ``lmrecipe/train/callback.py``. The run's
+callbacks are the list :func:`build_callbacks` returns, in the order they run at every hook; a callback that must run
+after another names it (:attr:`Callback.follows`), and the trainer refuses a list that breaks it.
 
-====  =====================  =============================================================================
-  10  StepProfiling          ``torch.profiler`` over ``profile.first_step``..; wraps the step first
-  20  OOMDiagnosis           an out-of-memory error in a step becomes one message naming the ways out
-  30  FaultInjection         tests' injected faults (``LMRECIPE_FAULT_*``), only when asked for
-  40  Preemption             a signal (or a lost launcher) stops the run after this step's checkpoint; a lost
-                             peer process is named
-  45  RemoteResume           ``checkpoint.remote`` (access checked when built): a newer remote checkpoint downloaded
-  48  Watchdog               every rank's phase; a thread names a rank stuck past its budget in hang.md (exit 3)
-  50  Checkpointing          resume at the start; save at the save point; wait for a background write at the end
-  60  SpikeGuard             a loss spike rolls the run back to the checkpoint before it
-  70  NonFiniteStop          too many non-finite updates in a row end the run (exit 2)
-  75  ModelStates            ``logging.measure_model_states``: this rank's model-state bytes at the second update
-  80  WeightEMA              the weight average, its validation loss, its checkpoint files
-  90  TaskEval               multiple-choice tasks scored at evaluations
- 100  EarlyStopping          evaluations without improvement end the run
- 110  ExportAtEnd            the Hugging Face export of the last (or best) checkpoint
- 115  RemoteUpload           ``checkpoint.remote``: each checkpoint uploaded in the background; at the end, the export
- 120  Reporting              config.yaml, the live log, metrics and trackers, the plot, the run's report
- 125  LayerStats             per-layer gradient, weight and update norms at logged steps; layers.png
- 140  RemoteReport           ``checkpoint.remote``: the run's report uploaded last
-====  =====================  =============================================================================
-
-A new feature is a new :class:`Callback` in ``lmrecipe/train/callbacks/``, added in :func:`build_callbacks`.
+A new feature is a new :class:`Callback` in ``lmrecipe/train/callbacks/``, built from its own config section and
+placed in :func:`build_callbacks`' list.
 """
 
 from __future__ import annotations
@@ -81,10 +61,9 @@ class Trainer:
         self.validation = validation
         self.out_dir = out_dir
         self.checkpointer = checkpointer
-        self.callbacks = sorted(callbacks, key=lambda callback: callback.order)  # stable: ties keep their order
-        names = [c.name for c in self.callbacks if c.name is not None]
-        if len(names) != len(set(names)):
-            raise ValueError(f"callbacks share a checkpoint name: {names}")
+        self.callbacks = list(callbacks)
+        check_order(self.callbacks)
+        stateful(self.callbacks)  # two callbacks may not share a checkpoint name
         self.state = TrainState()
         self.max_steps = run.cfg.train.max_steps
         self.timer = timer
@@ -99,10 +78,9 @@ class Trainer:
         self.stop: Stop | None = None
         self._clock = time.perf_counter()
         self._closed = False
+        for callback in self.callbacks:  # last: a callback may read any of the trainer's fields
+            callback.attach(self)
 
-    def stateful(self) -> dict[str, Callback]:
-        """The callbacks with state, by name: what every checkpoint saves and a resume restores."""
-        return {c.name: c for c in self.callbacks if c.name is not None}
 
     def call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -235,49 +213,62 @@ class Trainer:
                 prefetcher.close()
 
 
+def check_order(callbacks: Sequence[Callback]) -> None:
+    """ValueError when a callback comes before one it follows (:attr:`Callback.follows`)."""
+    position = {type(c).__name__: i for i, c in enumerate(callbacks)}
+    for i, callback in enumerate(callbacks):
+        late = [name for name in callback.follows if position.get(name, -1) > i]
+        if late:
+            raise ValueError(f"{type(callback).__name__} must come after {', '.join(late)} in the run's callbacks "
+                             f"(its follows), but comes before: {[type(c).__name__ for c in callbacks]}")
+
+
+def stateful(callbacks: Sequence[Callback]) -> dict[str, Callback]:
+    """The callbacks with state, by name: what every checkpoint saves and a resume restores. ValueError when two
+    share a name."""
+    named = [c for c in callbacks if c.name is not None]
+    by_name = {c.name: c for c in named}
+    if len(by_name) != len(named):
+        raise ValueError(f"callbacks share a checkpoint name: {[c.name for c in named]}")
+    return by_name
+
+
 def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: str | None = None,
                     command: list[str] | None = None) -> list[Callback]:
-    """The run's callbacks (their order is their own, see the module docstring)."""
-    cfg, acc = run.cfg, run.accelerator
-    callbacks: list[Callback] = [
-        StepProfiling(cfg.profile, out_dir, acc),
-        OOMDiagnosis(run),
-        Preemption(signal, acc, out_dir / "checkpoints"),
-        Watchdog(cfg.distributed, acc, out_dir),
-        Checkpointing(),
-        ExportAtEnd(cfg.checkpoint, acc, out_dir, early_stopping=cfg.train.early_stopping_patience > 0),
-        SpikeGuard(cfg.spike, acc, out_dir, batches=run.train_batches, prefetcher=run.prefetcher,
-                   precision=run.runtime.precision, checkpoint_every_steps=cfg.checkpoint.every_steps),
-        NonFiniteStop(cfg.train.max_consecutive_skips),
-        EarlyStopping(cfg.train),
-        Reporting(run, out_dir, recipe, command),
+    """The run's callbacks, each from its own config section, in the order they run at every hook."""
+    cfg = run.cfg
+    remote_resume, remote_upload, remote_report = build_remote_callbacks(
+        cfg.checkpoint, run.accelerator, out_dir, progress=cfg.logging.progress_bar)
+    callbacks = [
+        StepProfiling(cfg.profile),  # first: what it profiles is the step itself
+        OOMDiagnosis(),  # an out-of-memory error in a step becomes one message naming the ways out
+        FaultInjection.from_environment(),  # tests' injected faults (LMRECIPE_FAULT_*), only when asked for
+        Preemption(signal),  # a signal stops the run after this step's checkpoint; a lost peer is named
+        remote_resume,  # checkpoint.remote: a newer remote checkpoint downloaded before the resume
+        Watchdog(cfg.distributed),  # every rank's phase; a rank stuck past its budget is named in hang.md (exit 3)
+        Checkpointing(),  # resume at the start; save at the save point; wait for a background write at the end
+        SpikeGuard(cfg.spike),  # a loss spike rolls the run back to the checkpoint before it
+        NonFiniteStop(cfg.train),  # too many non-finite updates in a row end the run (exit 2)
+        ModelStates() if cfg.logging.measure_model_states else None,  # this rank's model-state bytes
+        WeightEMA(cfg.train) if cfg.train.ema_decay > 0 else None,  # the weight average and its validation loss
+        TaskEval(cfg.eval) if cfg.eval.tasks else None,  # multiple-choice tasks scored at evaluations
+        EarlyStopping(cfg.train),  # evaluations without improvement end the run
+        ExportAtEnd(cfg.checkpoint),  # the Hugging Face export of the last (or best) checkpoint
+        remote_upload,  # checkpoint.remote: each checkpoint uploaded in the background; at the end, the export
+        Reporting(recipe, command),  # config.yaml, the live log, metrics and trackers, the plot, the report
+        LayerStats() if cfg.logging.layer_stats else None,  # per-layer norms at logged steps; layers.png
+        remote_report,  # checkpoint.remote: the run's report uploaded last
     ]
-    if cfg.train.ema_decay > 0:
-        callbacks.append(WeightEMA(run.model, cfg.train.ema_decay, zero3=run.runtime.topology.zero.stage == 3,
-                                   rank=acc.process_index, world_size=acc.num_processes, is_main=acc.is_main_process,
-                                   device=acc.device))
-    if cfg.eval.tasks:
-        callbacks.append(TaskEval(cfg.eval, cfg.train, run))
-    if cfg.logging.layer_stats:
-        callbacks.append(LayerStats(run, out_dir))
-    if cfg.logging.measure_model_states:
-        callbacks.append(ModelStates(run, out_dir))
-    if (faults := FaultInjection.from_environment(run.train_batches, acc)) is not None:
-        callbacks.append(faults)
-    callbacks += build_remote_callbacks(cfg.checkpoint, acc, out_dir, progress=cfg.logging.progress_bar)
-    return callbacks
+    return [callback for callback in callbacks if callback is not None]
 
 
 def build_trainer(run: Run, out_dir: Path, signal: PreemptionSignal | None = None, recipe: str | None = None,
                   timer: SectionTimer | None = None, extra: Sequence[Callback] = (),
                   command: list[str] | None = None) -> Trainer:
-    """The trainer of ``run`` with the run's callbacks, and ``extra`` ones (saved by name like the others)."""
-    callbacks = sorted([*build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe, command), *extra],
-                       key=lambda c: c.order)
-    stateful = {c.name: c for c in callbacks if c.name is not None}
+    """The trainer of ``run`` with the run's callbacks, then ``extra`` ones (saved by name like the others)."""
+    callbacks = [*build_callbacks(run, out_dir, signal or PreemptionSignal(), recipe, command), *extra]
     batches = run.train_batches  # a checkpoint's data position: where the next step's sample range starts
-    checkpointer = build_checkpointer(run, out_dir, stateful,
-                                      next_sample=batches.next_sample)
+    checkpointer = build_checkpointer(run, out_dir, stateful(callbacks), next_sample=batches.next_sample)
     return Trainer(run, out_dir, checkpointer, callbacks, validation=Validation(run), timer=timer)
 
 

@@ -9,7 +9,7 @@ from lmrecipe.checkpoint.ema_files import read_ema_state_dict
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
 from lmrecipe.observe.host_syncs import HostSyncCounter
-from lmrecipe.train.callbacks.ema import WeightEMA
+from lmrecipe.train.callbacks.ema import WeightAverage
 
 # ---------------------------------------------------------------------------------------------- unit
 
@@ -25,7 +25,7 @@ def closed_form(history: list[dict[str, torch.Tensor]], decay: float) -> dict[st
 def test_update_matches_the_closed_form_and_skips_leave_it_unchanged():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    ema = WeightEMA(model, 0.9, zero3=False)
+    ema = WeightAverage(model, 0.9, zero3=False)
     applied = []
     before: list[torch.Tensor] = []
     for step in range(6):
@@ -44,7 +44,7 @@ def test_update_matches_the_closed_form_and_skips_leave_it_unchanged():
     for name, shadow in zip(ema.names, ema.shadow):
         torch.testing.assert_close(shadow, want[name], rtol=1e-6, atol=1e-6)
     # The first applied update copies the weights: nothing of the initialisation remains.
-    fresh = WeightEMA(model, 0.999, zero3=False)
+    fresh = WeightAverage(model, 0.999, zero3=False)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -54,7 +54,7 @@ def test_update_matches_the_closed_form_and_skips_leave_it_unchanged():
 
 def test_update_reads_nothing_on_the_host():
     model = torch.nn.Linear(8, 8)
-    ema = WeightEMA(model, 0.99, zero3=False)
+    ema = WeightAverage(model, 0.99, zero3=False)
     flag = torch.tensor(False)
     with HostSyncCounter() as counter:
         for _ in range(3):
@@ -65,7 +65,7 @@ def test_update_reads_nothing_on_the_host():
 def test_swap_evaluates_the_average_and_restores_the_weights_exactly():
     torch.manual_seed(1)
     model = torch.nn.Linear(5, 3)
-    ema = WeightEMA(model, 0.5, zero3=False)
+    ema = WeightAverage(model, 0.5, zero3=False)
     with torch.no_grad():
         model.weight.mul_(3.0)
     ema.update(False)
@@ -84,22 +84,22 @@ def test_swap_evaluates_the_average_and_restores_the_weights_exactly():
 def test_save_and_load_round_trip(tmp_path):
     torch.manual_seed(2)
     model = torch.nn.Linear(4, 4)
-    ema = WeightEMA(model, 0.7, zero3=False)
+    ema = WeightAverage(model, 0.7, zero3=False)
     with torch.no_grad():
         model.weight.add_(1.0)
     ema.update(False)
     ema.update(torch.tensor(True))
     ema.save_files(tmp_path)
-    other = WeightEMA(torch.nn.Linear(4, 4), 0.7, zero3=False)
+    other = WeightAverage(torch.nn.Linear(4, 4), 0.7, zero3=False)
     assert other.load_files(tmp_path) and other.num_updates.item() == 1
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow, other.shadow))
     assert set(read_ema_state_dict(tmp_path)) == {"weight", "bias"}
-    assert not WeightEMA(model, 0.7, zero3=False).load_files(tmp_path / "elsewhere")  # no EMA saved: kept, and said
+    assert not WeightAverage(model, 0.7, zero3=False).load_files(tmp_path / "elsewhere")  # no EMA saved: kept, and said
 
 
 def zero3_like(model: torch.nn.Module, rank: int, world_size: int) -> torch.nn.Module:
     """Give each parameter a ZeRO-3-style partition (``ds_tensor``: ceil(numel / world_size) values, the last one
-    zero-padded) and ``ds_shape``, as DeepSpeed does, so WeightEMA(zero3=True) averages this rank's partition."""
+    zero-padded) and ``ds_shape``, as DeepSpeed does, so WeightAverage(zero3=True) averages this rank's partition."""
     for param in model.parameters():
         size = -(-param.numel() // world_size)
         flat = torch.nn.functional.pad(param.detach().reshape(-1), (0, size * world_size - param.numel()))
@@ -111,7 +111,7 @@ def test_ema_loads_across_process_counts_and_zero_stages(tmp_path):
     """An average saved whole loads into ZeRO-3 partitions of any process count, and partitions load whole."""
     torch.manual_seed(3)
     model = torch.nn.Linear(5, 3)  # 15 + 3 values: partitions with padding on 2 processes
-    whole = WeightEMA(model, 0.7, zero3=False)
+    whole = WeightAverage(model, 0.7, zero3=False)
     with torch.no_grad():
         model.weight.mul_(2.0)
     whole.update(False)
@@ -119,15 +119,15 @@ def test_ema_loads_across_process_counts_and_zero_stages(tmp_path):
     whole.save_files(tmp_path / "whole")
     expected = read_ema_state_dict(tmp_path / "whole")
     for rank in range(2):  # whole -> ZeRO-3 on 2 processes, then back to a whole file
-        part = WeightEMA(zero3_like(torch.nn.Linear(5, 3), rank, 2), 0.7, zero3=True, rank=rank, world_size=2)
+        part = WeightAverage(zero3_like(torch.nn.Linear(5, 3), rank, 2), 0.7, zero3=True, rank=rank, world_size=2)
         assert part.load_files(tmp_path / "whole") and part.num_updates.item() == 1
         part.save_files(tmp_path / "parts")
     assert read_ema_state_dict(tmp_path / "parts").keys() == expected.keys()
     assert all(torch.equal(read_ema_state_dict(tmp_path / "parts")[k], v) for k, v in expected.items())
-    again = WeightEMA(torch.nn.Linear(5, 3), 0.7, zero3=False)
+    again = WeightAverage(torch.nn.Linear(5, 3), 0.7, zero3=False)
     assert again.load_files(tmp_path / "parts")  # ZeRO-3 on 2 -> no DeepSpeed
     assert all(torch.equal(a, b.reshape(a.shape)) for a, b in zip(again.shadow, whole.shadow))
-    one = WeightEMA(zero3_like(torch.nn.Linear(5, 3), 0, 1), 0.7, zero3=True, rank=0, world_size=1)
+    one = WeightAverage(zero3_like(torch.nn.Linear(5, 3), 0, 1), 0.7, zero3=True, rank=0, world_size=1)
     assert one.load_files(tmp_path / "parts")  # ZeRO-3 on 2 -> ZeRO-3 on 1
     assert all(torch.equal(a, b.reshape(-1)) for a, b in zip(one.shadow, whole.shadow))
 

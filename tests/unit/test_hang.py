@@ -119,11 +119,10 @@ def test_the_hooks_mark_each_phase_and_a_save_point_only_when_it_saves(monkeypat
     section = load_config("recipes/tiny.yaml", TINY_OVERRIDES).distributed
     accelerator = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True,
                                   wait_for_everyone=lambda: None, end_training=lambda: None)
-    watchdog = Watchdog(section, accelerator, Path("unused"))
+    watchdog = Watchdog(section)
     seen: list = []
 
-    class Spy(Callback):
-        order = watchdog.order + 1
+    class Spy(Callback):  # listed after the watchdog: sees the phase it marked at each hook
 
         def __getattribute__(self, attr):
             if attr in ("on_start", "before_step", "pre_optim_step", "after_step", "eval_figures", "on_save", "on_end"):
@@ -135,7 +134,7 @@ def test_the_hooks_mark_each_phase_and_a_save_point_only_when_it_saves(monkeypat
     run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(max_steps=2)), tokens_per_step=10,
                           accelerator=accelerator)
     checkpointer = SimpleNamespace(due=lambda step: step == 2)
-    Trainer(run, Path("unused"), checkpointer, [Spy(), watchdog], validation=validation).fit()
+    Trainer(run, Path("unused"), checkpointer, [watchdog, Spy()], validation=validation).fit()
     assert seen == [("on_start", 0, START),
                     ("before_step", 1, FORWARD_BACKWARD), ("pre_optim_step", 1, OPTIMIZER), ("after_step", 1, STEP_END),
                     ("on_save", 1, STEP_END),  # step 1 saves nothing

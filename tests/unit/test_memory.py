@@ -176,7 +176,8 @@ def test_the_model_states_callback_measures_the_gradients_of_the_second_update_b
     model, optimizer = _tiny_model_and_adam()
     run = SimpleNamespace(model=model, optimizer=optimizer,
                           accelerator=SimpleNamespace(process_index=0, num_processes=1))
-    callback = ModelStates(run, tmp_path)
+    callback = ModelStates()
+    callback.attach(SimpleNamespace(run=run, out_dir=tmp_path))
     for step in (1, 2):
         model(torch.randint(0, 50, (4, 8))).pow(2).mean().backward()
         callback.pre_optim_step(None)

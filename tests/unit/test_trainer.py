@@ -29,8 +29,8 @@ HOOKS = ("on_start", "before_step", "pre_optim_step", "after_step", "at_sync", "
 class Recorder(Callback):
     """Writes (its name, the hook, the step) into a shared log at every hook; the sync points are ``sync_steps``."""
 
-    def __init__(self, name: str, order: int, log: list, sync_steps=()):
-        self.label, self.order, self.log, self.sync_steps = name, order, log, set(sync_steps)
+    def __init__(self, name: str, log: list, sync_steps=()):
+        self.label, self.log, self.sync_steps = name, log, set(sync_steps)
 
     def needs_sync(self, trainer, step):
         return step in self.sync_steps
@@ -115,8 +115,8 @@ def make_trainer(callbacks, max_steps=3, checkpointer=None, validation=None) -> 
 
 def test_hooks_run_in_timeline_order_and_callbacks_in_their_order(steps):
     log: list = []
-    late, early = Recorder("late", 20, log), Recorder("early", 10, log, sync_steps={2})
-    trainer = make_trainer([late, early], max_steps=2)
+    early, late = Recorder("early", log, sync_steps={2}), Recorder("late", log)
+    trainer = make_trainer([early, late], max_steps=2)
     state = trainer.fit()
     assert state.step == 2 and steps.ran == [0, 1] and trainer.run.accelerator.ended
     both = lambda hook, step: [("early", hook, step), ("late", hook, step)]  # noqa: E731
@@ -138,7 +138,7 @@ def test_the_trainer_runs_each_evaluation_after_the_log_line_and_before_the_save
     """An evaluation is a sync point the trainer decides (no callback asked for one): the callbacks' figures first,
     then the validation loss, then ``after_eval``, between ``on_step_end`` and ``on_save``."""
     log: list = []
-    trainer = make_trainer([Recorder("r", 5, log)], max_steps=2, validation=FakeValidation({2}, log))
+    trainer = make_trainer([Recorder("r", log)], max_steps=2, validation=FakeValidation({2}, log))
     state = trainer.fit()
     step2 = [(who, hook) for who, hook, step in log if step == 2 or who == "validation"]
     assert step2 == [("r", "after_step"), ("r", "at_sync"), ("r", "on_step_end"), ("r", "eval_figures"),
@@ -147,8 +147,8 @@ def test_the_trainer_runs_each_evaluation_after_the_log_line_and_before_the_save
 
 
 class StopAt(Callback):
-    def __init__(self, step: int, stop: Stop, hook: str = "on_step_end", order: int = 0):
-        self.step, self.stop, self.order = step, stop, order
+    def __init__(self, step: int, stop: Stop, hook: str = "on_step_end"):
+        self.step, self.stop = step, stop
         setattr(self, hook, self._maybe_stop)
 
     def _maybe_stop(self, trainer, *args):
@@ -158,7 +158,7 @@ class StopAt(Callback):
 
 def test_a_clean_stop_ends_the_run_after_the_save_point_and_runs_the_end(steps):
     log: list = []
-    trainer = make_trainer([StopAt(2, Stop("enough")), Recorder("r", 5, log)], max_steps=5)
+    trainer = make_trainer([StopAt(2, Stop("enough")), Recorder("r", log)], max_steps=5)
     state = trainer.fit()
     assert state.step == 2 and steps.ran == [0, 1]
     hooks = [(hook, step) for _, hook, step in log]
@@ -167,7 +167,7 @@ def test_a_clean_stop_ends_the_run_after_the_save_point_and_runs_the_end(steps):
 
 def test_an_error_stop_exits_2_without_the_end(steps):
     log: list = []
-    trainer = make_trainer([StopAt(1, Stop("diverged", error=True)), Recorder("r", 5, log)], max_steps=5)
+    trainer = make_trainer([StopAt(1, Stop("diverged", error=True)), Recorder("r", log)], max_steps=5)
     with pytest.raises(UserError, match="diverged") as caught:
         trainer.fit()
     assert caught.value.exit_code == 2 and steps.ran == [0]
@@ -175,18 +175,16 @@ def test_an_error_stop_exits_2_without_the_end(steps):
 
 
 def test_a_preemption_replaces_an_earlier_stop_and_exits_with_its_code(steps):
-    early = StopAt(1, Stop("enough"), hook="on_step_end", order=1)
-    signal = StopAt(1, Stop("SIGTERM", exit_code=124, save=True), hook="on_save", order=2)
-    later = StopAt(1, Stop("also enough"), hook="on_save", order=3)
+    early = StopAt(1, Stop("enough"), hook="on_step_end")
+    signal = StopAt(1, Stop("SIGTERM", exit_code=124, save=True), hook="on_save")
+    later = StopAt(1, Stop("also enough"), hook="on_save")
     with pytest.raises(SystemExit) as caught:
-        make_trainer([later, signal, early], max_steps=5).fit()
+        make_trainer([early, signal, later], max_steps=5).fit()
     assert caught.value.code == 124
 
 
 class RollBackAt(Callback):
     """At the sync point of step ``at`` (once), rolls the run back to the checkpoint of step ``to``."""
-
-    order = 1
 
     def __init__(self, at: int, to: int):
         self.at, self.to, self.done = at, to, False
@@ -207,7 +205,7 @@ class RollBackAt(Callback):
 
 def test_a_rollback_skips_the_rest_of_the_step_and_goes_on_from_the_checkpoint(steps):
     log: list = []
-    trainer = make_trainer([RollBackAt(at=3, to=1), Recorder("r", 5, log)], max_steps=4)
+    trainer = make_trainer([RollBackAt(at=3, to=1), Recorder("r", log)], max_steps=4)
     state = trainer.fit()
     assert steps.ran == [0, 1, 2, 1, 2, 3]  # steps 2 and 3 (1-based) ran again after going back to step 1
     assert state.step == 4 and state.tokens_seen == 40
@@ -220,8 +218,6 @@ def test_a_rollback_skips_the_rest_of_the_step_and_goes_on_from_the_checkpoint(s
 
 
 class Explains(Callback):
-    order = 1
-
     def on_error(self, trainer, err):
         if isinstance(err, RuntimeError):
             return UserError(f"step {trainer.running_step} failed: {err}")
@@ -232,6 +228,22 @@ def test_a_callback_replaces_an_error_with_its_explanation(steps):
     steps.fail_at = 2
     with pytest.raises(UserError, match="step 2 failed: the step broke"):
         make_trainer([Explains()], max_steps=3).fit()
+
+
+class Second(Callback):
+    follows = ("Recorder",)
+
+
+def test_a_callback_listed_before_one_it_follows_is_refused_and_one_attached_once_in_order():
+    log: list = []
+    with pytest.raises(ValueError, match="Second must come after Recorder"):
+        make_trainer([Second(), Recorder("r", log)])
+    attached = []
+    first, second = Recorder("r", log), Second()
+    first.attach = lambda trainer: attached.append("first")
+    second.attach = lambda trainer: attached.append("second")
+    make_trainer([first, second])
+    assert attached == ["first", "second"]
 
 
 def test_two_callbacks_may_not_share_a_checkpoint_name():

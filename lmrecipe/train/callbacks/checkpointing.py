@@ -48,7 +48,8 @@ class Checkpointing(Callback):
     ``checkpoint.every_steps`` steps, at the last step and when a stop asks for it (a preemption), and waits for
     a background write at the end."""
 
-    order = 50
+    follows = ("RemoteResume", "Preemption", "Watchdog")  # a newer remote checkpoint is downloaded before the resume;
+    # a preemption's stop is asked for before the save point's checkpoint; a save is timed against its own budget
 
     def on_start(self, trainer) -> None:
         run = trainer.run
@@ -70,15 +71,17 @@ class ExportAtEnd(Callback):
     """``checkpoint.export_at_end``: the Hugging Face export of the last checkpoint (with early stopping on, the best
     by validation loss) into ``out_dir/export`` (main process; the others need not wait)."""
 
-    order = 110
+    follows = ("Checkpointing",)  # the last checkpoint is written before it is exported
 
-    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, *, early_stopping: bool):
+    def __init__(self, section: CheckpointConfig):
         self.section = section
-        self.accelerator = accelerator
-        self.out_dir = out_dir
-        self.early_stopping = early_stopping
         self.source: Path | None = None
         self.export: Path | None = None
+
+    def attach(self, trainer) -> None:
+        self.accelerator = trainer.run.accelerator
+        self.out_dir = trainer.out_dir
+        self.early_stopping = trainer.run.cfg.train.early_stopping_patience > 0
 
     def on_end(self, trainer) -> None:
         checkpointer = trainer.checkpointer

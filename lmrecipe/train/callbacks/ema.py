@@ -43,6 +43,7 @@ from typing import Iterator
 import torch
 
 from lmrecipe.checkpoint.ema_files import COUNT_KEY, FORMAT, FULL_FILE, SavedEMA, has_ema, partition_file
+from lmrecipe.config import TrainConfig
 from lmrecipe.errors import fail
 from lmrecipe.model import bare_parameter_name
 from lmrecipe.train.callback import Callback
@@ -50,17 +51,53 @@ from lmrecipe.train.callback import Callback
 logger = logging.getLogger(__name__)
 
 class WeightEMA(Callback):
-    """The fp32 moving average of the weights this rank owns; see the module docstring.
+    """``train.ema_decay`` for the trainer: the :class:`WeightAverage` of the run's model, updated after every step;
+    the averaged weights' validation loss added to every evaluation (``val_loss_ema``), measured first, so the trained
+    weights' loss is measured after they were swapped back (a faulty restore would show as a difference from the
+    checkpoint's weights); the average in every checkpoint (:meth:`save_files`)."""
 
-    Every method runs on every rank (the ZeRO-3 swap re-gathers persistent parameters collectively). As the trainer's
-    callback it updates after every step, adds the averaged weights' validation loss to every evaluation
-    (``val_loss_ema``), measured first, so the trained weights' loss is measured after they were swapped back (a
-    faulty restore would show as a difference from the checkpoint's weights), and its shadow goes in every
-    checkpoint (:meth:`save_files`).
-    """
-
-    order = 80
     name = "ema"
+
+    def __init__(self, section: TrainConfig):
+        self.decay = section.ema_decay
+        self.average: WeightAverage | None = None
+        self.last_val_loss: float | None = None
+        """The averaged weights' validation loss at the latest evaluation (saved with the callback's state)."""
+
+    def attach(self, trainer) -> None:
+        run = trainer.run
+        acc = run.accelerator
+        self.average = WeightAverage(run.model, self.decay, zero3=run.runtime.topology.zero.stage == 3,
+                                     rank=acc.process_index, world_size=acc.num_processes,
+                                     is_main=acc.is_main_process, device=acc.device)
+
+    def after_step(self, trainer, result) -> None:
+        self.average.update(result.skipped)
+
+    def eval_figures(self, trainer, evaluate) -> dict[str, float]:
+        with self.average.swapped_in():
+            self.last_val_loss = evaluate()
+        return {"val_loss_ema": self.last_val_loss}
+
+    def outcome(self, trainer) -> dict:
+        return {"last_val_loss_ema": self.last_val_loss}
+
+    def state_dict(self) -> dict:
+        return {"last_val_loss_ema": self.last_val_loss}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.last_val_loss = None if state is None else state.get("last_val_loss_ema")
+
+    def save_files(self, folder: Path) -> None:
+        self.average.save_files(folder)
+
+    def load_files(self, folder: Path) -> bool:
+        return self.average.load_files(folder)
+
+
+class WeightAverage:
+    """The fp32 moving average of the weights this rank owns; see the module docstring. Every method runs on every
+    rank (the ZeRO-3 swap re-gathers persistent parameters collectively)."""
 
     def __init__(self, model: torch.nn.Module, decay: float, *, zero3: bool, rank: int = 0, world_size: int = 1,
                  is_main: bool = True, device: torch.device | str | None = None):
@@ -86,8 +123,6 @@ class WeightEMA(Callback):
         first = self.shadow[0].device if self.shadow else torch.device("cpu")
         self.num_updates = torch.zeros((), dtype=torch.float64, device=device or first)
         """Applied updates ``k`` so far (a device tensor: counting skips on the host would be a sync)."""
-        self.last_val_loss: float | None = None
-        """The averaged weights' validation loss at the latest evaluation (saved with the callback's state)."""
 
     def _owned(self) -> list[torch.Tensor]:
         """This rank's weights: the ZeRO-3 partitions (fetched each time: DeepSpeed may move them), or the params."""
@@ -114,23 +149,6 @@ class WeightEMA(Callback):
             for i in index:
                 # lerp_ per tensor: _foreach_lerp_ turns a tensor weight into a host scalar (a device sync).
                 self.shadow[i].lerp_(owned[i] if dtype == torch.float32 else owned[i].float(), weight_here)
-
-    def after_step(self, trainer, result) -> None:
-        self.update(result.skipped)
-
-    def eval_figures(self, trainer, evaluate) -> dict[str, float]:
-        with self.swapped_in():
-            self.last_val_loss = evaluate()
-        return {"val_loss_ema": self.last_val_loss}
-
-    def outcome(self, trainer) -> dict:
-        return {"last_val_loss_ema": self.last_val_loss}
-
-    def state_dict(self) -> dict:
-        return {"last_val_loss_ema": self.last_val_loss}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        self.last_val_loss = None if state is None else state.get("last_val_loss_ema")
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

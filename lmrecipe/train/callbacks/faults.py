@@ -30,22 +30,16 @@ _SPIKE_LOGIT_SCALE = 1000.0
 class FaultInjection(Callback):
     """Attaches the faults the environment asks for to the model when the run starts (after a resume)."""
 
-    order = 30
-
-    def __init__(self, batches, accelerator):
-        self.batches = batches
-        self.accelerator = accelerator
-
     @classmethod
-    def from_environment(cls, batches, accelerator) -> FaultInjection | None:
+    def from_environment(cls) -> FaultInjection | None:
         """The callback when a fault variable is set, else None."""
         if not any(os.environ.get(name, "").strip() for name in (OOM_FAULT_ENV, SPIKE_FAULT_ENV)):
             return None
-        return cls(batches, accelerator)
+        return cls()
 
     def on_start(self, trainer) -> None:
-        maybe_install_faults(self.accelerator.unwrap_model(trainer.run.model), self.batches,
-                             lambda: trainer.running_step)
+        run = trainer.run
+        maybe_install_faults(run.accelerator.unwrap_model(run.model), run.train_batches, lambda: trainer.running_step)
 
 
 def maybe_install_faults(model: torch.nn.Module, batches, current_step: Callable[[], int | None]) -> None:

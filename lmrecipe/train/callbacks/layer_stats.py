@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -151,11 +150,11 @@ class LayerStats(Callback):
     """The instruments of the module docstring, at the logged steps (``logging.log_every_steps``, the first, the
     last); ``layers.png`` at the end (main process)."""
 
-    order = 125  # after Reporting's on_end closes metrics.jsonl: the heat map reads the whole file
+    follows = ("Reporting",)  # Reporting's on_end closes metrics.jsonl: the heat map reads the whole file
 
-    def __init__(self, run: Run, out_dir: Path):
-        self.run = run
-        self.out_dir = out_dir
+    def attach(self, trainer) -> None:
+        run = self.run = trainer.run
+        self.out_dir = trainer.out_dir
         self.parts = parameter_parts(run.model)
         self.params = [p for params in self.parts.values() for _, p in params]
         self.index = torch.tensor([i for i, params in enumerate(self.parts.values()) for _ in params])

@@ -15,7 +15,6 @@ from pathlib import Path
 from lmrecipe.fileio import write_json_atomic
 from lmrecipe.planning.memory import format_bytes, model_state_bytes
 from lmrecipe.train.callback import Callback
-from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +25,14 @@ MEASURED_AT_UPDATE = 2
 class ModelStates(Callback):
     """Writes ``memory_rank{rank}.json`` once, in step :data:`MEASURED_AT_UPDATE` (every rank its own file)."""
 
-    order = 75
-
-    def __init__(self, run: Run, out_dir: Path):
-        self.run = run
-        accelerator = run.accelerator
-        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
-        self.path = Path(out_dir) / f"memory_rank{self.rank}.json"
+    def __init__(self):
         self.steps_run = 0
+
+    def attach(self, trainer) -> None:
+        self.run = trainer.run
+        accelerator = self.run.accelerator
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.path = Path(trainer.out_dir) / f"memory_rank{self.rank}.json"
 
     def after_step(self, trainer, result) -> None:
         self.steps_run += 1

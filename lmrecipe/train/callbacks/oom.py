@@ -23,7 +23,6 @@ from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.planning.memory import estimate_run, format_bytes, model_shape
 from lmrecipe.train.callback import Callback
-from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +31,10 @@ class OOMDiagnosis(Callback):
     """An out-of-memory error inside a step (``trainer.running_step`` set) becomes the diagnosis of the module
     docstring; every other error passes through."""
 
-    order = 20
-
-    def __init__(self, run: Run):
-        """``run``: the set-up run (its configuration's batch sizes, checkpointing, sequence length and attention
-        kernel; its topology; its model's shape)."""
+    def attach(self, trainer) -> None:
+        """What the diagnosis reads of the run: its configuration's batch sizes, checkpointing, sequence length and
+        attention kernel; its topology; its model's shape."""
+        run = trainer.run
         self.cfg = run.cfg
         self.runtime = run.runtime
         self.model = run.accelerator.unwrap_model(run.model)

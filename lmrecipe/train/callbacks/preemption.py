@@ -104,13 +104,15 @@ class Preemption(Callback):
     """At each step's save point, before the checkpoint's: a signal (on any rank) asks for a checkpoint and an exit
     with the signal's code. When a collective breaks because a peer process died, names it (exit 1)."""
 
-    order = 40
+    follows = ("OOMDiagnosis",)  # an out-of-memory error's diagnosis replaces it before a lost peer is looked for
 
-    def __init__(self, signal: PreemptionSignal, accelerator, checkpoints: Path):
+    def __init__(self, signal: PreemptionSignal):
         self.signal = signal
-        self.accelerator = accelerator
-        self.checkpoints = checkpoints
-        self.peers = peer_processes(accelerator)  # every rank takes part, before any can be lost
+
+    def attach(self, trainer) -> None:
+        self.accelerator = trainer.run.accelerator
+        self.checkpoints = trainer.out_dir / "checkpoints"
+        self.peers = peer_processes(self.accelerator)  # every rank takes part, before any can be lost
 
     def on_save(self, trainer) -> None:
         if not self.signal.requested(self.accelerator, exchange=trainer.sync_point):

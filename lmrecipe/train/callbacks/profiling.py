@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 from lmrecipe.config import ProfileConfig
 from lmrecipe.observe.profiler import StepProfiler
@@ -14,12 +13,15 @@ class StepProfiling(Callback):
     """Opens the profiler's context for a step before ``train_step`` and closes it right after, first among the
     callbacks, so what is profiled is the step itself."""
 
-    order = 10
-
-    def __init__(self, section: ProfileConfig, out_dir: Path, accelerator):
-        self.profiler = StepProfiler(section, out_dir, rank=accelerator.process_index,
-                                     is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    def __init__(self, section: ProfileConfig):
+        self.section = section
+        self.profiler: StepProfiler | None = None
         self._open = contextlib.ExitStack()
+
+    def attach(self, trainer) -> None:
+        accelerator = trainer.run.accelerator
+        self.profiler = StepProfiler(self.section, trainer.out_dir, rank=accelerator.process_index,
+                                     is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
 
     def before_step(self, trainer) -> None:
         self._open.enter_context(self.profiler.step(trainer.running_step))

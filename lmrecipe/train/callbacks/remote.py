@@ -150,7 +150,6 @@ class RemoteResume(Callback):
     """With ``checkpoint.resume=auto``: the newest complete remote checkpoint downloaded (each rank its share) and
     published locally when it is newer than the local folder's, before checkpointing's resume reads it."""
 
-    order = 45
 
     def __init__(self, section: CheckpointConfig, accelerator, root: Path, store: Store):
         self.section = section
@@ -218,7 +217,7 @@ class RemoteUpload(Callback):
     the report is written, so ``final.json`` says what was not uploaded); :class:`RemoteReport` then uploads the
     report."""
 
-    order = 115
+    follows = ("ExportAtEnd",)  # at the end it uploads the export
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, store: Store, *, progress: bool):
         self.section = section
@@ -305,7 +304,7 @@ class RemoteReport(Callback):
     """The run folder's own files (report, final.json, metrics, config, plot) uploaded at the very end, main process,
     within what is left of ``checkpoint.remote_wait_s``."""
 
-    order = 140
+    follows = ("Reporting", "LayerStats")  # the run's report and plots are written before they are uploaded
 
     def __init__(self, upload: RemoteUpload):
         self.upload = upload
@@ -332,11 +331,13 @@ def upload_files(store: Store, base: Path, files: list[Path], deadline: float, w
     return True
 
 
-def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path, *, progress: bool) -> list[Callback]:
-    """The two callbacks of ``checkpoint.remote`` (none when it is unset), after checking that the URL can be
-    written (every rank gets the main process's verdict: exit 2 naming the URL and the fix)."""
+def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path, *,
+                           progress: bool) -> tuple[Callback | None, Callback | None, Callback | None]:
+    """The three callbacks of ``checkpoint.remote`` (the resume, the uploads, the report; None each when it is unset),
+    after checking that the URL can be written (every rank gets the main process's verdict: exit 2 naming the URL
+    and the fix)."""
     if not section.remote:
-        return []
+        return None, None, None
     from accelerate.utils import broadcast_object_list
 
     verdict = [None]
@@ -350,4 +351,4 @@ def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path
         raise fail(verdict[0])
     store = Store.open(section.remote)
     upload = RemoteUpload(section, accelerator, out_dir, store, progress=progress)
-    return [RemoteResume(section, accelerator, out_dir / "checkpoints", store), upload, RemoteReport(upload)]
+    return RemoteResume(section, accelerator, out_dir / "checkpoints", store), upload, RemoteReport(upload)

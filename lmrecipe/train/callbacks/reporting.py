@@ -29,15 +29,18 @@ class Reporting(Callback):
     rewinds the history on a rollback, and at the end closes the logs and writes ``final.json`` and ``report.md``
     (main process). ``command``: the script's command line, recorded in ``run_meta.json``'s ``launches``."""
 
-    order = 120
+    follows = ("Checkpointing", "ExportAtEnd", "RemoteUpload")  # the records open after the resume; the report says
+    # what was exported and what was not uploaded
 
-    def __init__(self, run: Run, out_dir: Path, recipe: str | None = None, command: list[str] | None = None):
-        self.run = run
-        self.out_dir = out_dir
+    def __init__(self, recipe: str | None = None, command: list[str] | None = None):
         self.recipe = recipe
         self.command = command
         self.reporter: Reporter | None = None
         self.closed = False
+
+    def attach(self, trainer) -> None:
+        self.run = trainer.run
+        self.out_dir = trainer.out_dir
 
     def on_start(self, trainer) -> None:
         run = self.run

@@ -153,18 +153,11 @@ class SpikeGuard(Callback):
     ``spike.enabled=false`` (a resumed run keeps skipping what an earlier session rolled back).
     """
 
-    order = 60
     name = "spikes"
+    follows = ("Checkpointing",)  # a rollback goes back to a checkpoint the resume put in place
 
-    def __init__(self, section: SpikeConfig, accelerator, out_dir: Path, *, batches, prefetcher, precision: str,
-                 checkpoint_every_steps: int):
+    def __init__(self, section: SpikeConfig):
         self.section = section
-        self.accelerator = accelerator
-        self.out_dir = out_dir
-        self.batches = batches
-        self.prefetcher = prefetcher
-        self.checkpoint_every_steps = checkpoint_every_steps
-        self.detector = SpikeDetector(section, accelerator.device, grad_norm_must_be_finite=precision != "fp16")
         self.window: list | None = None
         """The rule's window of recent steps' ``[loss, grad_norm]`` as of the last sync point."""
         self.skipped_batches: list[int] = []
@@ -172,6 +165,15 @@ class SpikeGuard(Callback):
         a loss spike was rolled back; ascending. Step s reads the s-th data step not listed."""
         self.rollbacks = 0
         """Rollbacks after loss spikes over the run."""
+
+    def attach(self, trainer) -> None:
+        run = trainer.run
+        self.accelerator = run.accelerator
+        self.out_dir = trainer.out_dir
+        self.batches, self.prefetcher = run.train_batches, run.prefetcher
+        self.checkpoint_every_steps = run.cfg.checkpoint.every_steps
+        self.detector = SpikeDetector(self.section, self.accelerator.device,
+                                      grad_norm_must_be_finite=run.runtime.precision != "fp16")
 
     def on_start(self, trainer) -> None:
         if self.section.enabled and self.checkpoint_every_steps == 0:

@@ -10,10 +10,10 @@ class NonFiniteStop(Callback):
     """``train.max_consecutive_skips`` updates in a row skipped for a non-finite loss or gradient norm stop the run
     (exit code 2); the skip counters are the training state's, read at sync points."""
 
-    order = 70
+    follows = ("SpikeGuard",)  # a spike's rollback at a sync point goes first: the steps it undoes are not counted
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, section: TrainConfig):
+        self.limit = section.max_consecutive_skips
 
     def at_sync(self, trainer, longest_skip_run: int) -> bool:
         if longest_skip_run >= self.limit:
@@ -34,7 +34,6 @@ class EarlyStopping(Callback):
     uninterrupted one would.
     """
 
-    order = 100
     name = "early_stopping"
 
     def __init__(self, section: TrainConfig):

@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from lmrecipe.config import EvalConfig, TrainConfig
+from lmrecipe.config import EvalConfig
 from lmrecipe.evaluation.tasks import NEXT_LINE, describe, flat_metrics, prepare_tasks, resolve_tasks, score_tasks
 from lmrecipe.train.callback import Callback
-from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +23,18 @@ class TaskEval(Callback):
     """Scores ``eval.tasks`` with the validation; keeps no state across a resume (the tasks are a pure function of
     the configuration and the data)."""
 
-    order = 90
+    def __init__(self, section: EvalConfig):
+        """``section``: the tasks and their cadence."""
+        self.section = section
 
-    def __init__(self, section: EvalConfig, train: TrainConfig, run: Run):
-        """``section``: the tasks and their cadence; ``train``: the batch size and the validation's cadence;
-        ``run``: the model, the data (its first source's folder for ``next_line``, its tokenizer)."""
+    def attach(self, trainer) -> None:
+        """The run's model and data (its first source's folder for ``next_line``, its tokenizer), its batch size and
+        the validation's cadence (``train``); the tasks are read and tokenized here, before the first step."""
         from transformers import AutoTokenizer
 
-        self.section, self.train = section, train
+        run = trainer.run
+        section = self.section
+        self.train = train = run.cfg.train
         self.model, self.accelerator, self.attention = run.model, run.accelerator, run.attention
         self.batch_size = train.micro_batch_size
         data_dir = run.data.paths[0]

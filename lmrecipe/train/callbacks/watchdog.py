@@ -13,7 +13,6 @@ DeepSpeed's own groups otherwise wait torch's 30 minutes).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from lmrecipe.config.sections import DistributedConfig
 from lmrecipe.parallel.timeouts import bound_group_timeouts
@@ -31,14 +30,15 @@ class Watchdog(Callback):
     """Marks the main thread's phase at every hook (:class:`ProgressBoard`) for the :class:`HangWatcher` thread it
     starts at ``on_start`` (``distributed.hang_watchdog``) and stops at ``on_close``."""
 
-    order = 48  # before the checkpoint's save and resume: a save is timed against the checkpoint's budget
-
-    def __init__(self, section: DistributedConfig, accelerator, out_dir: Path):
+    def __init__(self, section: DistributedConfig):
         self.section = section
-        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
-        self.out_dir = out_dir
         self.board = ProgressBoard()
         self.watcher: HangWatcher | None = None
+
+    def attach(self, trainer) -> None:
+        accelerator = trainer.run.accelerator
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.out_dir = trainer.out_dir
 
     def on_start(self, trainer) -> None:
         bound_group_timeouts(self.section.timeout_s)
