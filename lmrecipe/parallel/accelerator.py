@@ -45,6 +45,10 @@ def build_runtime(cfg: Config) -> Runtime:
     world_size = world_size_from_env()
     topology, batch, ds_config = check_launch(cfg.workload(), cfg.distributed.deepspeed_config_path(), world_size,
                                               precision)
+    if cfg.distributed.hang_watchdog and world_size > 1:
+        # torch's flight recorder keeps each rank's collectives only when asked before the process group exists; the
+        # hang watchdog writes it beside hang.md. A launch that sets its own size keeps it.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     plugin = None
     if ds_config is not None:
         _ensure_single_process_env()
