@@ -20,9 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-# Run as `python bench/<name>.py` from a checkout, without installing the package.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 #: Line prefix a worker process prints before its JSON result (benchmarks that need fresh processes).

@@ -28,7 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 DEFAULT_BASELINE = "35f6679"
@@ -46,8 +45,7 @@ def worker(args) -> None:
     import logging
     import os
 
-    sys.path.insert(0, os.getcwd())  # the tree under test (the worker runs in it), before this checkout
-    import torch
+    import torch  # from PYTHONPATH's tree under test (run_side), before this checkout's
 
     from lmrecipe.config import load_config
     try:

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 TINY_FAST = ["train.global_batch_size=8", "train.micro_batch_size=4"]

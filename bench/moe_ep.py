@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 RECIPE = "recipes/tiny_moe.yaml"

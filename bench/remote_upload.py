@@ -28,7 +28,6 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 SIDES = ("off", "on")
@@ -57,8 +56,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_remote_", dir=args.tmp) as tmp:
         server = None
         if args.endpoint is None:
-            sys.path.insert(0, str(C.ROOT / "tests"))
-            from s3_server import S3Server
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("s3_server", C.ROOT / "tests" / "s3_server.py")
+            s3_server = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(s3_server)
+            S3Server = s3_server.S3Server
 
             server = S3Server(Path(tmp) / "server")
             server.start()

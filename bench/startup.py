@@ -35,7 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 OVERRIDES = ["logging.log_every_steps=1", "logging.progress_bar=false", "logging.trackers=[]", "train.eval_every_steps=0",

@@ -12,10 +12,7 @@ built in a temporary folder and renamed into place. Averaging helps most over th
 
 import argparse
 import sys
-from pathlib import Path
 
-# Run as `python tools/average_checkpoints.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
 

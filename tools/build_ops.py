@@ -12,10 +12,7 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
-# Run as `python tools/build_ops.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main, setup_logging  # noqa: E402
 from lmrecipe.parallel.deepspeed_config import build_deepspeed_ops  # noqa: E402

@@ -12,8 +12,6 @@ import argparse
 import sys
 from pathlib import Path
 
-# Run as `python tools/compare_zero.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
 from lmrecipe.planning.zero_comparison import COMPARE_LOG, DEFAULT_CONFIGS, run_comparison, write_results  # noqa: E402

@@ -13,8 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-# Run as `python tools/doctor.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402

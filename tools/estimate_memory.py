@@ -13,10 +13,7 @@ formulas, and how they relate to the ZeRO paper and DeepSpeed's estimators, are 
 import argparse
 import json
 import sys
-from pathlib import Path
 
-# Run as `python tools/estimate_memory.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main  # noqa: E402
 from lmrecipe.planning.zero_comparison import (  # noqa: E402

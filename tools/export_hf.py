@@ -14,10 +14,7 @@ wrote them. A checkpoint given as a URL (s3://, gs://; the run, its checkpoints/
 
 import argparse
 import sys
-from pathlib import Path
 
-# Run as `python tools/export_hf.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
 

@@ -8,10 +8,7 @@ instead of after the rendezvous. See lmrecipe/launch.py for the choice of launch
 
 import argparse
 import sys
-from pathlib import Path
 
-# Run as `python tools/launch_flags.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import cli_main  # noqa: E402
 from lmrecipe.config import load_config  # noqa: E402

@@ -15,8 +15,6 @@ import math
 import sys
 from pathlib import Path
 
-# Run as `python tools/plan.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_tool_output, cli_main  # noqa: E402
 from lmrecipe.errors import fail  # noqa: E402

@@ -18,8 +18,6 @@ import inspect
 import sys
 from pathlib import Path
 
-# Run as `python tools/prepare_data.py` from a checkout, without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lmrecipe.cli import check_tool_output, cli_main, setup_logging  # noqa: E402
 from lmrecipe.data.prepare.pipeline import prepare  # noqa: E402
