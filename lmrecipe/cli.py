@@ -70,10 +70,10 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
             code = 0
         except SystemExit as err:  # a clean stop that chose its code (preemption: 124), or argparse's
             if err.code is not None and not isinstance(err.code, int):  # a message: Python prints it, exit 1
-                _record_exit(rank, 1, str(err.code))
+                record_exit(rank, 1, str(err.code))
                 raise
             code = err.code or 0
-        _record_exit(rank, code, error)
+        record_exit(rank, code, error)
         return code
 
     return wrapper
@@ -105,7 +105,7 @@ def skip_autotuner_mlflow() -> None:
         sys.meta_path.insert(0, _AutotunerMlflowSkip())
 
 
-def _record_exit(rank: int, code: int, error: str | None) -> None:
+def record_exit(rank: int, code: int, error: str | None) -> None:
     """Write ``{"exit_code", "error"}`` to ``$LMRECIPE_EXIT_FILE``: rank 0's, or the first failing rank's."""
     path = os.environ.get(EXIT_FILE_ENV)
     if not path or (rank != 0 and (code == 0 or Path(path).exists())):

@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-from lmrecipe.cli import _record_exit
+from lmrecipe.cli import record_exit
 from lmrecipe.fileio import atomic_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -385,7 +385,7 @@ class HangWatcher:
         self._kill_frozen_local_peers(verdict)
         message = hang_message(verdict, self.out_dir)
         logger.error("%s", message)
-        _record_exit(rank, EXIT_HANG, message)
+        record_exit(rank, EXIT_HANG, message)
         for handler in logging.getLogger().handlers:
             handler.flush()
         self._exit(EXIT_HANG)
