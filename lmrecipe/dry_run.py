@@ -1,14 +1,14 @@
 """``train.py --dry-run``: the checks a run makes before its first step, without training.
 
 :func:`dry_run` takes a loaded configuration (its types, ranges and rules are checked by then) and checks, going on
-past each problem so all are reported at once: the output folder and what a resume would load from it; the precision
-on this machine; the trackers' libraries; the launch (``WORLD_SIZE`` as the launcher sets it, else 1) against the
-batch sizes, the parallel splits and the DeepSpeed JSON; every data folder (``meta.json``, sizes, ``data.seq_len``,
-the vocabulary, the document index; a folder given as a URL: its remote meta.json, nothing downloaded);
-``checkpoint.remote`` (its bucket and prefix listed with the run's credentials); the model against the data and its
-position limit, its parallel splits and its attention. It returns the start-up line the run would log and a memory
-estimate per rank; a check that needs a failed one's result is skipped. It builds no Accelerator and no weights (the
-model's shape is counted on the meta device) and writes nothing.
+past each problem so all are reported at once: the output folder and what a resume would load from it (a branch's
+``out_dir`` outside its source run); the precision on this machine; the trackers' libraries; the launch
+(``WORLD_SIZE`` as the launcher sets it, else 1) against the batch sizes, the parallel splits and the DeepSpeed JSON;
+every data folder (``meta.json``, sizes, ``data.seq_len``, the vocabulary, the document index; a folder given as a
+URL: its remote meta.json, nothing downloaded); ``checkpoint.remote`` (its bucket and prefix listed with the run's
+credentials); the model against the data and its position limit, its parallel splits and its attention. It returns
+the start-up line the run would log and a memory estimate per rank; a check that needs a failed one's result is
+skipped. It builds no Accelerator and no weights (the model's shape is counted on the meta device) and writes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from lmrecipe.attention import check_flash_kernel
 from lmrecipe.checkpoint.remote import CheckpointMirror
+from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
 from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config, DataConfig, ModelConfig, Workload
@@ -76,6 +77,8 @@ def dry_run(cfg: Config) -> DryRunReport:
     out_dir = Path(cfg.out_dir)
     report.check(lambda: check_output_path(out_dir, "out_dir"))
     resume_from = report.check(lambda: find_resume_checkpoint(cfg.checkpoint.resume, out_dir / "checkpoints"))
+    if cfg.checkpoint.branch_from is not None:
+        report.check(lambda: check_branch_out_dir(cfg.checkpoint.branch_from, out_dir))
     precision = report.check(lambda: check_precision(cfg.train.precision))
     report.check(lambda: check_trackers(cfg.logging.trackers))
     problems_before = len(report.problems)

@@ -171,11 +171,7 @@ class Resumer:
                        "Pass a checkpoint folder of the run to branch from (OTHER_RUN/checkpoints/step_N), or its run "
                        "folder for its newest checkpoint.")
         source = source.resolve()
-        out_dir = self.root.parent.resolve()
-        if out_dir == source or out_dir in source.parents:
-            raise fail(f"checkpoint.branch_from={source} lies in this run's out_dir={self.root.parent}: a branch "
-                       "writes its own checkpoints and must not write into the run it branches from. Choose a new "
-                       "out_dir for the branch (e.g. out_dir=runs/NAME_decay).")
+        check_branch_out_dir(self.branch_from, self.root.parent)
         if own is None:
             return source, True
         recorded = (read_checkpoint(own).get("branched_from") or {}).get("checkpoint")
@@ -233,6 +229,28 @@ class Resumer:
                        f"({'; '.join(self.record.topology.changes_from(saved_on))}), which cannot be converted. "
                        "Resume on the checkpoint's layout, or start a new run from its weights: python "
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
+
+
+def check_branch_out_dir(branch_from: str, out_dir: str | Path) -> None:
+    """Stop (exit 2) when ``out_dir`` and the run that ``checkpoint.branch_from`` names overlap: the source run's
+    folder (the parent of its ``checkpoints/``; the checkpoint folder itself when it lies elsewhere) and everything
+    under it are only read, and the source run prunes its old checkpoints as it trains on (a branch inside one would
+    go with it). Reads files only, writes nothing: called before ``out_dir`` is made, and by the dry run."""
+    source = resolve_checkpoint(branch_from).resolve()
+    source_run = source.parent.parent if source.parent.name == "checkpoints" else (
+        source.parent if source.name == "checkpoints" else source)
+    out = Path(out_dir).resolve()
+    if source_run in out.parents:
+        what = ("checkpoint.branch_from" if source_run == source else
+                f"the run folder of checkpoint.branch_from={branch_from}")
+        raise fail(f"out_dir={out_dir} lies inside {source_run}, {what}: a branch only reads its source run, whose "
+                   "folder holds that run's files alone, and a run prunes its old checkpoints as it trains on (a "
+                   "branch inside one would go with it). Choose an out_dir outside it, e.g. "
+                   f"out_dir={source_run.parent / source_run.name}_branch.")
+    if out == source_run or out in source_run.parents:
+        raise fail(f"checkpoint.branch_from={source} lies in this run's out_dir={out_dir}: a branch writes its own "
+                   "checkpoints and must not write into the run it branches from. Choose a new out_dir for the "
+                   "branch (e.g. out_dir=runs/NAME_decay).")
 
 
 def _check_expert_layer(path: Path, saved_config: dict, run_config: dict) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.attention import DocumentAttention
+from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBatches
 from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
@@ -114,6 +115,8 @@ class Run:
 
 def build_run(cfg: Config, out_dir: Path) -> Run:
     """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
+    if cfg.checkpoint.branch_from is not None:  # a branch inside its source run: refused before anything is built
+        check_branch_out_dir(cfg.checkpoint.branch_from, out_dir)
     maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
     runtime = build_runtime(cfg)
     accelerator, topology, zero = runtime.accelerator, runtime.topology, runtime.topology.zero
