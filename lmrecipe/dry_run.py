@@ -91,10 +91,12 @@ def dry_run(cfg: Config) -> DryRunReport:
                                                precision or "fp32"))
     if cfg.checkpoint.remote:
         store = report.check(lambda: check_access(cfg.checkpoint.remote, "checkpoint.remote", write=False))
-        remote = CheckpointMirror(store, out_dir / "checkpoints", rank=0, world_size=1, keep_last=1).latest() \
-            if store is not None and cfg.checkpoint.resume == "auto" else None
-        if remote is not None and (resume_from is None or (step_of_dir(resume_from.name) or -1) < remote[1]):
-            resume_from = f"{store.url}/checkpoints/{remote[0]} (newer than the local folder's: downloaded first)"
+        if store is not None and cfg.checkpoint.resume == "auto":
+            mirror = CheckpointMirror(store, out_dir / "checkpoints", rank=0, world_size=1, keep_last=1)
+            local_step = step_of_dir(resume_from.name) if resume_from is not None else None
+            remote = report.check(lambda: mirror.resume_point(local_step))
+            if remote is not None:
+                resume_from = f"{store.url}/checkpoints/{remote[0]} (newer than the local folder's: downloaded first)"
     meta = report.check(lambda: check_data(cfg.data, cfg.model, report))
     vocab_size = cfg.model.vocab_size or (int(meta["vocab_size"]) if meta else None)
     shape = check_model(work, vocab_size, report, attention_runs) if vocab_size is not None else None

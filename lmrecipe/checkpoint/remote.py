@@ -33,6 +33,7 @@ from lmrecipe.checkpoint.storage import (
     step_of_dir,
 )
 from lmrecipe.data.format import file_sha256
+from lmrecipe.errors import UserError
 from lmrecipe.fileio import fsync_dir, write_text_atomic
 from lmrecipe.objstore import Store, retrying
 
@@ -48,6 +49,11 @@ def owner(rel: str, world_size: int) -> int:
     rank_00001.safetensors``, DeepSpeed's ``zero_pp_rank_1_...``), modulo the processes; the main process otherwise."""
     match = _RANK_IN_NAME.search(rel.rsplit("/", 1)[-1])
     return int(match.group(1)) % world_size if match else 0
+
+
+class RemoteLatestError(UserError):
+    """The remote ``latest`` names no complete checkpoint: the run stops with this message as it is (it names the
+    pointer, what the remote holds and the fix), not as a failed download."""
 
 
 def manifest_of(folder: Path) -> dict[str, int]:
@@ -145,6 +151,51 @@ class CheckpointMirror:
                                                         f"reading {name}"):
             return None
         return name, step_of_dir(name)
+
+    def complete(self) -> list[tuple[int, str]]:
+        """(step, name) of every complete remote checkpoint (its ``train_state.json`` is there), oldest first."""
+        steps = {n: step_of_dir(n) for n in self.store.names() if step_of_dir(n) is not None}
+        return sorted((s, n) for n, s in steps.items() if self.store.exists(f"{n}/{STATE_FILE}"))
+
+    def resume_point(self, local_step: int | None) -> tuple[str, int] | None:
+        """(name, step) of the remote checkpoint a resume (``checkpoint.resume=auto``) downloads, or None when the
+        local folder (its newest checkpoint at ``local_step``; None: it has none) is as far: the one the remote
+        ``latest`` names; without a remote ``latest``, the newest complete one, as locally without a pointer (an
+        upload cut between its ``train_state.json`` and the first ``latest``).
+
+        A ``latest`` naming a checkpoint that is not complete there stops the run (:class:`RemoteLatestError`), unless
+        the local folder is at that step or later (nothing to download; its upload repairs the pointer). The commit
+        order never leaves such a pointer, so the remote run was changed from outside (a checkpoint deleted, a partial
+        copy), and neither way on is safe to take silently: starting fresh uploads this run's checkpoints over the
+        remote run's, and falling back to the newest complete one rewinds the run past the step ``latest`` promises
+        (a user who deleted that checkpoint on purpose says so in one command). So the message names the pointer,
+        what the remote holds, and both fixes."""
+        text = self._retry(lambda: self.store.read_text(LATEST), "reading the remote latest")
+        if text is None:
+            complete = self._retry(self.complete, "listing the remote checkpoints")
+            if not complete or (local_step is not None and local_step >= complete[-1][0]):
+                return None
+            logger.info("The remote %s has no latest pointer; its newest complete checkpoint is %s", self.store.url,
+                        complete[-1][1])
+            return complete[-1][1], complete[-1][0]
+        name, step = text.strip(), step_of_dir(text.strip())
+        if step is not None and local_step is not None and local_step >= step:
+            return None
+        if step is not None and self._retry(lambda: self.store.exists(f"{name}/{STATE_FILE}"), f"reading {name}"):
+            return name, step
+        complete = [n for _, n in self._retry(self.complete, "listing the remote checkpoints")]
+        held = f"the complete remote checkpoints are {', '.join(complete)}" if complete else \
+            "no remote checkpoint is complete"
+        example = complete[-1] if complete else "step_N"
+        why = f"no {name}/{STATE_FILE}" if step is not None else "not a checkpoint folder's name, step_N"
+        local = "no checkpoint" if local_step is None else f"checkpoints up to step {local_step}"
+        raise RemoteLatestError(
+            f"The remote latest ({self.store.url_of(LATEST)}) names {name!r}, which is not a complete checkpoint there "
+            f"({why}); {held}, and the local folder {self.root} holds {local}. The remote run was changed from "
+            "outside (uploads point latest only at a complete checkpoint), and this run would otherwise start over or "
+            "rewind and upload its checkpoints over the remote run's. Point the remote latest at the checkpoint to "
+            f"resume from (e.g. write {example} into it), or delete it to resume from the newest complete one, or set "
+            "checkpoint.remote to another URL for a new run.")
 
     def fetch_state(self, name: str, tmp: Path) -> dict[str, int]:
         """Main process: a fresh ``tmp`` holding the remote ``train_state.json`` of ``name``; its manifest."""

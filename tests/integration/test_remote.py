@@ -190,6 +190,26 @@ def test_an_upload_that_cannot_finish_by_the_end_is_named_and_uploaded_by_the_ne
 
 
 
+def test_a_remote_latest_naming_a_missing_checkpoint_stops_a_fresh_run_before_it_uploads(s3, tiny_data, tmp_path,
+                                                                                        capsys):
+    url, client = f"s3://{s3.bucket}/run", s3.client()
+    state = json.dumps({"format_version": 1, "state": {"step": 6}, "manifest": {}})
+    client.put_object(Bucket=s3.bucket, Key="run/checkpoints/step_00000006/train_state.json", Body=state.encode())
+    client.put_object(Bucket=s3.bucket, Key="run/checkpoints/latest", Body=b"step_00000008\n")  # deleted, or not copied
+    before = {key: s3.read(s3.bucket, key) for key in s3.keys(s3.bucket, "run/")}
+    refusal = f"The remote latest ({url}/checkpoints/latest) names 'step_00000008', which is not a complete checkpoint"
+    with pytest.raises(UserError) as err:
+        train_tiny(tmp_path / "fresh", tiny_data, f"checkpoint.remote={url}")
+    message = str(err.value)
+    assert message.startswith(refusal) and "the complete remote checkpoints are step_00000006" in message
+    assert "write step_00000006 into it" in message
+    assert {key: s3.read(s3.bucket, key) for key in s3.keys(s3.bucket, "run/")} == before  # nothing uploaded over it
+    assert not (tmp_path / "fresh" / "metrics.jsonl").exists() and not list(tmp_path.glob("fresh/checkpoints/step_*"))
+    code = script("train.py").main(["recipes/tiny.yaml", "--dry-run", f"out_dir={tmp_path / 'dry'}",
+                                    f"data.path={tiny_data}", *TINY_OVERRIDES, f"checkpoint.remote={url}"])
+    assert code == 2 and refusal in capsys.readouterr().err
+
+
 def test_wrong_credentials_and_a_missing_bucket_stop_before_the_first_step(s3, tiny_data, tmp_path, monkeypatch,
                                                                            capsys):
     url = f"s3://{s3.bucket}/run"

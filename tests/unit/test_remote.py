@@ -74,6 +74,31 @@ def test_an_incomplete_upload_is_never_latest_and_is_pruned_by_the_next_commit(t
     assert [n for n in remote.names() if n.startswith("step_")] == ["step_00000006"]
 
 
+def test_a_remote_latest_naming_a_missing_checkpoint_stops_the_resume_naming_what_is_there(tmp_path):
+    from lmrecipe.checkpoint.remote import RemoteLatestError
+
+    local, store = tmp_path / "local", Store.open(f"file://{tmp_path / 'remote'}")
+    mirror = CheckpointMirror(store, local, rank=0, world_size=1, keep_last=3)
+    for step in (4, 6):
+        mirror.upload(fake_checkpoint(local, step))
+    remote = store.child("checkpoints")
+    assert mirror.resume_point(None) == ("step_00000006", 6) and mirror.resume_point(6) is None
+    remote.write_text("latest", "step_00000008\n")  # its checkpoint deleted, or never copied
+    for local_step in (None, 6):
+        with pytest.raises(RemoteLatestError) as err:
+            mirror.resume_point(local_step)
+        message = str(err.value)
+        assert f"The remote latest ({remote.url_of('latest')}) names 'step_00000008', which is not a complete " \
+               "checkpoint there (no step_00000008/train_state.json)" in message
+        assert "the complete remote checkpoints are step_00000004, step_00000006" in message
+        assert "write step_00000006 into it" in message and "checkpoint.remote to another URL" in message
+    assert isinstance(err.value, UserError) and err.value.exit_code == 2
+    assert mirror.resume_point(8) is None  # the local folder is as far: nothing to download, its upload repairs latest
+    # Without a latest (an upload cut before the first one), the newest complete checkpoint, as locally.
+    remote.remove("latest")
+    assert mirror.resume_point(None) == ("step_00000006", 6) and mirror.resume_point(6) is None
+
+
 def test_retrying_warns_once_backs_off_and_gives_up_on_a_permanent_error(monkeypatch, caplog):
     sleeps = []
     monkeypatch.setattr("lmrecipe.objstore._sleep", lambda seconds, should_stop: sleeps.append(seconds))

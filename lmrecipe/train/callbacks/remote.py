@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from lmrecipe.checkpoint.remote import CheckpointMirror, download_dir
+from lmrecipe.checkpoint.remote import CheckpointMirror, RemoteLatestError, download_dir
 from lmrecipe.checkpoint.storage import (
     PREEMPTED_MARKER,
     STATE_FILE,
@@ -182,6 +182,8 @@ class RemoteResume(Callback):
         if every_rank or self.accelerator.is_main_process:
             try:
                 outcome[0] = work()
+            except RemoteLatestError as err:  # not a failed download: the remote's state, named with its fix
+                outcome[1] = str(err)
             except (OSError, UserError) as err:
                 outcome[1] = (f"Downloading the newest checkpoint of {self.store.url} failed ({type(err).__name__}: "
                               f"{str(err)[:300]}). The local folder {self.root} is unchanged; check the object storage "
@@ -198,10 +200,9 @@ class RemoteResume(Callback):
     def _plan(self, mirror: CheckpointMirror) -> str | None:
         """Main process: the remote checkpoint to download (its ``train_state.json`` fetched into the temporary
         folder), or None."""
-        remote = mirror.latest()
         local = find_resume_checkpoint("auto", self.root)
-        local_step = step_of_dir(local.name) if local is not None else None
-        if remote is None or (local_step is not None and local_step >= remote[1]):
+        remote = mirror.resume_point(step_of_dir(local.name) if local is not None else None)
+        if remote is None:
             return None
         logger.info("The remote %s holds %s, newer than the local folder's %s: downloading it", mirror.store.url,
                     remote[0], local.name if local is not None else "(none)")
