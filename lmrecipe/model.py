@@ -90,7 +90,9 @@ def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
                 f"model.init_from={m.init_from!r} has no config.json: it must be a local Hugging Face checkpoint "
                 "folder (e.g. an export of this recipe, or a downloaded model). Set model.init_from=null to train from scratch."
             )
-        return AutoConfig.from_pretrained(m.init_from)
+        hf_config = AutoConfig.from_pretrained(m.init_from)
+        check_init_from_experts(m, hf_config)
+        return hf_config
     kwargs = dict(
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_layers,
@@ -108,6 +110,46 @@ def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
         return AutoConfig.for_model(m.arch, **{**kwargs, **moe_config_kwargs(m), **m.extra})
     except ValueError as err:
         raise fail(f"model.arch={m.arch!r} is not a transformers architecture ({err}).") from None
+
+
+def exported_experts(hf_config) -> tuple[str | None, int]:
+    """(config key, routed experts per MoE layer) of a ``transformers`` config; (None, 0) for a dense model."""
+    keys = MOE_ARCHS.get(getattr(hf_config, "model_type", None))
+    for key in (keys.experts,) if keys is not None else ("num_experts", "num_local_experts", "n_routed_experts"):
+        if int(getattr(hf_config, key, 0) or 0) > 0:
+            return key, int(getattr(hf_config, key))
+    return None, 0
+
+
+def check_init_from_experts(m: ModelConfig, hf_config) -> None:
+    """UserError when ``model.num_experts`` or ``model.experts_per_token`` contradict the model ``model.init_from``
+    holds (``hf_config``, its config.json), naming each key, the model's value and the fix.
+
+    A model continued from ``init_from`` is the folder's: its shape keys (``hidden_size`` ...) are used only to build a
+    model from scratch. These two are read by the run itself (the router's loss, each expert's token count, the
+    mixture-of-experts rules) and recorded in ``config.yaml``, so they must describe the model. They are not applied
+    to it instead: the config cannot tell a key the user set from a default (``experts_per_token`` is 2 unless set),
+    and a default silently re-routing a top-8 model would be worse than the refusal."""
+    key, experts = exported_experts(hf_config)
+    per_token = int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0
+    wrong = {}
+    if m.num_experts != experts:
+        wrong["num_experts"] = (m.num_experts, experts)
+    if experts and m.experts_per_token != per_token:
+        wrong["experts_per_token"] = (m.experts_per_token, per_token)
+    if not wrong:
+        return
+    model = (f"an MoE model of {experts} routed experts per layer, {per_token} per token ({key}={experts}, "
+             f"num_experts_per_tok={per_token} in its config.json)" if experts else
+             "a dense model (no experts in its config.json)")
+    keys = ", ".join(f"model.{k}={ours} (the model's: {theirs})" for k, (ours, theirs) in wrong.items())
+    fix = " ".join(f"model.{k}={theirs}" for k, (_, theirs) in wrong.items())
+    reroute = (f" (to route each token to another number of experts, edit num_experts_per_tok in {m.init_from}/"
+               "config.json: the weights do not depend on it)" if "experts_per_token" in wrong else "")
+    raise fail(f"model.init_from={m.init_from} is {model}, and this run says {keys}. A model continued from "
+               "model.init_from is the folder's, and the run reads these keys (the router's loss, the expert load) and "
+               f"records them in config.yaml. Set {fix}{reroute}, "
+               "or model.init_from=null to build the recipe's model from scratch.")
 
 
 def check_init_tokenizer(m: ModelConfig, data_dir: str | Path) -> None:
@@ -167,7 +209,11 @@ def build_model(m: ModelConfig, train: TrainConfig, hf_config, attention: Docume
 
     attention = attention.name if attention is not None else training_attention(m.attn_implementation)
     if m.init_from is not None:
-        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32)
+        # The router's logits, which its loss and the expert load are read from (a model from elsewhere may not
+        # return them); num_experts and experts_per_token agree with the folder's (check_init_from_experts).
+        router = {"output_router_logits": True} if m.is_moe() else {}
+        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32,
+                                                     **router)
     else:
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
         init_weights_(model, std=m.init_std, seed=train.seed)

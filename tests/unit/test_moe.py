@@ -227,3 +227,33 @@ def test_a_rank_takes_its_own_experts_of_the_whole_tensor():
         local = _LocalExperts(Whole(), {"e": experts})
         assert torch.equal(local.get("fp32", "e"), whole[list(experts)])
         assert torch.equal(local.get_flat("fp32", "e", 4, 5), whole[list(experts)].reshape(-1)[4:9])
+
+
+def test_init_from_refuses_expert_keys_that_contradict_the_model_and_returns_its_router_logits(tmp_path):
+    cfg, hf_config, model = moe_model()
+    model.config.output_router_logits = False  # as a model from elsewhere may be saved
+    model.save_pretrained(tmp_path / "moe")
+    dense = load_config(TINY, TINY_OVERRIDES)
+    build_hf_config(dense.model, 384, dense.data.seq_len).save_pretrained(tmp_path / "dense")
+
+    def refusal(folder: str, *keys: str) -> str:
+        run = load_config(TINY, [*TINY_OVERRIDES, *MOE, f"model.init_from={tmp_path / folder}", *keys])
+        with pytest.raises(UserError) as err:
+            build_hf_config(run.model, 384, run.data.seq_len)
+        return str(err.value)
+
+    top1 = refusal("moe", "model.experts_per_token=1")
+    assert f"model.init_from={tmp_path / 'moe'} is an MoE model of 4 routed experts per layer, 2 per token " \
+           "(num_experts=4, num_experts_per_tok=2 in its config.json), and this run says model.experts_per_token=1 " \
+           "(the model's: 2)" in top1
+    assert "Set model.experts_per_token=2 (to route each token to another number of experts, edit " \
+           f"num_experts_per_tok in {tmp_path / 'moe'}/config.json" in top1
+    assert "model.num_experts=8 (the model's: 4)" in refusal("moe", "model.num_experts=8")
+    # A dense recipe would train it without its router loss.
+    assert "this run says model.num_experts=0 (the model's: 4). " in refusal("moe", "model.num_experts=0")
+    assert "is a dense model (no experts in its config.json), and this run says model.num_experts=4 (the model's: 0)" \
+        in refusal("dense") and "Set model.num_experts=0," in refusal("dense")
+
+    same = load_config(TINY, [*TINY_OVERRIDES, *MOE, f"model.init_from={tmp_path / 'moe'}"])
+    continued = build_model(same.model, same.train, build_hf_config(same.model, 384, same.data.seq_len))
+    assert continued.config.num_experts_per_tok == 2 and continued.config.output_router_logits
