@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -45,6 +46,8 @@ GPU_BASE = ("model.vocab_size=128256", "train.global_batch_size=16", "train.micr
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
 JSON_NAME, MD_NAME, LOG_NAME = "gpu_kit.json", "gpu_kit.md", "workers.log"
+MIN_LEFT_S = 30
+"""No side starts with this many seconds of --budget-s left, or fewer."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -67,9 +70,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.selected = S.select(args.stages)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: --stages: {exc}\n")
+    if (problem := argument_problem(args)) is not None:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
+    if args.data is not None:
+        args.data = args.data.resolve()  # the workers run in the repository root
     args.steps = args.steps or (2 if args.dry_run else 20)
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (0 if args.dry_run else 5)
     return args
+
+
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers and the data folder given, with the fix; None when nothing is. Checked before
+    anything is installed or run: a bad value would otherwise cost the install and a worker per side, each failing."""
+    if args.steps is not None and args.steps < 1:
+        return f"--steps {args.steps}: the measured steps per side must be 1 or more (default: 20; dry run 2)."
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        return f"--warmup-steps {args.warmup_steps}: the steps before measuring must be 0 or more (default: 5)."
+    if not math.isfinite(args.budget_s) or args.budget_s <= MIN_LEFT_S:
+        return (f"--budget-s {args.budget_s}: give a number of seconds above {MIN_LEFT_S} (no side starts with "
+                f"{MIN_LEFT_S} s or less left), e.g. a minute under your time on the node (default: 540).")
+    if args.data is None:
+        return None
+    fix = ("Pass a folder written by tools/prepare_data.py (python tools/prepare_data.py --output DIR), or leave "
+           "--data out to prepare the embedded corpus under --work.")
+    if not args.data.exists():
+        return f"--data {args.data} does not exist. {fix}"
+    if not args.data.is_dir():
+        return f"--data {args.data} is a file, not a prepared data folder. {fix}"
+    if not (args.data / "meta.json").is_file():
+        return f"--data {args.data} holds no meta.json: it is not a prepared data folder. {fix}"
+    return None
 
 
 def commit(packed: Path) -> str:
@@ -295,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             if key in done:
                 continue
             left = args.budget_s - (time.perf_counter() - start)
-            if left <= 30:
+            if left <= MIN_LEFT_S:
                 done[key] = {"label": side.label, "error": f"not run: --budget-s {args.budget_s:.0f} was spent"}
                 continue
             record.log(f"{stage.name}: measuring {side.label} ({key or 'the base recipe'})")

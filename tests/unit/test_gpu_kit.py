@@ -1,0 +1,47 @@
+"""bench/gpu/run.py's arguments, in this process: a bad number or data folder exits 2 naming it and the fix before
+anything is installed, prepared or run (the kit's dry run itself: tests/integration/test_gpu_kit.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def kit():
+    spec = importlib.util.spec_from_file_location("gpu_kit_run_args", ROOT / "bench" / "gpu" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "-1"], "--steps -1: the measured steps per side must be 1 or more"),
+    (["--steps", "0"], "--steps 0: the measured steps per side must be 1 or more"),
+    (["--warmup-steps", "-2"], "--warmup-steps -2: the steps before measuring must be 0 or more"),
+    (["--budget-s", "nan"], "--budget-s nan: give a number of seconds above 30"),
+    (["--budget-s", "inf"], "--budget-s inf: give a number of seconds above 30"),
+    (["--budget-s", "20"], "--budget-s 20.0: give a number of seconds above 30"),
+    (["--data", "{tmp}/none"], "--data {tmp}/none does not exist. Pass a folder written by tools/prepare_data.py"),
+    (["--data", "{tmp}/a_file"], "--data {tmp}/a_file is a file, not a prepared data folder."),
+    (["--data", "{tmp}"], "--data {tmp} holds no meta.json: it is not a prepared data folder."),
+])
+def test_a_bad_argument_exits_2_naming_it_before_anything_runs(kit, tmp_path, capsys, argv, message):
+    (tmp_path / "a_file").write_text("tokens")
+    with pytest.raises(SystemExit) as exit_:  # parse_args is main's first step: nothing installed, prepared or run
+        kit.parse_args(["--dry-run", "--out", str(tmp_path / "out"), *(arg.format(tmp=tmp_path) for arg in argv)])
+    assert exit_.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_good_arguments_pass_and_a_data_folder_is_made_absolute(kit, tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    args = kit.parse_args(["--out", "o", "--data", "data", "--steps", "3", "--warmup-steps", "0", "--budget-s", "60"])
+    assert (args.steps, args.warmup_steps, args.budget_s, args.data) == (3, 0, 60.0, tmp_path / "data")
