@@ -1,9 +1,10 @@
 """What a resume must match: the checkpoint's model shape, data meaning, sample order and fixed config keys.
 
 A change of any of them stops the resume with one message listing ``old -> new`` per key; allowed changes are listed
-in the log, and a learning rate that changes with the new schedule is a warning, or a refusal when the checkpoint
-is in the decay of a warmup-stable-decay schedule (a jump back up). A branch (``checkpoint.branch_from``) may change
-the data sources and the schedule: it is a new run from the checkpoint.
+in the log. A schedule that gives the checkpoint's next step another learning rate stops the resume too, whatever
+the schedule (:func:`check_lr_continues`), unless ``checkpoint.allow_lr_change`` accepts it; a warmup-stable-decay
+run lengthened in its stable phase keeps its rate and continues. A branch (``checkpoint.branch_from``) may change the data sources
+and the schedule: it is a new run from the checkpoint.
 """
 
 from __future__ import annotations
@@ -99,48 +100,100 @@ def check_resume_compatible(saved: dict, path: Path, *, run_config: dict, hf_con
             logger.warning("The training data of source %s differs from the checkpoint's (%s -> %s, train.bin "
                            "sha256); the run continues at the same sample index of the new data.",
                            new_source["name"], old_source.get("path"), new_source.get("path"))
-    step = saved["state"]["step"]
-    lr_now = lr_schedule(step)
-    lr_saved = saved["schedule"]["next_lr"]
+    check_lr_continues(saved, path, new, lr_schedule, branch)
+
+
+LR_KEYS = ("train.max_steps", "optim.lr", "optim.min_lr", "schedule.warmup_steps", "schedule.decay",
+           "schedule.decay_steps", "schedule.decay_fraction", "train.batch_ramp_lr_scaling")
+"""The keys that give a step its learning rate, named when a resume would change it."""
+
+
+def check_lr_continues(saved: dict, path: Path, new: dict, lr_schedule: Callable[[int], float], branch: bool) -> None:
+    """Stop when this run's schedule (``lr_schedule``; ``new``: its flat config) trains the next step of checkpoint
+    ``path`` at another rate than the checkpoint's own schedule gave it (``saved["schedule"]["next_lr"]``), whatever
+    the schedule: the optimizer state continues at a rate it was not trained for. Allowed: a branch (a new run with
+    its own schedule), a warmup-stable-decay run lengthened in its stable phase (its decay moves, the rate does not
+    jump), and any change with ``checkpoint.allow_lr_change=true`` (logged as a warning)."""
+    step = int(saved["state"]["step"])
+    lr_now, lr_saved = lr_schedule(step), saved["schedule"]["next_lr"]
     if math.isclose(lr_now, lr_saved, rel_tol=1e-9, abs_tol=1e-15):
         return
     if branch:
         logger.info("The branch's schedule trains step %d at learning rate %.6g (the source's at %.6g).", step,
                     lr_now, lr_saved)
         return
-    if check_decay_continues(saved, path, new, lr_now):
+    if _stable_decay_moved(saved, lr_now):
         logger.info("Step %d is in the stable phase of the checkpoint's warmup-stable-decay schedule: with this "
                     "run's schedule it trains at %.6g (the decay moved with train.max_steps).", step, lr_now)
         return
-    logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this recipe's "
-                   "schedule.", step, lr_saved, lr_now)
+    if new.get("checkpoint.allow_lr_change"):
+        logger.warning("The learning rate of step %d changes from %.6g (as saved) to %.6g with this run's schedule "
+                       "(accepted by checkpoint.allow_lr_change=true).", step, lr_saved, lr_now)
+        return
+    raise fail(_lr_refusal(saved, path, new, lr_now))
 
 
-def check_decay_continues(saved: dict, path: Path, new: dict, lr_now: float) -> bool:
-    """Stop when checkpoint ``path`` has trained steps of the decay of its warmup-stable-decay schedule and this
-    run's schedule (``new``: its flat config) gives its next step another rate ``lr_now``: the rate would jump (a
-    longer run moves the decay only while the run is in its stable phase). True when the checkpoint is in its
-    stable phase and the new rate is its stable rate (the decay moved), else False."""
-    old_config = saved["config"]
-    old_schedule = old_config.get("schedule", {})
+def _lr_refusal(saved: dict, path: Path, new: dict, lr_now: float) -> str:
+    """The refusal of a resume whose schedule moves the rate of the checkpoint's next step to ``lr_now``: the keys
+    that moved it, and the ways on."""
+    step, lr_saved = int(saved["state"]["step"]), saved["schedule"]["next_lr"]
+    old = flatten_config(saved["config"])
+    keys = [k for k in LR_KEYS if old.get(k) != new.get(k)]
+    cause = "; ".join(f"{k}: {_yaml(old.get(k))} -> {_yaml(new.get(k))}" for k in keys) or "no schedule key changed"
+    ratio = f", {lr_now / lr_saved:.3g}x" if lr_saved > 0 else ""
+    decay = _decay_message(saved, step)
+    restore = " ".join(f"{k}={_yaml(old.get(k))}" for k in keys) or "its recipe"
+    ways = [f"resume with the checkpoint's schedule ({restore}){' to finish the decay' if decay else ''}"]
+    if step >= int(new.get("schedule.warmup_steps") or 0) and not _is_wsd(new):
+        ways.append(f"train on at the rate it reached (schedule.decay=constant optim.lr={lr_saved:.6g} with a longer "
+                    "train.max_steps)")
+    ways.append(f"branch a new run with the new schedule into its own folder (out_dir=NEW_DIR "
+                f"checkpoint.branch_from={path}{_stable_hint(saved)})")
+    return (f"Cannot resume from {path}: {decay}this run's schedule ({cause}) would train its next step, {step}, at "
+            f"learning rate {lr_now:.6g} instead of {lr_saved:.6g} (as saved{ratio}), a jump the optimizer state was "
+            f"not trained for. To go on, {', '.join(ways[:-1])}, or {ways[-1]}; or accept the jump with "
+            "checkpoint.allow_lr_change=true.")
+
+
+def _is_wsd(flat: dict) -> bool:
+    return flat.get("schedule.decay_steps") is not None or flat.get("schedule.decay_fraction") is not None
+
+
+def _saved_schedule(saved: dict) -> tuple[ScheduleConfig, int]:
+    """The checkpoint's schedule section (its warmup-stable-decay keys) and its ``train.max_steps``."""
+    old_schedule = saved["config"].get("schedule", {})
     schedule = ScheduleConfig(decay_steps=old_schedule.get("decay_steps"),
                               decay_fraction=old_schedule.get("decay_fraction"))
-    old_max = int(old_config["train"]["max_steps"])
+    return schedule, int(saved["config"]["train"]["max_steps"])
+
+
+def _stable_decay_moved(saved: dict, lr_now: float) -> bool:
+    """Whether the checkpoint is in the stable phase of its warmup-stable-decay schedule (no step of its decay
+    trained) and ``lr_now`` is its stable rate: a longer run moved the decay, the rate does not jump."""
+    schedule, old_max = _saved_schedule(saved)
     start = schedule.decay_start(old_max)
-    step = int(saved["state"]["step"])
-    if start is None:
+    if start is None or int(saved["state"]["step"]) > start:
         return False
-    if step <= start:  # no step of the decay trained yet: the rates so far are the stable ones
-        return math.isclose(lr_now, float(old_config["optim"]["lr"]), rel_tol=1e-9)
-    raise fail(f"Cannot resume from {path}: it has trained {step - start} step(s) of the decay of its "
-               f"warmup-stable-decay schedule (steps {start}..{old_max - 1} of train.max_steps={old_max}), and this "
-               f"run's schedule (train.max_steps={new.get('train.max_steps')}, schedule.decay_steps="
-               f"{_yaml(new.get('schedule.decay_steps'))}, schedule.decay_fraction="
-               f"{_yaml(new.get('schedule.decay_fraction'))}) would move its learning rate from "
-               f"{saved['schedule']['next_lr']:.6g} to {lr_now:.6g}. Resume with the checkpoint's schedule "
-               f"(train.max_steps={old_max}) to finish the decay, or branch a longer run from a checkpoint of the "
-               f"stable phase (step {start} or earlier): out_dir=NEW_DIR checkpoint.branch_from=CHECKPOINT "
-               "train.max_steps=... with the new schedule.")
+    return math.isclose(lr_now, float(saved["config"]["optim"]["lr"]), rel_tol=1e-9)
+
+
+def _decay_message(saved: dict, step: int) -> str:
+    """For a checkpoint in the decay of its warmup-stable-decay schedule: how far in, to open the refusal."""
+    schedule, old_max = _saved_schedule(saved)
+    start = schedule.decay_start(old_max)
+    if start is None or step <= start:
+        return ""
+    return (f"it has trained {step - start} step(s) of the decay of its warmup-stable-decay schedule (steps "
+            f"{start}..{old_max - 1} of train.max_steps={old_max}), and ")
+
+
+def _stable_hint(saved: dict) -> str:
+    """Where a warmup-stable-decay checkpoint's branch should start: a checkpoint of the stable phase."""
+    schedule, old_max = _saved_schedule(saved)
+    start = schedule.decay_start(old_max)
+    if start is None or int(saved["state"]["step"]) <= start:
+        return ""
+    return f", or better from a checkpoint of its stable phase, step {start} or earlier"
 
 
 def _yaml(value) -> str:

@@ -518,6 +518,10 @@ class CheckpointConfig:
     position and RNG, as a resume takes them, with this recipe's schedule and data (a new mixture continues at the
     same global sample index). The source is only read. Once this run has checkpoints of its own, it resumes from
     them. Needs ``resume=auto``; null = no branch."""
+    allow_lr_change: bool = False
+    """Let a resume train the checkpoint's next step at another learning rate than its own schedule gave it (a
+    finished cosine run lengthened with ``train.max_steps`` restarts near its peak); false = such a resume stops with
+    the ways on (docs/checkpoints.md). A branch (``branch_from``) has a schedule of its own and needs no permission."""
     export_at_end: bool = True
     """Write a Hugging Face export (sharded safetensors + tokenizer) to ``out_dir/export`` at the end."""
     export_dtype: Literal["bf16", "fp32"] = "bf16"

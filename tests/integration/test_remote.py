@@ -174,7 +174,7 @@ def test_an_upload_that_cannot_finish_by_the_end_is_named_and_uploaded_by_the_ne
     caplog.set_level(logging.INFO)
     try:
         train_tiny(out, tiny_data, f"checkpoint.remote=s3://{s3.bucket}/run", "checkpoint.remote_wait_s=1",
-                   "train.max_steps=4")
+                   "train.max_steps=4", "schedule.decay=constant")  # lengthened below at the same rate
     finally:
         s3.start()
     missing = [r.getMessage() for r in caplog.records if "Not uploaded to" in r.getMessage()]
@@ -184,7 +184,7 @@ def test_an_upload_that_cannot_finish_by_the_end_is_named_and_uploaded_by_the_ne
     assert "run/checkpoints/latest" not in s3.keys(s3.bucket, "run/")
 
     monkeypatch.setattr(remote_module.CheckpointMirror, "upload", upload)
-    train_tiny(out, tiny_data, f"checkpoint.remote=s3://{s3.bucket}/run", "train.max_steps=6")
+    train_tiny(out, tiny_data, f"checkpoint.remote=s3://{s3.bucket}/run", "train.max_steps=6", "schedule.decay=constant")
     assert s3.read(s3.bucket, "run/checkpoints/latest") == b"step_00000006\n"
 
 

@@ -322,7 +322,7 @@ def test_usr1_checkpoints_and_the_relaunch_resumes(tmp_path, tiny_data):
     """SIGUSR1 to a node's launch.sh (as SLURM sends it) stops training with a checkpoint and exit 124."""
     out_dir = tmp_path / "run"
     args = ["bash", "slurm/launch.sh", "recipes/tiny.yaml", f"out_dir={out_dir}", f"data.path={tiny_data}",
-            *TINY_OVERRIDES, "checkpoint.every_steps=0"]
+            *TINY_OVERRIDES, "checkpoint.every_steps=0", "schedule.decay=constant"]  # the resume shortens the run
     env = node_env(0, free_port())
     env.update(SLURM_NNODES="1", LMRECIPE_PROCS_PER_NODE="2")
     proc = start_node([*args, "train.max_steps=100000"], env)

@@ -12,14 +12,16 @@ from helpers import run_train, wandb_runs
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.train.callbacks.faults import SPIKE_FAULT_ENV
 
-ROLLBACK = ["checkpoint.every_steps=4", "checkpoint.keep_last=5", "logging.log_every_steps=3",
-            "train.eval_every_steps=0", "spike.enabled=true", "spike.window=5", "spike.min_history=3"]
+ROLLBACK = ["schedule.decay=constant", "checkpoint.every_steps=4", "checkpoint.keep_last=5",
+            "logging.log_every_steps=3", "train.eval_every_steps=0", "spike.enabled=true", "spike.window=5",
+            "spike.min_history=3"]
 TRACKERS = "logging.trackers=[wandb,tensorboard,mlflow]"
 
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory, tiny_data) -> Path:
-    """10 steps with a spike at step 7 (rolled back from step 8 to 4), then a resume to step 12."""
+    """10 steps with a spike at step 7 (rolled back from step 8 to 4), then a resume to step 12 (a constant rate,
+    which the longer second session keeps)."""
     out = tmp_path_factory.mktemp("tracked") / "run"
     first = run_train(out, tiny_data, ["train.max_steps=10", *ROLLBACK, TRACKERS], env_extra={SPIKE_FAULT_ENV: "7"})
     assert "rolled back to" in first.stderr

@@ -330,3 +330,70 @@ def test_a_resume_on_data_of_another_tokenizer_says_to_prepare_it_with_the_check
     assert f"data tokenizer.json sha256: '{'a' * 64}' -> '{'b' * 64}'" in message
     assert f"--tokenizer {tmp_path / 'step_3'}/hf --output NEW_DATA, then data.path=NEW_DATA" in message
     assert "model.init_from=EXPORT" not in message
+
+
+FINISHED_COSINE = ["train.max_steps=300", "optim.lr=2e-3", "optim.min_lr=2e-4", "schedule.warmup_steps=30"]
+"""recipes/tiny.yaml's schedule: a cosine decay that reaches its floor, 2e-4, at its last step."""
+
+
+def resume_at(tmp_path: Path, step: int, saved_overrides: list[str], overrides: list[str], branch: bool = False) -> None:
+    """Check a resume at ``step`` of a checkpoint trained with ``saved_overrides`` by a run with ``overrides``, each
+    side's rate from its own schedule (``lr_at``), as the checkpointer passes them."""
+    from lmrecipe.checkpoint.compat import check_resume_compatible
+    from lmrecipe.config import load_config
+    from lmrecipe.optim import lr_at
+
+    old, new = load_config(None, saved_overrides), load_config(None, overrides)
+    config, hf_config = resume_inputs(saved_overrides)
+    saved = {"config": config, "hf_config": hf_config, "data": SIGNATURE, "state": {"step": step},
+             "schedule": {"next_lr": lr_at(step, old.train.max_steps, old.optim, old.schedule)}}
+    config, hf_config = resume_inputs(overrides)
+    check_resume_compatible(saved, tmp_path / f"step_{step}", run_config=config, hf_config=hf_config,
+                            data_signature=SIGNATURE, branch=branch,
+                            lr_schedule=lambda s: lr_at(s, new.train.max_steps, new.optim, new.schedule))
+
+
+def test_lengthening_a_finished_cosine_run_is_refused_with_the_ways_on_and_the_key_accepts_it(tmp_path, caplog):
+    longer = [*FINISHED_COSINE, "train.max_steps=600"]
+    with pytest.raises(UserError) as err:
+        resume_at(tmp_path, 300, FINISHED_COSINE, longer)
+    message = str(err.value)
+    assert "\n" not in message
+    assert (f"Cannot resume from {tmp_path / 'step_300'}: this run's schedule (train.max_steps: 300 -> 600) would "
+            "train its next step, 300, at learning rate 0.00117198 instead of 0.0002 (as saved, 5.86x)") in message
+    assert "resume with the checkpoint's schedule (train.max_steps=300)" in message
+    assert "schedule.decay=constant optim.lr=0.0002 with a longer train.max_steps" in message
+    assert f"out_dir=NEW_DIR checkpoint.branch_from={tmp_path / 'step_300'})" in message
+    assert message.endswith("or accept the jump with checkpoint.allow_lr_change=true.")
+    with caplog.at_level(logging.WARNING):
+        resume_at(tmp_path, 300, FINISHED_COSINE, [*longer, "checkpoint.allow_lr_change=true"])
+    assert ("The learning rate of step 300 changes from 0.0002 (as saved) to 0.00117198 with this run's schedule "
+            "(accepted by checkpoint.allow_lr_change=true)") in caplog.text
+
+
+def test_a_resume_that_keeps_the_rate_continues_and_a_branch_may_change_it(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        # On at the floor the decay reached: a constant schedule at that rate gives step 300 the saved rate.
+        resume_at(tmp_path, 300, FINISHED_COSINE,
+                  [*FINISHED_COSINE, "train.max_steps=600", "schedule.decay=constant", "optim.lr=2e-4"])
+        resume_at(tmp_path, 300, FINISHED_COSINE, [*FINISHED_COSINE, "train.max_steps=301"])  # the floor again
+        resume_at(tmp_path, 150, FINISHED_COSINE, FINISHED_COSINE)  # an interrupted run, its own schedule
+        resume_at(tmp_path, 300, FINISHED_COSINE, [*FINISHED_COSINE, "train.max_steps=600"], branch=True)
+    assert caplog.text == ""
+    with pytest.raises(UserError, match=r"\(optim.lr: 0.002 -> 0.001\) would train .*schedule \(optim.lr=0.002\)"):
+        resume_at(tmp_path, 150, FINISHED_COSINE, [*FINISHED_COSINE, "optim.lr=1e-3"])  # a new peak mid-decay
+
+
+def test_a_wsd_run_is_lengthened_in_its_stable_phase_and_refused_in_its_decay_unless_accepted(tmp_path):
+    wsd = [*FINISHED_COSINE, "schedule.decay_fraction=0.2"]  # decays over steps 240-299
+    resume_at(tmp_path, 200, wsd, [*wsd, "train.max_steps=600"])  # stable: the decay moves to 480-599
+    resume_at(tmp_path, 240, wsd, [*wsd, "train.max_steps=600"])  # step 240 not trained yet: still stable
+    with pytest.raises(UserError) as err:
+        resume_at(tmp_path, 260, wsd, [*wsd, "train.max_steps=600"])
+    message = str(err.value)
+    assert ("it has trained 20 step(s) of the decay of its warmup-stable-decay schedule (steps 240..299 of "
+            "train.max_steps=300), and this run's schedule (train.max_steps: 300 -> 600)") in message
+    assert "(train.max_steps=300) to finish the decay, or branch a new run" in message
+    assert "from a checkpoint of its stable phase, step 240 or earlier" in message
+    assert "schedule.decay=constant" not in message  # a constant rate is no way on for a decay that is to come
+    resume_at(tmp_path, 260, wsd, [*wsd, "train.max_steps=600", "checkpoint.allow_lr_change=true"])

@@ -96,6 +96,6 @@ def test_a_run_lengthened_in_its_stable_phase_trains_as_the_longer_run(tmp_path,
 def test_lengthening_a_run_in_its_decay_is_refused_with_the_fix(tmp_path, tmp_path_factory, tiny_data):
     a = wsd_run(tmp_path_factory, tiny_data, 16)
     with pytest.raises(UserError, match=r"trained 5 step\(s\) of the decay .*\(train.max_steps=16\) to finish the "
-                                        r"decay, or branch a longer run"):
+                                        r"decay, or branch a new run"):
         train_wsd(tmp_path / "late", tiny_data, "train.max_steps=24", f"checkpoint.resume={a}/checkpoints/step_00000015")
     assert not (tmp_path / "late" / "checkpoints").exists()
