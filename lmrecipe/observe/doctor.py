@@ -4,9 +4,11 @@
 sessions and their events) and returns :class:`Finding` s, each with its evidence (steps, values), the likely
 cause and the fix as recipe keys. A healthy run returns none. Per-layer figures (``grad_norm/<part>``,
 ``update_ratio/<part>``), the largest logit and ``z_loss`` are used when the rows carry them (``logging.layer_stats``)
-and never mentioned otherwise. :func:`diagnose_run` reads a run folder, also while the run writes it: a last line
-of ``metrics.jsonl`` still being written is left out. ``tools/doctor.py`` prints the findings; the run report
-holds them under "Doctor".
+and never mentioned otherwise. The loss checks judge the smoothed loss (means of consecutive logged rows, against the
+steps' own scatter), one step's loss only where it passes the untrained model's; no finding advises a lower rate for
+what shows at the schedule's floor (``optim.min_lr``). :func:`diagnose_run` reads a run folder, also while the run
+writes it: a last line of ``metrics.jsonl`` still being written is left out. ``tools/doctor.py`` prints the
+findings; the run report holds them under "Doctor".
 
 The thresholds are module constants, each with the reason for its value.
 """
@@ -31,15 +33,33 @@ LR_FLOOR = 3e-4
 ``optim.lr`` (AdamW at the scales of the shipped recipes)."""
 MIN_ROWS = 4
 """Fewer logged training rows than this (after warmup, for the trends) say nothing about a trend."""
+SMOOTH_ROWS = 5
+"""Consecutive logged losses whose mean is one point of the smoothed curve the loss checks judge (a tenth of the
+rows when that is more, a third when there are fewer than fifteen). One logged loss is one step's, and it varies
+with the step's batch: a standard deviation of 0.25 nats around its trend in the demo (``recipes/tiny.yaml``, 16 x
+128 tokens a step), so the lowest of 30 single steps sits far below the curve and a few later ones above it."""
+NOISE_Z = 4.0
+"""A rise of the smoothed loss counts when it is this many times its standard error: the step-to-step scatter
+(estimated from second differences of the logged losses, which a smooth trend leaves at zero) over the rows
+averaged. The lowest of several smoothed points is itself low by one or two standard errors; four is beyond that."""
+TREND_POINTS = 3
+"""Points of the smoothed loss (of :data:`SMOOTH_ROWS` rows each) that "the loss does not fall" needs after warmup:
+fewer cannot tell a flat run from the plateau a healthy one crosses early (a warmup-stable-decay tiny run held 6.5
+nats for 25 steps after its warmup, then fell to 4.8)."""
 LOSS_FALL_MIN = 0.02
-"""After warmup the loss must fall below its value at the end of warmup by this fraction at some logged step; a
-run that learns falls by far more (a tiny model on the embedded corpus: 9.05 to 6.26 nats in 60 steps)."""
+"""After warmup the smoothed loss must fall below its first point (the end of warmup) by this fraction; a run that
+learns falls by far more (a tiny model on the embedded corpus: 9.05 to 6.26 nats in 60 steps)."""
 LOSS_DIVERGE_NATS = 0.5
-"""The last logged losses (median of :data:`TAIL_ROWS`) above the best earlier one by this much and by
-:data:`LOSS_DIVERGE_FRACTION`: the run is climbing away from where it was, not wobbling."""
+"""The smoothed loss at the end of the run above its lowest earlier point by this much, by
+:data:`LOSS_DIVERGE_FRACTION` and by :data:`NOISE_Z` standard errors: the run is climbing away from where it was,
+not wobbling. A single logged loss counts only above the untrained model's (the first logged), by the same margin."""
 LOSS_DIVERGE_FRACTION = 0.1
 TAIL_ROWS = 3
-"""Rows whose median stands for "the end of the run" (one noisy row is not a trend)."""
+"""Rows whose median stands for "the end of the run" for the largest logit, and rows before a resume."""
+LR_FLOOR_SHARE = 0.1
+"""A logged rate within this share of the way from ``optim.min_lr`` to ``optim.lr`` is at the schedule's floor (the
+last fifth of a cosine decay, a warmup-stable-decay run's last steps): a symptom seen there is not cured by a lower
+peak rate, so no finding advises one."""
 GRAD_NORM_RISE = 4.0
 """Median gradient norm of the last third of the rows over that of the first third: a healthy run's norm falls
 early and may drift up late (weight decay), by well under this factor."""
@@ -246,8 +266,63 @@ def _rose(loss: float, reference: float) -> bool:
     return loss - reference >= max(LOSS_DIVERGE_NATS, LOSS_DIVERGE_FRACTION * reference)
 
 
+def _window(count: int) -> int:
+    """Rows per point of the smoothed loss for ``count`` rows: :data:`SMOOTH_ROWS` or a tenth, at most a third."""
+    return max(1, min(max(SMOOTH_ROWS, count // 10), count // 3))
+
+
+@dataclass(frozen=True)
+class Smoothed:
+    """The mean loss of consecutive logged rows: one point of the smoothed curve."""
+
+    rows: list[dict]
+
+    @property
+    def loss(self) -> float:
+        return statistics.fmean(r["loss"] for r in self.rows)
+
+    @property
+    def lr(self) -> float:
+        return _median(r.get("lr", float("nan")) for r in self.rows)
+
+    def span(self) -> str:
+        first, last = self.rows[0]["step"], self.rows[-1]["step"]
+        return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def smoothed(rows: list[dict], from_end: bool) -> list[Smoothed]:
+    """The rows' losses as consecutive means of :func:`_window` rows, whole windows only, counted from the last row
+    (``from_end``, so that the last point is the end of the run) or from the first."""
+    size = _window(len(rows))
+    starts = range(len(rows) % size, len(rows), size) if from_end else range(0, len(rows) - size + 1, size)
+    return [Smoothed(rows[i:i + size]) for i in starts]
+
+
+def loss_scatter(rows: list[dict]) -> float:
+    """The step-to-step scatter of the logged losses (a standard deviation, nats): the median absolute second
+    difference scaled to a normal's, so that a smooth trend and a few spikes leave it alone."""
+    losses = [r["loss"] for r in rows]
+    second = [abs(a - 2 * b + c) for a, b, c in zip(losses, losses[1:], losses[2:])]
+    return 1.4826 * _median(second) / math.sqrt(6) if second else 0.0
+
+
+def _significant(rise: float, scatter: float, *counts: int) -> bool:
+    """A difference ``rise`` of means over ``counts`` rows each beyond :data:`NOISE_Z` standard errors."""
+    return rise > NOISE_Z * scatter * math.sqrt(sum(1 / n for n in counts))
+
+
+def at_floor(run: RunFigures, rows: list[dict]) -> bool:
+    """Whether the rows' logged learning rate (their median) is at the schedule's floor (:data:`LR_FLOOR_SHARE`)."""
+    peak, floor = run.key("optim.lr"), run.key("optim.min_lr")
+    lrs = [r["lr"] for r in rows if _finite(r.get("lr"))]
+    if not (_finite(peak) and _finite(floor) and peak > floor and lrs):
+        return False
+    return _median(lrs) - floor <= LR_FLOOR_SHARE * (peak - floor)
+
+
 def loss_diverging(run: RunFigures) -> Finding | None:
-    """The training loss climbs above the untrained model's (the first logged row), or ends well above its best."""
+    """A logged loss climbs above the untrained model's (the first logged row), or the smoothed loss ends well
+    above its lowest earlier point (:func:`smoothed`, :data:`LOSS_DIVERGE_NATS`, :data:`NOISE_Z`)."""
     rows = [r for r in run.train if _finite(r["loss"])]
     if len(rows) < MIN_ROWS:
         return None
@@ -256,32 +331,47 @@ def loss_diverging(run: RunFigures) -> Finding | None:
         evidence = (f"loss {first['loss']:.4f} at step {first['step']}, {peak['loss']:.4f} at step {peak['step']} "
                     f"(learning rate {_g(peak.get('lr', float('nan')))}, gradient norm "
                     f"{_g(peak.get('grad_norm', float('nan')))}): above where training started")
-        return _diverging(run, evidence)
-    head, tail = rows[:-TAIL_ROWS], rows[-TAIL_ROWS:]
-    best, last = min(head, key=lambda r: r["loss"]), _median(r["loss"] for r in tail)
-    if len(head) < MIN_ROWS or not _rose(last, best["loss"]):
+        return _diverging(run, evidence, [peak])
+    points = smoothed(rows, from_end=True)
+    if len(points) < 2:
         return None
-    return _diverging(run, f"loss {best['loss']:.4f} at step {best['step']}, then {last:.4f} (median of steps "
-                           f"{tail[0]['step']}-{tail[-1]['step']}, learning rate {_g(tail[-1].get('lr', float('nan')))})")
+    last, best = points[-1], min(points[:-1], key=lambda p: p.loss)
+    scatter = loss_scatter(rows)
+    if not _rose(last.loss, best.loss) or not _significant(last.loss - best.loss, scatter, len(last.rows),
+                                                              len(best.rows)):
+        return None
+    return _diverging(run, f"mean loss {best.loss:.4f} over {best.span()}, then {last.loss:.4f} over {last.span()} "
+                           f"(one step's loss scatters by {scatter:.2f} around the trend; learning rate {_g(last.lr)})",
+                      last.rows)
 
 
-def _diverging(run: RunFigures, evidence: str) -> Finding:
+def _diverging(run: RunFigures, evidence: str, rows: list[dict]) -> Finding:
+    if at_floor(run, rows):
+        return Finding("loss_diverging", "training loss diverging", evidence,
+                       f"not the rate, which is at the schedule's floor there (optim.min_lr={_g(run.key('optim.min_lr'))}"
+                       "): the data of those steps (another kind of text, a new data stage or mixture, data seen "
+                       "again) or the state a resume restored",
+                       "check what the run read from those steps on (data.stages, data.sources, tokens_seen/<source>, "
+                       "the epochs) and the sessions of run_meta.json; the validation loss says whether the model "
+                       "got worse or the batches harder")
     return Finding("loss_diverging", "training loss diverging", evidence,
                    "the learning rate is too high for this model and batch",
                    f"{_lower_rate(run, 3)} (a third), or a longer warmup ({_longer_warmup(run)})")
 
 
 def loss_not_falling(run: RunFigures) -> Finding | None:
-    """After warmup the loss never falls below its end-of-warmup value by :data:`LOSS_FALL_MIN`."""
+    """After warmup the smoothed loss (:func:`smoothed`, at least :data:`TREND_POINTS` points) never falls below its
+    first point by :data:`LOSS_FALL_MIN`."""
     rows = [r for r in run.after_warmup() if _finite(r["loss"])]
-    if len(rows) < MIN_ROWS:
+    if len(rows) < TREND_POINTS * SMOOTH_ROWS:
         return None
-    start, best = rows[0], min(rows[1:], key=lambda r: r["loss"])
-    if best["loss"] < start["loss"] * (1 - LOSS_FALL_MIN):
+    points = smoothed(rows, from_end=False)
+    start, best = points[0], min(points[1:], key=lambda p: p.loss)
+    if best.loss < start.loss * (1 - LOSS_FALL_MIN):
         return None
     last = rows[-1]
-    evidence = (f"loss {start['loss']:.4f} at step {start['step']} (end of warmup), best {best['loss']:.4f} "
-                f"(step {best['step']}), {last['loss']:.4f} at step {last['step']}; learning rate "
+    evidence = (f"mean loss {start.loss:.4f} over {start.span()} (end of warmup), lowest {best.loss:.4f} "
+                f"over {best.span()}, {last['loss']:.4f} at step {last['step']}; learning rate "
                 f"{_g(last.get('lr', float('nan')))} (peak optim.lr={_g(run.key('optim.lr', float('nan')))})")
     epochs = run.epochs(last["step"])
     cause = "the learning rate is too low, or the schedule never reaches it"
@@ -297,13 +387,16 @@ def loss_not_falling(run: RunFigures) -> Finding | None:
 
 
 def grad_norm_rising(run: RunFigures) -> Finding | None:
-    """The gradient norm of the last third of the run over that of the first third exceeds :data:`GRAD_NORM_RISE`."""
+    """The gradient norm of the last third of the run over that of the first third exceeds :data:`GRAD_NORM_RISE`,
+    and the last third is not at the schedule's floor (:func:`at_floor`)."""
     rows = [r for r in run.train[1:] if _finite(r.get("grad_norm"))]
     if len(rows) < 3 * 2:
         return None
     third = len(rows) // 3
     first, last = _median(r["grad_norm"] for r in rows[:third]), _median(r["grad_norm"] for r in rows[-third:])
-    if first <= 0 or last / first < GRAD_NORM_RISE:
+    if first <= 0 or last / first < GRAD_NORM_RISE or at_floor(run, rows[-third:]):
+        # At the floor the norm does not rise with the rate: a norm that grows as the rate decays is common at the
+        # end of a decay (weight decay against smaller updates), and a lower peak would not change it.
         return None
     evidence = (f"median gradient norm {first:.3g} over steps {rows[0]['step']}-{rows[third - 1]['step']}, "
                 f"{last:.3g} over steps {rows[-third]['step']}-{rows[-1]['step']} ({last / first:.1f}x), learning rate "
@@ -322,8 +415,13 @@ def frequent_clipping(run: RunFigures) -> Finding | None:
     clipped = [r for r in rows if r["grad_norm"] > clip]
     if len(clipped) <= CLIP_FRACTION * len(rows):
         return None
+    median = _median(r["grad_norm"] for r in rows)
     evidence = (f"grad_norm above optim.grad_clip={_g(clip)} at {len(clipped)} of {len(rows)} logged steps after "
-                f"warmup (steps {rows[0]['step']}-{rows[-1]['step']}), median {_median(r['grad_norm'] for r in rows):.3g}")
+                f"warmup (steps {rows[0]['step']}-{rows[-1]['step']}), median {median:.3g}")
+    if at_floor(run, clipped):
+        return Finding("frequent_clipping", "gradients constantly at the clip norm", evidence,
+                       "the clip is below the norm this model keeps at the schedule's floor, where the rate is not "
+                       "the cause", f"optim.grad_clip={_g(2 * median)} (above the norm's median) if the loss falls")
     return Finding("frequent_clipping", "gradients constantly at the clip norm", evidence,
                    "the learning rate is too high for this phase of the run",
                    f"{_lower_rate(run, 2)} (half), or a shorter schedule.warmup_steps if it happens only early; "
@@ -396,9 +494,13 @@ def frequent_rollbacks(run: RunFigures) -> Finding | None:
              if e.get("kind") == "rollback"]
     if len(steps) < FREQUENT_ROLLBACKS:
         return None
-    return Finding("frequent_spikes", "loss spikes, frequently", f"{len(steps)} rollbacks, to steps "
-                   f"{', '.join(map(str, steps))}", "an isolated spike is a bad batch; frequent ones, a rate too high",
-                   _lower_rate(run, 2) + " (half)")
+    evidence = f"{len(steps)} rollbacks, to steps {', '.join(map(str, steps))}"
+    if at_floor(run, [r for r in run.train if r["step"] >= min(steps)]):
+        return Finding("frequent_spikes", "loss spikes, frequently", evidence,
+                       "bad batches: the rate is at the schedule's floor from the first of them on",
+                       "check the data those steps read (the skipped samples are in spikes.jsonl)")
+    return Finding("frequent_spikes", "loss spikes, frequently", evidence,
+                   "an isolated spike is a bad batch; frequent ones, a rate too high", _lower_rate(run, 2) + " (half)")
 
 
 def data_wait(run: RunFigures) -> Finding | None:
@@ -486,7 +588,8 @@ def _drop_finding(streak: list[dict], baseline: float, rows: list[dict], end: in
 
 
 def resume_jump(run: RunFigures) -> Finding | None:
-    """The first loss logged after a resume above the last :data:`TAIL_ROWS` before it by :data:`RESUME_JUMP_FRACTION`."""
+    """The first loss logged after a resume above the last :data:`TAIL_ROWS` before it by :data:`RESUME_JUMP_FRACTION`
+    and by :data:`NOISE_Z` times one step's scatter (:func:`loss_scatter`)."""
     for launch in run.meta.get("launches", [])[1:]:
         start = launch.get("start_step")
         if not launch.get("resumed_from") or start is None:
@@ -496,7 +599,8 @@ def resume_jump(run: RunFigures) -> Finding | None:
         if not before or after is None or not _finite(after["loss"]):
             continue
         highest = max(r["loss"] for r in before)
-        if after["loss"] > highest * (1 + RESUME_JUMP_FRACTION):
+        if after["loss"] > highest * (1 + RESUME_JUMP_FRACTION) and \
+                _significant(after["loss"] - highest, loss_scatter([r for r in run.train if _finite(r["loss"])]), 1):
             evidence = (f"loss {highest:.4f} at most over steps {before[0]['step']}-{before[-1]['step']}, "
                         f"{after['loss']:.4f} at step {after['step']}, after the resume at step {start} from "
                         f"{launch['resumed_from']}")

@@ -13,15 +13,15 @@ def write_run(folder, losses: list[float], partial: bool = False):
     rows = [{"step": 10 * (i + 1), "loss": loss, "lr": 1e-3, "grad_norm": 0.5, "skipped_steps": 0}
             for i, loss in enumerate(losses)]
     text = "".join(json.dumps(r) + "\n" for r in rows)
-    (folder / "metrics.jsonl").write_text(text + ('{"step": 90, "lo' if partial else ""))
+    (folder / "metrics.jsonl").write_text(text + ('{"step": 999, "lo' if partial else ""))
     (folder / "run_meta.json").write_text(json.dumps({"config": {"optim": {"lr": 1e-3}, "schedule": {"warmup_steps": 10}}}))
     return folder
 
 
 def test_the_tool_prints_findings_and_strict_sets_the_exit_code(tmp_path):
-    flat = write_run(tmp_path / "flat", [6.0, 6.0, 6.01, 6.0, 5.99, 6.0, 6.0, 6.0], partial=True)
+    flat = write_run(tmp_path / "flat", [6.0, 6.0, 6.01, 6.0, 5.99, 6.0, 6.0, 6.0] * 2, partial=True)
     out = run_script(["tools/doctor.py", str(flat)])
-    assert "8 logged training steps, up to step 80; 1 finding" in out.stdout
+    assert "16 logged training steps, up to step 160; 1 finding" in out.stdout
     assert "[loss_not_falling] loss not falling after warmup" in out.stdout and "fix: optim.lr=0.01" in out.stdout
     assert run_script(["tools/doctor.py", str(flat), "--strict"], check=False).returncode == 1
     healthy = write_run(tmp_path / "healthy", [6.0, 5.0, 4.5, 4.2, 4.0, 3.9, 3.8, 3.75])

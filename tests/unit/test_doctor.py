@@ -191,7 +191,7 @@ def tiny_run(tmp_path, tiny_data, name: str, max_steps: int, *overrides: str):
 def test_real_runs_a_rate_far_too_high_and_a_rate_of_zero_are_diagnosed_and_a_sane_one_is_not(tmp_path, tiny_data):
     hot = diagnose_run(tiny_run(tmp_path, tiny_data, "hot", 12, "optim.lr=0.5"))
     assert names(hot)[0] == "loss_diverging" and "optim.lr=0.167" in hot[0].fix
-    cold = diagnose_run(tiny_run(tmp_path, tiny_data, "cold", 12, "optim.lr=1e-9", "optim.min_lr=0"))
+    cold = diagnose_run(tiny_run(tmp_path, tiny_data, "cold", 32, "optim.lr=1e-9", "optim.min_lr=0"))
     assert names(cold) == ["loss_not_falling"]  # its gradients sit above the clip, but the rate is not too high
     healthy = tiny_run(tmp_path, tiny_data, "healthy", 24)
     assert diagnose_run(healthy) == []
