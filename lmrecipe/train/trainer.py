@@ -22,6 +22,7 @@ from lmrecipe.checkpoint.storage import find_resume_checkpoint, read_checkpoint
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.observe.quiet import quiet
+from lmrecipe.optim import lr_at
 from lmrecipe.observe.run_report import FINAL_FILE
 from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
@@ -302,8 +303,11 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
     quiet(cfg.logging.verbose)
     out_dir = Path(cfg.out_dir)
     if (finished := finished_state(cfg, out_dir)) is not None:
-        logger.info("nothing to do: %s already finished at step %d (train.max_steps=%d); raise train.max_steps to "
-                    "train further", out_dir, finished.step, cfg.train.max_steps)
+        logger.info("nothing to do: %s already finished at step %d (train.max_steps=%d). To train further, raise "
+                    "train.max_steps and keep the rate the run ended at (schedule.decay=constant optim.lr=%.6g), or "
+                    "branch a new run from one of its checkpoints (out_dir=NEW_DIR checkpoint.branch_from=CHECKPOINT): "
+                    "docs/checkpoints.md, 'Longer runs'", out_dir, finished.step, cfg.train.max_steps,
+                    lr_at(cfg.train.max_steps, cfg.train.max_steps, cfg.optim, cfg.schedule))
         return finished
     with removing_new_empty_dirs(out_dir, out_dir / "checkpoints"):  # a failed start leaves no empty folders
         run = build_run(cfg, out_dir)
