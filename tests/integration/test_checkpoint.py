@@ -338,7 +338,7 @@ def test_a_finished_run_run_again_has_nothing_to_do_and_writes_nothing(tmp_path,
     with caplog.at_level(logging.INFO, logger="lmrecipe.train.trainer"):
         state = train(cfg)
     assert state.step == STEPS
-    assert (f"nothing to do: {out} already finished at step {STEPS} (train.max_steps={STEPS}); raise "
-            "train.max_steps to train further") in caplog.text
+    assert f"nothing to do: {out} already finished at step {STEPS} (train.max_steps={STEPS})" in caplog.text
+    assert "schedule.decay=constant optim.lr=" in caplog.text and "checkpoint.branch_from=" in caplog.text
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in [out, *out.rglob("*")]} == before
     assert tree_digest(out) == digest
