@@ -34,7 +34,7 @@ from lmrecipe.data.sources import check_sources
 from lmrecipe.errors import UserError
 from lmrecipe.planning.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape
 from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
-from lmrecipe.objstore import check_access, is_remote
+from lmrecipe.objstore import READ_PATIENCE_S, check_access, is_remote, transient_errors, unreadable
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.parallel.launch import check_launch, check_launched_processes
 from lmrecipe.parallel.precision import check_precision
@@ -92,9 +92,8 @@ def dry_run(cfg: Config) -> DryRunReport:
     if cfg.checkpoint.remote:
         store = report.check(lambda: check_access(cfg.checkpoint.remote, "checkpoint.remote", write=False))
         if store is not None and cfg.checkpoint.resume == "auto":
-            mirror = CheckpointMirror(store, out_dir / "checkpoints", rank=0, world_size=1, keep_last=1)
             local_step = step_of_dir(resume_from.name) if resume_from is not None else None
-            remote = report.check(lambda: mirror.resume_point(local_step))
+            remote = report.check(lambda: remote_resume_point(store, out_dir, local_step))
             if remote is not None:
                 resume_from = f"{store.url}/checkpoints/{remote[0]} (newer than the local folder's: downloaded first)"
     meta = report.check(lambda: check_data(cfg.data, cfg.model, report))
@@ -130,6 +129,17 @@ def device_notes(memory: MemoryEstimate, requested: str, precision: str) -> list
     return [f"note: the estimate ({format_bytes(memory.device_total)} per rank) exceeds this GPU's "
             f"{format_bytes(total)}: consider train.gradient_checkpointing=true, a smaller train.micro_batch_size, or a "
             "higher ZeRO stage (tools/estimate_memory.py compares them)."]
+
+
+def remote_resume_point(store, out_dir: Path, local_step: int | None) -> tuple[str, int] | None:
+    """What the run's resume would download from ``store`` (:meth:`CheckpointMirror.resume_point`); UserError when
+    the remote cannot be read within :data:`READ_PATIENCE_S` per request."""
+    mirror = CheckpointMirror(store, out_dir / "checkpoints", rank=0, world_size=1, keep_last=1,
+                              patience_s=READ_PATIENCE_S)
+    try:
+        return mirror.resume_point(local_step)
+    except transient_errors() as err:
+        raise unreadable(store.url, err, "checkpoint.remote") from None
 
 
 def check_data(data: DataConfig, model: ModelConfig, report: DryRunReport) -> dict:

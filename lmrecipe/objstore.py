@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from lmrecipe.errors import fail
+from lmrecipe.errors import UserError, fail
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ T = TypeVar("T")
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 10.0
 """Back-off between attempts of an operation that failed: doubled from the first up to the largest."""
+READ_PATIENCE_S = 60.0
+"""How long a read that a command waits on before it can start (a pointer, a listing, a small file) retries through
+an outage before the command stops with a message: a requeued job must not sit until its time limit."""
 
 
 def is_remote(path) -> bool:
@@ -89,6 +92,10 @@ def open_filesystem(url: str):
     except (ImportError, ValueError) as err:
         raise fail(f"{url}: fsspec cannot open this URL ({err}). Use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or "
                    "file:///PATH, and install the clients with `pip install -e \".[remote]\"`.") from None
+    except OSError as err:  # a scheme whose client connects when opened (ftp://, sftp://): no server there
+        raise fail(f"{url}: cannot connect to open this URL ({type(err).__name__}: {_short(err)}). Check that the "
+                   "server runs and the host name is right, or use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or "
+                   "file:///PATH.") from None
     return fs, path.rstrip("/")
 
 
@@ -198,9 +205,10 @@ class Store:
         self.fs.pipe_file(self.path(rel), text.encode())
 
     def read_text(self, rel: str) -> str | None:
-        """The object's text, or None when there is none."""
+        """The object's text, or None when there is none. Bytes that are not UTF-8 read as U+FFFD: the caller's
+        check of what the text should say (a checkpoint's name, a marker) then names the object."""
         try:
-            return self.fs.cat_file(self.path(rel)).decode()
+            return self.fs.cat_file(self.path(rel)).decode(errors="replace")
         except FileNotFoundError:
             return None
 
@@ -260,12 +268,26 @@ def check_access(url: str, what: str, write: bool = True) -> Store:
                    "there. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (GCS: GOOGLE_APPLICATION_CREDENTIALS) to "
                    "credentials that may read, write, list and delete under that prefix.") from None
     except transient_errors() as err:
-        fix = ("Check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and that the server is running"
-               if endpoint else "Check the network, the URL and the credentials (AWS_ACCESS_KEY_ID, "
-               "AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION; AWS_ENDPOINT_URL for an S3-compatible server)")
         raise fail(f"{what}={url}: object storage{where} cannot be written ({type(err).__name__}: {_short(err)}). "
-                   f"{fix}.") from None
+                   f"{_outage_fix()}.") from None
     return store
+
+
+def unreadable(url: str, err: BaseException, what: str | None = None) -> "UserError":
+    """The UserError of a read of ``url`` (the value of key ``what``, if any) that failed through its retries: the
+    error and the fix."""
+    endpoint = endpoint_from_env()
+    where = f" at {endpoint}" if endpoint and scheme_of(url) in ("s3", "s3a") else ""
+    return fail(f"{what + '=' if what else ''}{url}: object storage{where} could not be read (after retrying; "
+                f"{type(err).__name__}: {_short(err)}). {_outage_fix()}, then run the "
+                "command again.")
+
+
+def _outage_fix() -> str:
+    if endpoint_from_env():
+        return "Check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and that the server is running and answers"
+    return ("Check the network, the URL and the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_DEFAULT_REGION; AWS_ENDPOINT_URL for an S3-compatible server)")
 
 
 def _short(err: BaseException) -> str:

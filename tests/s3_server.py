@@ -136,3 +136,80 @@ class S3Server:
 
     def read(self, bucket: str, key: str) -> bytes:
         return self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+class FaultProxy:
+    """An HTTP proxy in front of ``upstream`` (the server's endpoint) that answers chosen requests with a server
+    error and forwards the others unchanged (the signature covers the Host header, which it keeps). ``fail(method,
+    key)`` makes every ``method`` request whose path ends with ``key`` answer 500; ``hits`` records (method, path)."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        proxy = self
+        self.faults: set[tuple[str, str]] = set()
+        self.hits: list[tuple[str, str]] = []
+        target = urlsplit(upstream)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    data = b""
+                    while (size := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return data
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _send(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+                self.send_response(status)
+                for key, value in headers:
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _handle(self) -> None:
+                body, path = self._body(), urlsplit(self.path).path
+                proxy.hits.append((self.command, path))
+                if any(self.command == m and path.endswith(k) for m, k in proxy.faults):
+                    error = b"<Error><Code>InternalError</Code><Message>injected fault</Message></Error>"
+                    return self._send(500, [("Content-Type", "application/xml")], error)
+                upstream_conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                headers["Content-Length"] = str(len(body))
+                upstream_conn.request(self.command, self.path, body=body, headers=headers)
+                response = upstream_conn.getresponse()
+                data = response.read()
+                upstream_conn.close()
+                self._send(response.status, response.getheaders(), data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def fail(self, method: str, key: str) -> None:
+        self.faults.add((method, key))
+
+    def heal(self) -> None:
+        self.faults.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -64,16 +64,19 @@ def manifest_of(folder: Path) -> dict[str, int]:
 class CheckpointMirror:
     """Checkpoints of the local folder ``root`` mirrored under ``store`` (its ``checkpoints/``) by rank ``rank`` of
     ``world_size``. Uploads run on the caller's thread (the callback's worker); every remote call retries through an
-    outage until ``should_stop()``."""
+    outage until ``should_stop()``, and for at most ``patience_s`` seconds when that is set (what a run waits on
+    before its first step: None would keep a requeued job waiting until its time limit)."""
 
     def __init__(self, store: Store, root: Path, *, rank: int, world_size: int, keep_last: int,
-                 should_stop: Callable[[], bool] = lambda: False, after_file: Callable[[str, str], None] | None = None):
+                 should_stop: Callable[[], bool] = lambda: False, after_file: Callable[[str, str], None] | None = None,
+                 patience_s: float | None = None):
         self.store = store.child(CHECKPOINTS)
         self.root = root
         self.rank = rank
         self.world_size = world_size
         self.keep_last = keep_last
         self.should_stop = should_stop
+        self.patience_s = patience_s
         self.after_file = after_file
         """Called with (checkpoint name, file) after each upload (tests' fault injection)."""
         self.bytes_done = 0
@@ -82,7 +85,8 @@ class CheckpointMirror:
         ranks' parts of this one (they may have skipped it for the newer)."""
 
     def _retry(self, operation, what: str):
-        return retrying(operation, what, should_stop=self.should_stop)
+        deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
+        return retrying(operation, what, deadline=deadline, should_stop=self.should_stop)
 
     # ---- upload
 
@@ -249,16 +253,21 @@ def fetch_remote(url: str, cache_dir: str = CHECKPOINT_CACHE) -> Path:
 
     from lmrecipe.errors import fail
     from lmrecipe.fileio import install_dir, remove_path, temp_dir_for
-    from lmrecipe.objstore import node_lock, retrying
+    from lmrecipe.objstore import READ_PATIENCE_S, node_lock, retrying, transient_errors, unreadable
 
     store = Store.open(url)
 
-    def read(rel: str) -> str | None:
+    def remote(operation, what: str, patience_s: float = READ_PATIENCE_S):
         try:
-            return retrying(lambda: store.read_text(rel), f"reading {store.url_of(rel)}", deadline=time.monotonic() + 60)
+            return retrying(operation, what, deadline=time.monotonic() + patience_s)
         except PermissionError as err:
             raise fail(f"{url}: access denied ({str(err)[:200]}). Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to "
                        "credentials that may read it (AWS_ENDPOINT_URL for an S3-compatible server).") from None
+        except transient_errors() as err:  # botocore's own (EndpointConnectionError) are not OSErrors
+            raise unreadable(url, err) from None
+
+    def read(rel: str) -> str | None:
+        return remote(lambda: store.read_text(rel), f"reading {store.url_of(rel)}")
 
     source, checkpoint = store, True
     if read(STATE_FILE) is None:
@@ -267,13 +276,17 @@ def fetch_remote(url: str, cache_dir: str = CHECKPOINT_CACHE) -> Path:
             if step_of_dir(name) is not None:
                 source = store.child(pointer.rsplit("/", 1)[0] + "/" + name if "/" in pointer else name)
                 break
+            if name:
+                raise fail(f"{store.url_of(pointer)} names {name[:80]!r}, not a checkpoint folder (step_N). Write the "
+                           "name of a complete checkpoint beside it into it (e.g. step_00001000), or pass the URL of "
+                           "one checkpoint (.../checkpoints/step_N).")
         else:
             if read("config.json") is None:
                 raise fail(f"{url} holds no training checkpoint (no {STATE_FILE}, no checkpoints/{LATEST}) and no "
                            "export (no config.json). Pass the URL of a run uploaded with checkpoint.remote, of one of "
                            "its checkpoints/step_N, or of its export/.")
             checkpoint = False
-    files = retrying(source.files, f"listing {source.url}", deadline=time.monotonic() + 60)
+    files = remote(source.files, f"listing {source.url}")
     if checkpoint:
         files = {rel: size for rel, size in files.items() if not rel.startswith(".")}
     digest = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
@@ -289,8 +302,8 @@ def fetch_remote(url: str, cache_dir: str = CHECKPOINT_CACHE) -> Path:
         try:
             for rel in sorted(files):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                retrying(lambda rel=rel: source.get_file(rel, tmp / rel), f"downloading {source.url_of(rel)}",
-                         deadline=time.monotonic() + 600)
+                remote(lambda rel=rel: source.get_file(rel, tmp / rel), f"downloading {source.url_of(rel)}",
+                       patience_s=600)
             if checkpoint:
                 read_checkpoint(tmp)
             (tmp / _LISTING_MARKER).write_text(digest + "\n")

@@ -22,7 +22,7 @@ from pathlib import Path
 from lmrecipe.data.format import SPLITS, file_sha256
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import install_dir, remove_path, temp_dir_for, write_text_atomic
-from lmrecipe.objstore import Store, is_remote, node_lock, retrying
+from lmrecipe.objstore import READ_PATIENCE_S, Store, is_remote, node_lock, retrying, transient_errors, unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,14 @@ def _remote_meta(store: Store, what: str) -> str:
            "credentials and endpoint come from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL.")
     try:
         text = retrying(lambda: store.read_text("meta.json"), f"reading {store.url_of('meta.json')}",
-                        deadline=time.monotonic() + 60)
+                        deadline=time.monotonic() + READ_PATIENCE_S)
     except PermissionError as err:
         raise fail(f"{what}={store.url}: access denied ({str(err)[:200]}). Set AWS_ACCESS_KEY_ID and "
                    "AWS_SECRET_ACCESS_KEY to credentials that may read it.") from None
     except FileNotFoundError:
         text = None
-    except OSError as err:
-        raise fail(f"{what}={store.url}: cannot read it ({type(err).__name__}: {str(err)[:200]}). {fix}") from None
+    except transient_errors() as err:  # botocore's own (EndpointConnectionError) are not OSErrors
+        raise unreadable(store.url, err, what) from None
     if text is None:
         raise fail(f"{what}={store.url} holds no meta.json: it is not a prepared data folder. {fix}")
     return text
@@ -93,7 +93,10 @@ def stage(url: str, cache_dir: str, what: str = "data.path") -> Path:
 
 def _download(store: Store, meta: dict, tmp: Path, what: str) -> int:
     """The files the folder's ``meta.json`` describes, into ``tmp``, verified; their bytes."""
-    listing = retrying(store.files, f"listing {store.url}", deadline=time.monotonic() + 60)
+    try:
+        listing = retrying(store.files, f"listing {store.url}", deadline=time.monotonic() + READ_PATIENCE_S)
+    except transient_errors() as err:
+        raise unreadable(store.url, err, what) from None
     shards = [str(e["path"]) for e in meta.get("shards", [])] if isinstance(meta.get("shards"), list) else []
     wanted = {rel: size for rel, size in listing.items()
               if rel != "meta.json" and ("/" not in rel or rel.split("/", 1)[0] in shards)}
@@ -106,7 +109,7 @@ def _download(store: Store, meta: dict, tmp: Path, what: str) -> int:
         try:
             retrying(lambda rel=rel: store.get_file(rel, tmp / rel), f"downloading {store.url_of(rel)}",
                      deadline=deadline)
-        except OSError as err:
+        except transient_errors() as err:
             raise fail(f"{what}={store.url}: downloading {rel} failed ({type(err).__name__}: {str(err)[:200]}). "
                        "Check the object storage and run again.") from None
     problems = [f"{rel} is missing" for rel in expected if rel not in wanted]

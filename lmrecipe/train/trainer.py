@@ -239,7 +239,7 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
     """The run's callbacks, each from its own config section, in the order they run at every hook."""
     cfg = run.cfg
     remote_resume, remote_upload, remote_report = build_remote_callbacks(
-        cfg.checkpoint, run.accelerator, out_dir, progress=cfg.logging.progress_bar)
+        cfg.checkpoint, run.accelerator, out_dir, progress=cfg.logging.progress_bar, preemption=signal)
     callbacks = [
         StepProfiling(cfg.profile),  # first: what it profiles is the step itself
         OOMDiagnosis(),  # an out-of-memory error in a step becomes one message naming the ways out

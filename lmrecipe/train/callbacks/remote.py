@@ -34,9 +34,10 @@ from lmrecipe.checkpoint.storage import (
     step_of_dir,
 )
 from lmrecipe.config import CheckpointConfig
-from lmrecipe.errors import UserError, fail
-from lmrecipe.objstore import Store, check_access, retrying
+from lmrecipe.errors import EXIT_USER_ERROR, UserError, fail
+from lmrecipe.objstore import READ_PATIENCE_S, Store, check_access, retrying, transient_errors, unreadable
 from lmrecipe.train.callback import Callback
+from lmrecipe.train.callbacks.preemption import PreemptionSignal
 from lmrecipe.train.lock import LOCK_FILE
 
 logger = logging.getLogger(__name__)
@@ -148,20 +149,23 @@ class Uploader:
 
 class RemoteResume(Callback):
     """With ``checkpoint.resume=auto``: the newest complete remote checkpoint downloaded (each rank its share) and
-    published locally when it is newer than the local folder's, before checkpointing's resume reads it."""
+    published locally when it is newer than the local folder's, before checkpointing's resume reads it. Each remote
+    call retries through an outage for at most :data:`READ_PATIENCE_S`, and a signal (SIGTERM, Ctrl-C) stops the
+    wait at once: the run then exits with the signal's code, the local folder unchanged."""
 
-
-    def __init__(self, section: CheckpointConfig, accelerator, root: Path, store: Store):
+    def __init__(self, section: CheckpointConfig, accelerator, root: Path, store: Store, preemption: PreemptionSignal):
         self.section = section
         self.accelerator = accelerator
         self.root = root
         self.store = store
+        self.preemption = preemption
         self.downloaded: str | None = None
 
     def on_start(self, trainer) -> None:
         acc = self.accelerator
         mirror = CheckpointMirror(self.store, self.root, rank=acc.process_index, world_size=acc.num_processes,
-                                  keep_last=self.section.keep_last)
+                                  keep_last=self.section.keep_last, patience_s=READ_PATIENCE_S,
+                                  should_stop=lambda: self.preemption.name is not None)
         name = self._everyone(lambda: self._plan(mirror) if self.section.resume == "auto" else None)
         if name is None:
             return
@@ -178,24 +182,33 @@ class RemoteResume(Callback):
         every rank with one message naming the remote, the local folder (unchanged) and the way out."""
         from accelerate.utils import broadcast_object_list, gather_object
 
-        outcome = [None, None]  # (result, error)
+        outcome = [None, None]  # (result, (error, exit code))
         if every_rank or self.accelerator.is_main_process:
             try:
                 outcome[0] = work()
             except RemoteLatestError as err:  # not a failed download: the remote's state, named with its fix
-                outcome[1] = str(err)
-            except (OSError, UserError) as err:
-                outcome[1] = (f"Downloading the newest checkpoint of {self.store.url} failed ({type(err).__name__}: "
-                              f"{str(err)[:300]}). The local folder {self.root} is unchanged; check the object storage "
-                              "and run again, or pass checkpoint.resume=none to start fresh.")
+                outcome[1] = (str(err), err.exit_code)
+            except (UserError, *transient_errors()) as err:
+                outcome[1] = self._failure(err)
         if every_rank:
             errors = [e for e in gather_object([outcome[1]]) if e is not None]
             outcome[1] = errors[0] if errors else None
         else:
             broadcast_object_list(outcome)
         if outcome[1] is not None:
-            raise fail(outcome[1])
+            raise fail(*outcome[1])
         return outcome[0]
+
+    def _failure(self, err: BaseException) -> tuple[str, int]:
+        """(message, exit code) of a download that failed with ``err``, or that a signal stopped."""
+        if self.preemption.name is not None:
+            return (f"Stopped by {self.preemption.name} while waiting for object storage ({self.store.url}) before the "
+                    f"first step; nothing was downloaded and the local folder {self.root} is unchanged. Run the same "
+                    "command again to resume (checkpoint.resume=auto).", self.preemption.exit_code)
+        waited = f" (each request retried for {READ_PATIENCE_S:.0f} s)" if not isinstance(err, UserError) else ""
+        return (f"Downloading the newest checkpoint of {self.store.url} failed{waited}: {type(err).__name__}: "
+                f"{str(err)[:300]}. The local folder {self.root} is unchanged; check the object storage and run "
+                "again, or pass checkpoint.resume=none to start fresh.", EXIT_USER_ERROR)
 
     def _plan(self, mirror: CheckpointMirror) -> str | None:
         """Main process: the remote checkpoint to download (its ``train_state.json`` fetched into the temporary
@@ -220,12 +233,14 @@ class RemoteUpload(Callback):
 
     follows = ("ExportAtEnd",)  # at the end it uploads the export
 
-    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, store: Store, *, progress: bool):
+    def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, store: Store, *, progress: bool,
+                 preemption: PreemptionSignal):
         self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
         self.store = store
         self.progress = progress
+        self.preemption = preemption
         self.missing: list[str] = []
         self.deadline = time.monotonic()
         """When the end of the run stops waiting for uploads (set at ``on_end``)."""
@@ -246,6 +261,11 @@ class RemoteUpload(Callback):
                                        after_file=after_file)
         self.uploader = Uploader(self.mirror)
         self.mirror.superseded = self.uploader.superseded
+        self.reader = CheckpointMirror(store, out_dir / "checkpoints", rank=accelerator.process_index,
+                                       world_size=accelerator.num_processes, keep_last=section.keep_last,
+                                       patience_s=READ_PATIENCE_S, should_stop=lambda: preemption.name is not None)
+        """The same remote, read on the main thread at the start: each call waits through an outage for a while,
+        not (as the background uploads do) until the end of the run."""
 
     def on_start(self, trainer) -> None:
         from accelerate.utils import broadcast_object_list
@@ -253,13 +273,22 @@ class RemoteUpload(Callback):
         self.uploader.pinned = trainer.checkpointer.store.pinned
         # A checkpoint published locally but never uploaded (the previous session ran out of time or lost the
         # server): upload it now.
-        latest = [None]
+        latest = [None, None]  # (the local checkpoint to upload, why the remote latest could not be read)
         if self.accelerator.is_main_process:
             local = trainer.checkpointer.latest
-            remote = retrying(self.mirror.latest, "reading the remote latest", deadline=time.monotonic() + 60)
-            if local is not None and (remote is None or step_of_dir(local.name) > remote[1]):
-                latest = [local.name]
+            try:
+                remote = self.reader.latest() if local is not None else None
+                if local is not None and (remote is None or step_of_dir(local.name) > remote[1]):
+                    latest[0] = local.name
+            except transient_errors() as err:
+                latest[1] = (str(unreadable(self.reader.store.url_of("latest"), err)), EXIT_USER_ERROR)
+                if self.preemption.name is not None:
+                    latest[1] = (f"Stopped by {self.preemption.name} while reading {self.reader.store.url_of('latest')} "
+                                 "before the first step. Run the same command again to resume "
+                                 "(checkpoint.resume=auto).", self.preemption.exit_code)
         broadcast_object_list(latest)
+        if latest[1] is not None:
+            raise fail(*latest[1])
         if latest[0] is not None:
             self.uploader.submit(trainer.checkpointer.root / latest[0])
 
@@ -332,11 +361,11 @@ def upload_files(store: Store, base: Path, files: list[Path], deadline: float, w
     return True
 
 
-def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path, *,
-                           progress: bool) -> tuple[Callback | None, Callback | None, Callback | None]:
+def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path, *, progress: bool,
+                           preemption: PreemptionSignal) -> tuple[Callback | None, Callback | None, Callback | None]:
     """The three callbacks of ``checkpoint.remote`` (the resume, the uploads, the report; None each when it is unset),
     after checking that the URL can be written (every rank gets the main process's verdict: exit 2 naming the URL
-    and the fix)."""
+    and the fix). ``preemption``: the run's signal; it stops a wait for object storage before the first step."""
     if not section.remote:
         return None, None, None
     from accelerate.utils import broadcast_object_list
@@ -351,5 +380,5 @@ def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path
     if verdict[0] is not None:
         raise fail(verdict[0])
     store = Store.open(section.remote)
-    upload = RemoteUpload(section, accelerator, out_dir, store, progress=progress)
-    return RemoteResume(section, accelerator, out_dir / "checkpoints", store), upload, RemoteReport(upload)
+    upload = RemoteUpload(section, accelerator, out_dir, store, progress=progress, preemption=preemption)
+    return RemoteResume(section, accelerator, out_dir / "checkpoints", store, preemption), upload, RemoteReport(upload)
