@@ -897,8 +897,8 @@ def _positive(section: Any, *keys: str) -> None:
 def _non_negative(section: Any, *keys: str) -> None:
     for key in keys:
         value = getattr(section, key)
-        if value < 0:
-            raise fail(f"{_section_name(section)}.{key}={value} must be zero or positive.")
+        if not math.isfinite(value) or value < 0:  # nan passes every comparison; inf overflows what it scales
+            raise fail(f"{_section_name(section)}.{key}={value} must be a finite number, zero or positive.")
 
 
 def _section_name(section: Any) -> str:

@@ -79,6 +79,30 @@ def test_bad_overrides_name_the_key(override, expected):
     assert expected in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["train.z_loss=nan", "train.z_loss=inf", "checkpoint.remote_wait_s=nan",
+                                      "train.early_stopping_min_delta=inf"])
+def test_a_non_finite_value_of_a_non_negative_key_is_refused_naming_it(override):
+    with pytest.raises(UserError, match=f"{override.replace('.', '[.]')} must be a finite number, zero or positive"):
+        load_config(ROOT / "recipes" / "tiny.yaml", [override])
+
+
+def test_updates_that_stop_being_finite_name_a_large_z_loss_first():
+    from types import SimpleNamespace
+
+    from lmrecipe.config import TrainConfig
+    from lmrecipe.train.callbacks.stopping import NonFiniteStop
+
+    stops = []
+    trainer = SimpleNamespace(state=SimpleNamespace(step=5), request_stop=stops.append)
+    for z_loss in (1e30, 1e-4, 0.0):
+        NonFiniteStop(TrainConfig(z_loss=z_loss)).at_sync(trainer, longest_skip_run=5)
+    large, small, off = (stop.message for stop in stops)
+    assert "train.z_loss=1e+30 is large" in large and large.index("z_loss") < large.index("optim.lr")
+    assert "set train.z_loss=1e-4 (PaLM's) or 0" in large
+    assert "or a lower train.z_loss (now 0.0001)" in small and "z_loss" not in off
+    assert all("checkpoint.resume=auto" in m for m in (large, small, off))
+
+
 def test_bad_recipe_types(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("train:\n  max_steps: many\n")

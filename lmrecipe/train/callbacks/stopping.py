@@ -14,15 +14,29 @@ class NonFiniteStop(Callback):
 
     def __init__(self, section: TrainConfig):
         self.limit = section.max_consecutive_skips
+        self.z_loss = section.z_loss
 
     def at_sync(self, trainer, longest_skip_run: int) -> bool:
         if longest_skip_run >= self.limit:
             trainer.request_stop(Stop(
                 f"Stopped at step {trainer.state.step}: {self.limit} or more consecutive updates were skipped because "
-                "the loss or gradient norm was not finite (the weights were left unchanged). Try a lower optim.lr, a "
-                "longer schedule.warmup_steps, optim.grad_clip=1.0, or train.precision=bf16/fp32 instead of fp16, and "
-                "resume from the last checkpoint (checkpoint.resume=auto).", error=True))
+                "the loss or gradient norm was not finite (the weights were left unchanged). " + self.fixes() +
+                " Then resume from the last checkpoint (checkpoint.resume=auto).", error=True))
         return False
+
+    def fixes(self) -> str:
+        """The ways out, the z-loss first when its coefficient is large enough to overflow on its own."""
+        usual = ("a lower optim.lr, a longer schedule.warmup_steps, optim.grad_clip=1.0, or train.precision=bf16/fp32 "
+                 "instead of fp16")
+        if self.z_loss > Z_LOSS_LARGE:
+            return (f"train.z_loss={self.z_loss:g} is large: it adds z_loss * logsumexp(logits)^2 to the loss, which "
+                    "overflows at this scale; set train.z_loss=1e-4 (PaLM's) or 0 to turn it off. Otherwise try "
+                    f"{usual}.")
+        return f"Try {usual}" + (f", or a lower train.z_loss (now {self.z_loss:g})." if self.z_loss > 0 else ".")
+
+
+Z_LOSS_LARGE = 1e-2
+"""A ``train.z_loss`` above this is named first when updates stop being finite (the usual values are 1e-5 to 1e-3)."""
 
 
 class EarlyStopping(Callback):
