@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration (what out_dir/config.yaml would hold) and exit")
     parser.add_argument("--list-keys", nargs="?", const="", metavar="SECTION",
-                        help="list every key (or one section's) with its default and exit")
+                        help="list every key (or those of the SECTIONs named after it) with its default and exit")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config, data, DeepSpeed config, world size, memory and out_dir without "
                              "training or writing anything; exit 0, or 2 listing every problem")
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     check_no_flags(argv, FLAGS)
     args = build_parser().parse_intermixed_args(argv)
-    if args.list_keys is not None:
-        print(format_key_list(args.list_keys or None))
+    if args.list_keys is not None:  # every word after it is a section to list (argparse takes the first alone)
+        print(format_key_list([args.list_keys, args.recipe or "", *args.overrides]))
         return 0
     if args.recipe is None:
         raise fail("train.py needs a recipe: python train.py RECIPE [key=value ...], e.g. recipes/tiny.yaml "
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         from lmrecipe.config import config_yaml
 
         print(config_yaml(load_config(args.recipe, args.overrides)), end="")
-        return 0
+        if not args.dry_run:  # with --dry-run, the dry run's report follows the configuration it checks
+            return 0
     setup_logging()
     cfg = load_config(args.recipe, args.overrides)
     if args.dry_run:

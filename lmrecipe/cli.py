@@ -118,7 +118,8 @@ def record_exit(rank: int, code: int, error: str | None) -> None:
 
 def check_output_path(path: str | os.PathLike, option: str, folder: bool = True) -> Path:
     """UserError unless ``path`` can be created as a folder (``folder``) or written as a file: it is not the
-    wrong kind of thing, and no part of the path above it is a file."""
+    wrong kind of thing, no part of the path above it is a file, and this user may write where it is created (the
+    folder itself when it exists, else the nearest existing folder above it)."""
     path = Path(path)
     kind, other = ("folder", "file") if folder else ("file", "folder")
     if path.exists() and path.is_dir() != folder:
@@ -129,6 +130,12 @@ def check_output_path(path: str | os.PathLike, option: str, folder: bool = True)
                 raise fail(f"{option} {path} lies under {parent}, which is a file, not a folder. Choose a path "
                            "whose parent folders are folders.")
             break
+    anchor = path if folder else path.parent  # a file is replaced by a rename in its folder
+    written = next(p for p in (anchor, *anchor.parents) if p.exists())
+    if not os.access(written, os.W_OK | os.X_OK):  # also a read-only file system, for every user
+        what = "" if written == path else f" ({written}, where it would be created)"
+        raise fail(f"{option} {path} cannot be written{what}: that folder is read-only for this user. Choose a "
+                   "folder this user may write, or give it write permission (chmod u+w, or remount read-write).")
     return path
 
 

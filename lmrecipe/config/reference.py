@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from lmrecipe.config import sections
 from lmrecipe.config.loader import BASE_KEY
@@ -239,18 +239,20 @@ def render_markdown() -> str:
 
 # ------------------------------------------------------------------------------------------------ train.py --list-keys
 
-def format_key_list(section: str | None = None) -> str:
-    """Every key (or one section's) with its default and the first sentence of its docstring, grouped by section;
-    UserError naming the sections for an unknown one."""
+def format_key_list(sections: str | Sequence[str] | None = None) -> str:
+    """Every key (or those of the sections named, in that order) with its default and the first sentence of its
+    docstring, grouped by section; UserError naming the sections for an unknown one."""
     names = section_names()
-    if section and section not in names:
-        close = difflib.get_close_matches(section, names, n=1)
-        hint = f" Did you mean {close[0]}?" if close else ""
-        raise UserError(f"--list-keys: there is no section {section!r}.{hint} The sections are {', '.join(names)} "
-                        "(top-level keys such as out_dir are listed with no argument).")
+    chosen = [sections] if isinstance(sections, str) else [s for s in sections or () if s]
+    for section in chosen:
+        if section not in names:
+            close = difflib.get_close_matches(section, names, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise UserError(f"--list-keys: there is no section {section!r}.{hint} The sections are {', '.join(names)} "
+                            "(top-level keys such as out_dir are listed with no argument).")
     keys = config_keys()
-    groups = [(name, [k for k in keys if k.section == name]) for name in ([section] if section else names)]
-    if not section:
+    groups = [(name, [k for k in keys if k.section == name]) for name in (dict.fromkeys(chosen) or names)]
+    if not chosen:
         groups.insert(0, ("", [k for k in keys if not k.section]))
     width = max(len(f"{k.key}={k.default}") for _, group in groups for k in group)
     lines = []

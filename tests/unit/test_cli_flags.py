@@ -134,3 +134,48 @@ def test_dry_run_of_a_missing_data_folder_says_how_to_make_it(train_main, capsys
     code, _, err = run(train_main, capsys, "--dry-run", RECIPE, f"data.path={tmp_path / 'none'}",
                        f"out_dir={tmp_path / 'run'}")
     assert code == 2 and "does not exist" in err and "tools/prepare_data.py" in err
+
+
+def test_list_keys_lists_every_section_named_after_it(train_main, capsys):
+    code, out, _ = run(train_main, capsys, "--list-keys", "schedule", "train")
+    assert code == 0 and out.startswith("schedule: ") and out.index("schedule.warmup_steps=") < out.index("\ntrain: ")
+    assert "  train.max_steps=" in out and "  optim.lr=" not in out
+    code, out, err = run(train_main, capsys, "--list-keys", "schedule", "trian")
+    assert code == 2 and out == "" and "no section 'trian'" in err and "Did you mean train?" in err
+
+
+def test_dry_run_with_print_config_prints_the_config_then_the_dry_runs_report(train_main, capsys, data, tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out_dir = tmp_path / "run"
+    code, out, _ = run(train_main, capsys, "--dry-run", "--print-config", RECIPE, f"data.path={data}",
+                       f"out_dir={out_dir}")
+    assert code == 0 and out.startswith(f"out_dir: {out_dir}\n") and "start-up line:" in out
+    assert out.rstrip().endswith("dry run: no problem found; nothing was trained or written")
+    assert out.index("  max_steps: ") < out.index("start-up line:")  # the configuration, then the report
+    assert not out_dir.exists()
+
+
+def test_an_out_dir_this_user_cannot_write_is_a_problem_for_the_dry_run_and_the_run(train_main, capsys, data,
+                                                                                  tmp_path, monkeypatch):
+    import os
+    import stat
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    # Permissions as any user but root sees them (root may write anywhere but on a read-only file system).
+    monkeypatch.setattr(os, "access", lambda path, mode: bool(os.stat(path).st_mode & stat.S_IWUSR))
+    readonly = tmp_path / "readonly"
+    (readonly / "old_run").mkdir(parents=True)
+    readonly.chmod(0o555)
+    (readonly / "old_run").chmod(0o555)
+    try:
+        for out_dir, where in ((readonly / "new_run", f" ({readonly}, where it would be created)"),
+                               (readonly / "old_run", "")):
+            code, out, err = run(train_main, capsys, "--dry-run", RECIPE, f"data.path={data}", f"out_dir={out_dir}")
+            assert code == 2 and "dry run: 1 problem(s)" in out
+            assert f"out_dir {out_dir} cannot be written{where}: that folder is read-only for this user" in err
+            code, out, err = run(train_main, capsys, RECIPE, f"data.path={data}", f"out_dir={out_dir}")
+            assert code == 2 and err.startswith(f"error: out_dir {out_dir} cannot be written")
+        assert sorted(p.name for p in readonly.iterdir()) == ["old_run"] and not any((readonly / "old_run").iterdir())
+    finally:
+        readonly.chmod(0o755)
