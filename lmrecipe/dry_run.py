@@ -85,7 +85,7 @@ def dry_run(cfg: Config) -> DryRunReport:
     report.check(lambda: check_flash_kernel(cfg.model.attn_implementation))
     attention_runs = len(report.problems) == problems_before
     report.check(check_launched_processes)
-    world_size = world_size_from_env()
+    world_size = report.check(world_size_from_env) or 1  # a bad WORLD_SIZE is one problem; the rest as for one
     work = cfg.workload()
     launch = report.check(lambda: check_launch(work, cfg.distributed.deepspeed_config_path(), world_size,
                                                precision or "fp32"))

@@ -12,8 +12,18 @@ from lmrecipe.errors import fail
 
 
 def world_size_from_env() -> int:
-    """World size announced by the launcher (accelerate launch, torchrun, srun), before any process group exists."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """World size announced by the launcher (accelerate launch, torchrun, srun), before any process group exists;
+    UserError naming the variable when it is not a whole number of at least 1."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world_size = int(value)
+    except ValueError:
+        world_size = 0
+    if world_size < 1:
+        raise fail(f"WORLD_SIZE={value!r} is not a number of processes (a whole number, at least 1). Unset it for "
+                   "one process (python train.py ...), or let the launcher set it (accelerate launch, torchrun, "
+                   "srun).")
+    return world_size
 
 
 _DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold

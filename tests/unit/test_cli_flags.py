@@ -179,3 +179,16 @@ def test_an_out_dir_this_user_cannot_write_is_a_problem_for_the_dry_run_and_the_
         assert sorted(p.name for p in readonly.iterdir()) == ["old_run"] and not any((readonly / "old_run").iterdir())
     finally:
         readonly.chmod(0o755)
+
+
+@pytest.mark.parametrize("world_size", ["two", "0", "-1"])
+def test_a_world_size_that_is_no_number_of_processes_is_named(train_main, capsys, data, tmp_path, monkeypatch,
+                                                              world_size):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    out_dir = tmp_path / "run"
+    for flags in (["--dry-run"], []):
+        code, out, err = run(train_main, capsys, *flags, RECIPE, f"data.path={data}", f"out_dir={out_dir}")
+        assert code == 2 and f"WORLD_SIZE='{world_size}' is not a number of processes" in err
+        assert "Unset it for one process" in err and not out_dir.exists()
+    assert "dry run: 1 problem(s)" in run(train_main, capsys, "--dry-run", RECIPE, f"data.path={data}",
+                                          f"out_dir={out_dir}")[1]
