@@ -37,7 +37,6 @@ from lmrecipe.config import CheckpointConfig
 from lmrecipe.errors import EXIT_USER_ERROR, UserError, fail
 from lmrecipe.objstore import READ_PATIENCE_S, Store, check_access, retrying, transient_errors, unreadable
 from lmrecipe.train.callback import Callback
-from lmrecipe.train.callbacks.preemption import PreemptionSignal
 from lmrecipe.train.lock import LOCK_FILE
 
 logger = logging.getLogger(__name__)
@@ -153,7 +152,7 @@ class RemoteResume(Callback):
     call retries through an outage for at most :data:`READ_PATIENCE_S`, and a signal (SIGTERM, Ctrl-C) stops the
     wait at once: the run then exits with the signal's code, the local folder unchanged."""
 
-    def __init__(self, section: CheckpointConfig, accelerator, root: Path, store: Store, preemption: PreemptionSignal):
+    def __init__(self, section: CheckpointConfig, accelerator, root: Path, store: Store, preemption):
         self.section = section
         self.accelerator = accelerator
         self.root = root
@@ -234,7 +233,7 @@ class RemoteUpload(Callback):
     follows = ("ExportAtEnd",)  # at the end it uploads the export
 
     def __init__(self, section: CheckpointConfig, accelerator, out_dir: Path, store: Store, *, progress: bool,
-                 preemption: PreemptionSignal):
+                 preemption):
         self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
@@ -362,10 +361,11 @@ def upload_files(store: Store, base: Path, files: list[Path], deadline: float, w
 
 
 def build_remote_callbacks(section: CheckpointConfig, accelerator, out_dir: Path, *, progress: bool,
-                           preemption: PreemptionSignal) -> tuple[Callback | None, Callback | None, Callback | None]:
+                           preemption) -> tuple[Callback | None, Callback | None, Callback | None]:
     """The three callbacks of ``checkpoint.remote`` (the resume, the uploads, the report; None each when it is unset),
     after checking that the URL can be written (every rank gets the main process's verdict: exit 2 naming the URL
-    and the fix). ``preemption``: the run's signal; it stops a wait for object storage before the first step."""
+    and the fix). ``preemption``: the run's ``PreemptionSignal`` (its ``name`` once a signal came, its ``exit_code``;
+    callbacks do not import each other); it stops a wait for object storage before the first step."""
     if not section.remote:
         return None, None, None
     from accelerate.utils import broadcast_object_list
