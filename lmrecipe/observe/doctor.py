@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmrecipe.errors import fail
+from lmrecipe.observe.smoothing import SMOOTH_ROWS, loss_scatter, smoothed
 
 METRICS_FILE = "metrics.jsonl"
 RUN_META_FILE = "run_meta.json"
@@ -33,11 +34,6 @@ LR_FLOOR = 3e-4
 ``optim.lr`` (AdamW at the scales of the shipped recipes)."""
 MIN_ROWS = 4
 """Fewer logged training rows than this (after warmup, for the trends) say nothing about a trend."""
-SMOOTH_ROWS = 5
-"""Consecutive logged losses whose mean is one point of the smoothed curve the loss checks judge (a tenth of the
-rows when that is more, a third when there are fewer than fifteen). One logged loss is one step's, and it varies
-with the step's batch: a standard deviation of 0.25 nats around its trend in the demo (``recipes/tiny.yaml``, 16 x
-128 tokens a step), so the lowest of 30 single steps sits far below the curve and a few later ones above it."""
 NOISE_Z = 4.0
 """A rise of the smoothed loss counts when it is this many times its standard error: the step-to-step scatter
 (estimated from second differences of the logged losses, which a smooth trend leaves at zero) over the rows
@@ -264,46 +260,6 @@ def non_finite(run: RunFigures) -> Finding | None:
 
 def _rose(loss: float, reference: float) -> bool:
     return loss - reference >= max(LOSS_DIVERGE_NATS, LOSS_DIVERGE_FRACTION * reference)
-
-
-def _window(count: int) -> int:
-    """Rows per point of the smoothed loss for ``count`` rows: :data:`SMOOTH_ROWS` or a tenth, at most a third."""
-    return max(1, min(max(SMOOTH_ROWS, count // 10), count // 3))
-
-
-@dataclass(frozen=True)
-class Smoothed:
-    """The mean loss of consecutive logged rows: one point of the smoothed curve."""
-
-    rows: list[dict]
-
-    @property
-    def loss(self) -> float:
-        return statistics.fmean(r["loss"] for r in self.rows)
-
-    @property
-    def lr(self) -> float:
-        return _median(r.get("lr", float("nan")) for r in self.rows)
-
-    def span(self) -> str:
-        first, last = self.rows[0]["step"], self.rows[-1]["step"]
-        return f"step {first}" if first == last else f"steps {first}-{last}"
-
-
-def smoothed(rows: list[dict], from_end: bool) -> list[Smoothed]:
-    """The rows' losses as consecutive means of :func:`_window` rows, whole windows only, counted from the last row
-    (``from_end``, so that the last point is the end of the run) or from the first."""
-    size = _window(len(rows))
-    starts = range(len(rows) % size, len(rows), size) if from_end else range(0, len(rows) - size + 1, size)
-    return [Smoothed(rows[i:i + size]) for i in starts]
-
-
-def loss_scatter(rows: list[dict]) -> float:
-    """The step-to-step scatter of the logged losses (a standard deviation, nats): the median absolute second
-    difference scaled to a normal's, so that a smooth trend and a few spikes leave it alone."""
-    losses = [r["loss"] for r in rows]
-    second = [abs(a - 2 * b + c) for a, b, c in zip(losses, losses[1:], losses[2:])]
-    return 1.4826 * _median(second) / math.sqrt(6) if second else 0.0
 
 
 def _significant(rise: float, scatter: float, *counts: int) -> bool:
