@@ -35,8 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-import install as I  # noqa: E402
+import install as I  # noqa: E402 - beside this script, which Python puts first on sys.path
 import stages as S  # noqa: E402
 
 GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"

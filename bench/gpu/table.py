@@ -19,8 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-import stages as S  # noqa: E402
+import stages as S  # noqa: E402 - beside this script, which Python puts first on sys.path
 
 RESULTS = HERE / "results"
 PAGE = ROOT / "docs" / "benchmarks" / "gpu.md"

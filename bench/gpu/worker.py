@@ -36,8 +36,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 GIB = 1024**3
 SYNC_STEPS = 5
@@ -275,9 +273,7 @@ def _forget_run() -> None:
 def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
     job = json.loads(Path(argv[0]).read_text())
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as C
+    import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
 
     import install
 

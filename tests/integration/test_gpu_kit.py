@@ -16,6 +16,8 @@ KIT = ROOT / "bench" / "gpu"
 
 
 def _kit_module(name: str):
+    if str(KIT) not in sys.path:
+        sys.path.insert(0, str(KIT))  # as Python does for the kit's scripts: their modules sit beside them
     spec = importlib.util.spec_from_file_location(f"gpu_kit_{name}", KIT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes

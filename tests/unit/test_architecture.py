@@ -209,7 +209,7 @@ def test_no_class_holds_more_than_a_screenful_of_jobs():
 def test_no_script_edits_sys_path():
     """Scripts import the package as it is installed (``pip install -e .``, which ``make`` does); a script that puts
     a folder on ``sys.path`` would shadow the installed package with whatever tree it sits in."""
-    scripts = [ROOT / "train.py", ROOT / "eval.py", *(ROOT / "tools").glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    scripts = [ROOT / "train.py", ROOT / "eval.py", *(ROOT / "tools").glob("*.py"), *(ROOT / "bench").rglob("*.py")]
     editing = [str(p.relative_to(ROOT)) for p in scripts if "sys.path.insert" in p.read_text() or
                "sys.path.append" in p.read_text()]
     assert len(scripts) > 20 and not editing, editing
