@@ -384,3 +384,15 @@ def assert_same_run(run: Path, reference: Path, tol: float, first_step: int = 1)
         assert sorted(got) == steps, (key, sorted(got), steps)
         worst = max(abs(got[s] - want[s]) / max(1.0, abs(want[s])) for s in steps)
         assert worst <= tol, f"{key}: {worst:.2e} between {run.name} and {reference.name}"
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    """The pid of rank ``rank`` of the training run writing into ``out`` (read from /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"out_dir={out}".encode() in (proc / "cmdline").read_bytes() \
+                    and f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no rank {rank} of {out} is running")

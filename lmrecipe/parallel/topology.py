@@ -197,28 +197,22 @@ def describe_expert_groups(ep: int, world_size: int) -> str:
     return f"AutoEP expert parallel {ep}: expert groups {groups}"
 
 
+def _check_divides(key: str, size: int, world_size: int, what: str) -> None:
+    """Exit 2 when ``distributed.<key>`` does not divide the launch's processes, checked before any process group
+    exists (what the split needs of the recipe: ``lmrecipe/config/rules.py``)."""
+    if world_size % size:
+        raise fail(f"distributed.{key}={size} does not divide the world size {world_size} (the processes launched): "
+                   f"each group of {size} consecutive ranks {what}. Launch a multiple of {size} processes, or choose a "
+                   f"divisor of {world_size}.")
+
+
 def check_sequence_parallel_topology(sp: int, world_size: int) -> None:
-    """What ``distributed.sequence_parallel_size`` needs of the launch, checked before any process group exists (what
-    it needs of the recipe: ``lmrecipe/config/rules.py``)."""
-    if world_size % sp:
-        raise fail(f"distributed.sequence_parallel_size={sp} does not divide the world size {world_size} (the processes "
-                   f"launched): each group of {sp} consecutive ranks shares a sequence. Launch a multiple of {sp} "
-                   f"processes, or choose a divisor of {world_size}.")
+    _check_divides("sequence_parallel_size", sp, world_size, "shares a sequence")
 
 
 def check_tensor_parallel_topology(tp: int, world_size: int) -> None:
-    """What ``distributed.tensor_parallel_size`` needs of the launch, checked before any process group exists (what
-    it needs of the recipe: ``lmrecipe/config/rules.py``)."""
-    if world_size % tp:
-        raise fail(f"distributed.tensor_parallel_size={tp} does not divide the world size {world_size} (the processes "
-                   f"launched): each group of {tp} consecutive ranks splits the model's matrices. Launch a multiple of "
-                   f"{tp} processes, or choose a divisor of {world_size}.")
+    _check_divides("tensor_parallel_size", tp, world_size, "splits the model's matrices")
 
 
 def check_expert_parallel_topology(ep: int, world_size: int) -> None:
-    """What ``distributed.expert_parallel_size`` needs of the launch, checked before any process group exists (what it
-    needs of the recipe: ``lmrecipe/config/rules.py``)."""
-    if world_size % ep:
-        raise fail(f"distributed.expert_parallel_size={ep} does not divide the world size {world_size} (the processes "
-                   f"launched): each group of {ep} consecutive ranks splits every MoE layer's experts. Launch a multiple "
-                   f"of {ep} processes, or choose a divisor of {world_size}.")
+    _check_divides("expert_parallel_size", ep, world_size, "splits every MoE layer's experts")

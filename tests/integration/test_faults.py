@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_OVERRIDES, launch_cmd, run_script, run_train, subprocess_env
+from helpers import ROOT, TINY_OVERRIDES, launch_cmd, rank_pid, run_script, run_train, subprocess_env
 
 from lmrecipe.checkpoint.storage import LATEST, PREEMPTED_MARKER, step_dir_name
 from lmrecipe.observe.metrics_log import read_metrics
@@ -363,7 +363,7 @@ def test_a_killed_rank_is_named_by_the_survivor(tmp_path, tiny_data):
         deadline = time.time() + 300
         while time.time() < deadline and not (out / "checkpoints" / LATEST).is_file():
             time.sleep(0.2)
-        rank1 = _rank_pid(out, 1)
+        rank1 = rank_pid(out, 1)
         os.kill(rank1, signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=120)
     finally:
@@ -373,17 +373,6 @@ def test_a_killed_rank_is_named_by_the_survivor(tmp_path, tiny_data):
     assert len(errors) == 1, stderr[-4000:]
     assert f"rank 1 (pid {rank1}) on {socket.gethostname()} died" in errors[0]
     assert "The last checkpoint is" in errors[0] and "checkpoint.resume=auto" in errors[0]
-
-
-def _rank_pid(out: Path, rank: int) -> int:
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"out_dir={out}".encode() in (proc / "cmdline").read_bytes() \
-                    and f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                return int(proc.name)
-        except OSError:
-            continue
-    raise AssertionError(f"no rank {rank} of {out} is running")
 
 
 FAKE_LAUNCH_PYTHON = """#!/usr/bin/env bash

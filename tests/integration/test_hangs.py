@@ -12,23 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_OVERRIDES, launch_cmd, run_script, subprocess_env
+from helpers import ROOT, TINY_OVERRIDES, launch_cmd, rank_pid, run_script, subprocess_env
 
 from lmrecipe.observe.metrics_log import read_metrics
 
 BUDGETS = ["distributed.timeout_s=120", "distributed.hang_step_floor_s=4", "distributed.hang_first_step_s=60",
            "distributed.hang_checkpoint_s=60", "distributed.hang_eval_s=60"]
-
-
-def _rank_pid(out: Path, rank: int) -> int:
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"out_dir={out}".encode() in (proc / "cmdline").read_bytes() \
-                    and f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                return int(proc.name)
-        except OSError:
-            continue
-    raise AssertionError(f"no rank {rank} of {out} is running")
 
 
 def _steps(out: Path) -> int:
@@ -50,7 +39,7 @@ def test_a_frozen_rank_is_named_and_the_run_ends_within_its_budget(tmp_path, tin
         deadline = time.time() + 180
         while time.time() < deadline and _steps(out) < 6 and launcher.poll() is None:
             time.sleep(0.2)
-        rank1 = _rank_pid(out, 1)
+        rank1 = rank_pid(out, 1)
         os.kill(rank1, signal.SIGSTOP)
         frozen_at = time.monotonic()
         _, stderr = launcher.communicate(timeout=4 + 60 + 30)
