@@ -215,7 +215,13 @@ def _shared_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The boolean mask as one additive mask in the attention's dtype, made by the first layer of a forward and
     reused by the others (kept on the mask tensor, which lives for one forward). Handed a boolean mask, SDPA would
     convert it in every layer and keep each copy for the backward: measured on CPU, 32 MiB per layer for 2 x 2,048
-    tokens. The results are the same: the allowed scores get 0 added, the others the dtype's minimum."""
+    tokens. The results are the same: the allowed scores get 0 added, the others the dtype's minimum.
+
+    Inside a compiled layer (``train.compile=layers``) each layer makes its own: the cache would give the first layer
+    a graph of its own (it writes the attribute the others read), and the compiled backward recomputes the additive
+    mask from the boolean one instead of keeping a copy per layer."""
+    if torch.compiler.is_compiling():
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     cached = getattr(mask, "_lmrecipe_additive", None)
     if cached is None or cached.dtype != dtype:
         cached = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

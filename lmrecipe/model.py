@@ -328,6 +328,21 @@ def set_moe_leaf_modules(model: nn.Module) -> list[str]:
     return [c.__name__ for c in classes]
 
 
+def compile_layers(model: nn.Module) -> int:
+    """``train.compile=layers``: each decoder layer compiled in place (``Module.compile``, torchtitan's regional
+    compile): the module objects, their names, hooks and state dict stay as they are, only their ``__call__`` runs
+    compiled. The layers of a model share one graph (their code and shapes are the same), so a model compiles about
+    one layer's worth whatever its depth. Returns the number of layers compiled."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise fail(f"train.compile=layers: {type(model).__name__} has no decoder layers where transformers keeps them "
+                   "(get_decoder().layers). Choose train.compile=model (the whole model) or none.")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def count_params_from_config(hf_config) -> dict[str, int]:
     """Parameter counts without materialising weights (meta device)."""
     from transformers import AutoModelForCausalLM

@@ -32,6 +32,10 @@ RENAMED = {"logging.tracker": "logging.trackers, a list: logging.trackers=[wandb
 """Keys of earlier versions and what replaced them."""
 
 
+BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+"""How a boolean may be written on the command line (YAML reads its own)."""
+
+
 class _Reported(Exception):
     """A value whose problems are already in the list: skip it without adding another."""
 
@@ -198,7 +202,14 @@ def _set_value(obj: Any, key: str, value: Any, prefix: str, from_cli: bool, prob
         _merge(current, value, full + ".", problems)
         return
     hint = typing.get_type_hints(type(obj))[key]
+    from_bool = obj.__dataclass_fields__[key].metadata.get("from_bool")
+    if from_bool is not None and _is_boolean(value):  # a choice that was a switch: its old values still load
+        value = from_bool[_coerce(full, value, bool, from_cli, problems)]
     setattr(obj, key, _coerce(full, value, hint, from_cli, problems))
+
+
+def _is_boolean(value: Any) -> bool:
+    return isinstance(value, bool) or isinstance(value, str) and value.lower() in BOOLEAN_WORDS
 
 
 def _coerce(key: str, value: Any, hint: Any, from_cli: bool, problems: list[str]) -> Any:
@@ -218,8 +229,8 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool, problems: list[str]
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
+        if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:
+            return BOOLEAN_WORDS[value.lower()]
         raise fail(f"{key}={value!r} must be a boolean (true or false).")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -334,6 +334,20 @@ AUTO_LOSS_CHUNK_TOKENS = 1024
 AUTO_LOSS_CHUNK_MIN_VOCAB = 65_536
 
 
+CompileMode = Literal["none", "model", "layers"]
+"""The choices of ``train.compile``."""
+COMPILE_FROM_BOOL = {True: "model", False: "none"}
+"""``train.compile`` written as the switch it was before it became a choice."""
+
+
+class Compile(str):
+    """A ``train.compile`` value (:data:`CompileMode`) whose truth is "is anything compiled": false for ``none``
+    alone, so ``if cfg.train.compile:`` reads as it did when the key was a switch."""
+
+    def __bool__(self) -> bool:
+        return self != "none"
+
+
 @dataclass
 class BatchSize:
     """One point of a batch-size ramp (``train.batch_ramp``)."""
@@ -362,8 +376,11 @@ class TrainConfig:
     """Recompute activations in the backward pass to save memory."""
     checkpointing_reentrant: bool = True
     """Use reentrant activation checkpointing (the variant that works under ZeRO-3)."""
-    compile: bool = False
-    """Compile the model with ``torch.compile``."""
+    compile: CompileMode = field(default=Compile("none"), metadata={"from_bool": COMPILE_FROM_BOOL})
+    """``torch.compile`` (inductor): none = eager; model = the whole model (under DeepSpeed the engine's
+    ``compile()``); layers = each decoder layer compiled in place (regional compile: the layers share one graph, so
+    compiling takes about one layer's time at any depth). true and false, from when the key was a switch, read as
+    model and none."""
     eval_every_steps: int = 100
     """Evaluate on the validation windows every this many optimizer steps (and at the end); 0 = end only."""
     max_consecutive_skips: int = 5
@@ -404,6 +421,11 @@ class TrainConfig:
     batch_ramp_lr_scaling: Literal["none", "sqrt"] = "none"
     """During a batch-size ramp: none = the schedule's learning rate as it is; sqrt = scaled by
     sqrt(step size / global_batch_size) (the rate is the schedule's at the full size)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "compile":  # every writer alike (the loader, a saved config, a test's TrainConfig(compile=True))
+            value = Compile(COMPILE_FROM_BOOL[value] if isinstance(value, bool) else value)
+        super().__setattr__(name, value)
 
     def _validate_ramp(self) -> None:
         _non_negative(self, "batch_ramp_start_size", "batch_ramp_increment", "batch_ramp_steps_per_increment")
@@ -462,6 +484,9 @@ class TrainConfig:
         if self.loss_chunk_tokens is not None:
             _non_negative(self, "loss_chunk_tokens")
         _non_negative(self, "z_loss")
+        if self.compile not in typing.get_args(CompileMode):
+            raise fail(f"train.compile={self.compile!r} is not allowed. Choose one of: "
+                       f"{', '.join(typing.get_args(CompileMode))}.")
         if not 0.0 <= self.ema_decay < 1.0:
             raise fail(f"train.ema_decay={self.ema_decay} must be in [0, 1): e.g. 0.999 averages over about 1,000 "
                        "optimizer steps; 0 turns the weight EMA off.")
@@ -791,7 +816,9 @@ class Config:
             raise fail_all(problems)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values only (a :class:`Compile` as its string), as YAML and JSON write them."""
+        return dataclasses.asdict(self, dict_factory=lambda items: {k: str(v) if isinstance(v, Compile) else v
+                                                                     for k, v in items})
 
     def workload(self) -> Workload:
         return Workload(self.model, self.data, self.train, self.optim, self.distributed)

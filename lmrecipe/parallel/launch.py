@@ -11,6 +11,7 @@ from lmrecipe.config import Workload
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 from lmrecipe.parallel.deepspeed_config import (
+    check_compile_stage,
     check_sequence_parallel_stage,
     check_tensor_parallel_stage,
     load_deepspeed_config,
@@ -108,5 +109,6 @@ def check_launch(work: Workload, ds_path: str | Path | None, world_size: int,
     ds_config = load_deepspeed_config(ds_path, work.optim, dist, batch, precision)
     topology = Topology.of_launch(dist, world_size, ZeroSetup.from_ds_config(ds_config))
     check_tensor_parallel_stage(dist.tensor_parallel_size, topology.zero, Path(ds_path))
+    check_compile_stage(work.train.compile, topology.zero, Path(ds_path))
     check_sequence_parallel_stage(dist.sequence_parallel_size, ds_config, precision, Path(ds_path), work.train.precision)
     return topology, batch, ds_config

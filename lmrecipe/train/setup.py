@@ -27,6 +27,7 @@ from lmrecipe.model import (
     build_hf_config,
     build_model,
     check_init_tokenizer,
+    compile_layers,
     flops_per_token,
     fp8_layer_filter,
     param_counts,
@@ -158,8 +159,12 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     counts = param_counts(model)
     fpt = flops_per_token(counts["active"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size,
                           cfg.data.seq_len)
-    if cfg.train.compile and not zero.deepspeed:
+    if cfg.train.compile == "model" and not zero.deepspeed:
         model = torch.compile(model)
+    if cfg.train.compile == "layers":
+        # In place and before prepare: DeepSpeed wraps the same modules, its hooks on the parameters' gradients run
+        # outside the layers' graphs.
+        logger.info("train.compile=layers: %d decoder layers compiled in place", compile_layers(model))
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=zero.offload_optimizer,
                                 fused=zero.deepspeed or runtime.precision != "fp16",
                                 expert_group=topology.expert_group())
@@ -168,7 +173,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         choose_fp8_layers(accelerator, model)
     with autoep_registry_compat() if topology.autoep else contextlib.nullcontext():
         model, optimizer = accelerator.prepare(model, optimizer)
-    if cfg.train.compile and zero.deepspeed:
+    if cfg.train.compile == "model" and zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
 

@@ -278,7 +278,7 @@ TRIGGERS = {
                                       "cannot be combined with distributed.sequence_parallel_size=2"),
     "moe_without_fp8": ([*MOE, "train.precision=fp8"], "cannot be combined with train.precision=fp8"),
     "moe_without_muon": ([*MOE, "optim.name=muon"], "(a mixture-of-experts model) cannot be combined with optim.name=muon"),
-    "moe_without_compile": ([*MOE, "train.compile=true"], "cannot be combined with train.compile=true"),
+    "moe_without_compile": ([*MOE, "train.compile=true"], "cannot be combined with train.compile=model"),
     "moe_without_layer_stats": ([*MOE, "logging.layer_stats=true"], "cannot be combined with logging.layer_stats=true"),
     "autoep_without_ema": ([*AUTOEP, "train.ema_decay=0.9"], "AutoEP's MoE layers (distributed.expert_parallel_size=1, "
                                                              "distributed.expert_layer=autoep) cannot be combined with "
@@ -335,9 +335,9 @@ TRIGGERS = {
     "tensor_parallel_without_samples": ([TP2, ZERO1, 'eval.samples=["def "]'], "Choose eval.samples=[] and continue"),
     "tensor_parallel_without_muon": ([TP2, ZERO1, "optim.name=muon", "optim.grad_clip=0"], "Choose optim.name=adamw"),
     "tensor_parallel_without_fp8": ([TP2, ZERO1, "train.precision=fp8"], "Choose train.precision=bf16"),
-    "tensor_parallel_without_compile": ([TP2, ZERO1, "train.compile=true"],
-                                        "cannot be combined with train.compile=true in this recipe. Choose "
-                                        "train.compile=false, or set distributed.tensor_parallel_size=1."),
+    "tensor_parallel_without_compile": ([TP2, ZERO1, "train.compile=layers"],
+                                        "cannot be combined with train.compile=layers in this recipe. Choose "
+                                        "train.compile=none, or set distributed.tensor_parallel_size=1."),
     "tensor_parallel_without_layer_stats": ([TP2, ZERO1, "logging.layer_stats=true"],
                                             "cannot be combined with logging.layer_stats=true in this recipe"),
 }

@@ -30,7 +30,7 @@ ZERO1 = "distributed.deepspeed_config=zero1"
     ("eval.tasks=[next_line]", "eval.tasks=\\[\\]"),
     ("optim.name=muon", "optim.name=adamw"),
     ("train.precision=fp8", "train.precision=bf16"),
-    ("train.compile=true", "train.compile=false"),
+    ("train.compile=layers", "train.compile=none"),
 ])
 def test_settings_tensor_parallelism_does_not_support_are_refused(override, fix):
     deepspeed = [ZERO1, "optim.grad_clip=0"]  # Muon under DeepSpeed trains unclipped
