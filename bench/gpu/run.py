@@ -88,6 +88,9 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     if not math.isfinite(args.budget_s) or args.budget_s <= MIN_LEFT_S:
         return (f"--budget-s {args.budget_s}: give a number of seconds above {MIN_LEFT_S} (no side starts with "
                 f"{MIN_LEFT_S} s or less left), e.g. a minute under your time on the node (default: 540).")
+    for flag, folder in (("--out", args.out), ("--work", args.work)):
+        if (problem := folder_problem(flag, folder)) is not None:
+            return problem
     if args.data is None:
         return None
     fix = ("Pass a folder written by tools/prepare_data.py (python tools/prepare_data.py --output DIR), or leave "
@@ -98,6 +101,23 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return f"--data {args.data} is a file, not a prepared data folder. {fix}"
     if not (args.data / "meta.json").is_file():
         return f"--data {args.data} holds no meta.json: it is not a prepared data folder. {fix}"
+    return None
+
+
+def folder_problem(flag: str, folder: Path) -> str | None:
+    """What stops the kit from writing into ``folder`` (made where missing), with the fix; None when nothing does.
+    Checked at start-up: a folder that cannot be written would otherwise fail after the install, or in every worker."""
+    fix = f"Pass {flag} a folder you can write to (it is made if missing)."
+    if folder.exists() and not folder.is_dir():
+        return f"{flag} {folder} is a file, not a folder. {fix}"
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{flag} {folder} lies under {existing}, which is a file, not a folder: it cannot be made. {fix}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is" if existing == folder.absolute() else f"would be made in {existing}, which is"
+        return f"{flag} {folder} {what} not writable (read-only or owned by another user). {fix}"
     return None
 
 

@@ -48,3 +48,33 @@ def test_good_arguments_pass_and_a_data_folder_is_made_absolute(kit, tmp_path, m
     monkeypatch.chdir(tmp_path)
     args = kit.parse_args(["--out", "o", "--data", "data", "--steps", "3", "--warmup-steps", "0", "--budget-s", "60"])
     assert (args.steps, args.warmup_steps, args.budget_s, args.data) == (3, 0, 60.0, tmp_path / "data")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--work"])
+@pytest.mark.parametrize("where, message", [
+    ("{tmp}/a_file", "{flag} {tmp}/a_file is a file, not a folder. Pass {flag} a folder you can write to"),
+    ("{tmp}/a_file/sub", "{flag} {tmp}/a_file/sub lies under {tmp}/a_file, which is a file, not a folder"),
+])
+def test_an_out_or_work_folder_that_cannot_be_made_exits_2_naming_it(kit, tmp_path, capsys, flag, where, message):
+    (tmp_path / "a_file").write_text("not a folder")
+    argv = {"--out": str(tmp_path / "out"), "--work": str(tmp_path / "work")}
+    argv[flag] = where.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        kit.parse_args(["--dry-run", *(item for pair in argv.items() for item in pair)])
+    assert exit_.value.code == 2
+    assert message.format(tmp=tmp_path, flag=flag) in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing made
+
+
+@pytest.mark.parametrize("flag", ["--out", "--work"])
+def test_an_unwritable_out_or_work_folder_exits_2_naming_it(kit, tmp_path, capsys, monkeypatch, flag):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = kit.os.access
+    monkeypatch.setattr(kit.os, "access", lambda p, mode: False if p == locked else real_access(p, mode))
+    argv = {"--out": str(tmp_path / "out"), "--work": str(tmp_path / "work")}
+    argv[flag] = str(locked / "sub")
+    with pytest.raises(SystemExit) as exit_:
+        kit.parse_args(["--dry-run", *(item for pair in argv.items() for item in pair)])
+    assert exit_.value.code == 2
+    assert f"{flag} {locked}/sub would be made in {locked}, which is not writable" in capsys.readouterr().err
