@@ -156,19 +156,30 @@ class RunFigures:
 
 def read_rows(path: Path) -> list[dict]:
     """The rows of a ``metrics.jsonl``; a last line that is not (yet) valid JSON is left out: the run is writing it.
-    UserError for an earlier line that is not."""
+    UserError for an earlier line that is not, a line that is not a JSON object, and a training or validation row
+    without its integer ``step``."""
     if not path.is_file():
         return []
-    lines = path.read_text().splitlines()
+    damaged = "The file was edited or damaged; restore it, or delete the line to read the rest."
+    lines = path.read_bytes().splitlines()
     rows = []
-    for number, line in enumerate(lines, 1):
+    for number, raw in enumerate(lines, 1):
         try:
-            if line.strip():
-                rows.append(json.loads(line))
-        except ValueError:
+            line = raw.decode("utf-8")
+            row = json.loads(line) if line.strip() else None
+        except ValueError:  # UnicodeDecodeError included
             if number < len(lines):
-                raise fail(f"{path}, line {number}, is not a JSON object: {line[:80]!r}. The file was edited or "
-                           "damaged; restore it, or delete the line to read the rest.") from None
+                raise fail(f"{path}, line {number}, is not a JSON object: {raw[:80]!r}. {damaged}") from None
+            continue
+        if row is None:
+            continue
+        if not isinstance(row, dict):
+            raise fail(f"{path}, line {number}, is not a JSON object: {line[:80]!r}. {damaged}")
+        step = row.get("step")
+        if ("loss" in row or "val_loss" in row) and (not isinstance(step, int) or isinstance(step, bool)):
+            raise fail(f"{path}, line {number}, is a metrics row without an integer \"step\" ({line[:80]!r}). "
+                       f"{damaged}")
+        rows.append(row)
     return rows
 
 
@@ -185,6 +196,11 @@ def diagnose_run(out_dir: str | Path) -> list[Finding]:
     except ValueError:
         raise fail(f"{meta_path} is not valid JSON: the file was edited or damaged. Restore it, or move it away to "
                    "diagnose the run from metrics.jsonl alone.") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict):
+        what = f"a JSON {type(meta).__name__}" if not isinstance(meta, dict) else "a \"config\" that is no object"
+        raise fail(f"{meta_path} holds {what}, not the object "
+                   "train.py writes: the file was edited or damaged. Restore it, or move it away to diagnose the run "
+                   "from metrics.jsonl alone.")
     return diagnose(read_rows(out_dir / METRICS_FILE), meta)
 
 

@@ -198,3 +198,37 @@ def test_real_runs_a_rate_far_too_high_and_a_rate_of_zero_are_diagnosed_and_a_sa
     report = (healthy / "report.md").read_text()
     assert "## Doctor" in report and "No findings" in report
     assert "loss_diverging" in (tmp_path / "hot" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("metrics, meta_text, message", [
+    ("GOOD", "[1, 2]", "run_meta.json holds a JSON list, not the object train.py writes"),
+    ("GOOD", '{"config": [1]}', 'run_meta.json holds a "config" that is no object'),
+    ("42\nGOOD", None, "line 1, is not a JSON object: '42'"),
+    ('{"loss": 2.5}\nGOOD', None, 'line 1, is a metrics row without an integer "step"'),
+    ('{"step": "7", "val_loss": 2.5}\nGOOD', None, 'line 1, is a metrics row without an integer "step"'),
+    (b"\xff\xfe\n", None, "line 1, is not a JSON object"),
+    (b"GOOD\n\xffbad", b"\xff{}", "run_meta.json is not valid JSON"),  # a last line being written is left out
+])
+def test_damaged_run_files_are_refused_naming_the_file_and_the_fix(tmp_path, metrics, meta_text, message):
+    good = json.dumps(rows()[0])
+    metrics = metrics.replace(b"GOOD", good.encode()) if isinstance(metrics, bytes) else metrics.replace("GOOD", good)
+    (tmp_path / "metrics.jsonl").write_bytes((metrics if isinstance(metrics, bytes) else metrics.encode()) + b"\n")
+    meta_text = json.dumps(meta()) if meta_text is None else meta_text
+    (tmp_path / "run_meta.json").write_bytes(meta_text if isinstance(meta_text, bytes) else meta_text.encode())
+    with pytest.raises(UserError, match="restore it|Restore it") as err:
+        diagnose_run(tmp_path)
+    assert message in str(err.value)
+
+
+def test_the_doctor_tool_exits_2_on_a_damaged_metrics_file(tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+
+    from helpers import ROOT
+    (tmp_path / "metrics.jsonl").write_text('{"loss": 2.5}\n{"step": 1, "loss": 2.4}\n')
+    monkeypatch.setattr(sys, "argv", ["doctor.py", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "tools" / "doctor.py"), run_name="__main__")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert 'without an integer "step"' in err and "Traceback" not in err
