@@ -57,7 +57,7 @@ def _digest(packed: Path) -> str:
 
 
 def pythonpath(target: Path | None) -> str:
-    parts = ([str(target)] if target else []) + [str(ROOT), str(ROOT / "bench")]  # the package; bench/_common
+    parts = ([str(target)] if target else []) + [str(ROOT), str(ROOT / "bench")]  # the package; the benchmarks' _common.py
     if os.environ.get("PYTHONPATH"):
         parts.append(os.environ["PYTHONPATH"])
     return os.pathsep.join(parts)
