@@ -30,7 +30,7 @@ from lmrecipe.checkpoint.storage import (
     read_checkpoint,
 )
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
-from lmrecipe.config import parse_shard_size
+from lmrecipe.config import autoep_size_of, parse_shard_size
 from lmrecipe.errors import fail
 from lmrecipe.export import DTYPES, check_export_target, model_card, write_export
 from lmrecipe.model import bare_parameter_name
@@ -126,6 +126,19 @@ class _Weights:
             self.source.close()
 
 
+def _refuse_autoep(checkpoints: list[Path], records: list[dict]) -> None:
+    """UserError for a checkpoint of DeepSpeed AutoEP's MoE layers: its experts are stored under AutoEP's names and
+    shapes (experts.w1/w2/w3), which only the export maps to the model class's; the averager reads the class's."""
+    for ckpt, saved in zip(checkpoints, records):
+        size = autoep_size_of(saved.get("config", {}))
+        if size is not None:
+            raise fail(f"{ckpt} was saved with DeepSpeed AutoEP's MoE layers (distributed.expert_layer=autoep, "
+                       f"expert_parallel_size={size}), whose experts are stored as experts.w1/w2/w3, not the model "
+                       "class's fused experts: tools/average_checkpoints.py does not average AutoEP checkpoints. "
+                       f"Export one checkpoint instead (python tools/export_hf.py {ckpt} EXPORT --dtype fp32, which "
+                       "maps AutoEP's names), or train with distributed.expert_layer=hf to average its checkpoints.")
+
+
 def _check_one_model(checkpoints: list[Path], records: list[dict], readers: list[_Weights]) -> None:
     """UserError unless every checkpoint holds the same model: transformers shape and parameter names and shapes."""
     first_hf, first = records[0].get("hf_config", {}), readers[0]
@@ -149,6 +162,7 @@ def average_state_dict(checkpoints: list[Path], weights: list[float], dtype: tor
     from tqdm.auto import tqdm
 
     records = records or [read_checkpoint(c) for c in checkpoints]
+    _refuse_autoep(checkpoints, records)
     readers: list[_Weights] = []
     try:
         readers = [_Weights(c, saved) for c, saved in zip(checkpoints, records)]
@@ -181,6 +195,7 @@ def average_checkpoints(checkpoints: list[Path], out: str | Path, *, weights: li
         raise fail(f"Export dtype {dtype!r} is not supported. Choose one of: {', '.join(DTYPES)}.")
     weights = weights or parse_weights(None, len(checkpoints))
     records = [read_checkpoint(c) for c in checkpoints]
+    _refuse_autoep(checkpoints, records)
     check_export_target(out, checkpoints, overwrite)
     shard_bytes = parse_shard_size(max_shard_size)
     state_dict = average_state_dict(checkpoints, weights, DTYPES[dtype], records, progress=progress)

@@ -101,3 +101,16 @@ def test_bad_averaging_input_is_refused_with_the_fix(tmp_path, tmp_path_factory,
     with pytest.raises(UserError, match="holds another model than .*num_hidden_layers: 2 -> 1"):
         average_checkpoints([checkpoints[0], other_ckpt], tmp_path / "mixed")
     assert not (tmp_path / "mixed").exists()
+
+
+def test_autoep_checkpoints_are_refused_naming_autoep_and_the_export(tmp_path, monkeypatch):
+    import lmrecipe.average as average
+
+    config = {"distributed": {"expert_parallel_size": 2, "expert_layer": "auto"}, "model": {"arch": "qwen3_moe"}}
+    monkeypatch.setattr(average, "read_checkpoint", lambda ckpt: {"config": config})
+    checkpoints = [tmp_path / "step_00000002", tmp_path / "step_00000004"]
+    for call in (lambda: average_checkpoints(checkpoints, tmp_path / "avg"),
+                 lambda: average.average_state_dict(checkpoints, [0.5, 0.5])):
+        with pytest.raises(UserError, match=r"(?s)DeepSpeed AutoEP.*does not average AutoEP.*tools/export_hf.py"):
+            call()
+    assert not (tmp_path / "avg").exists()
