@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 
 from lmrecipe.checkpoint.record import LoopState, RunFacts, StateRecord
 from lmrecipe.checkpoint.rng import save_rng
@@ -83,7 +84,7 @@ class Saver:
         try:
             self._write_small_files(model, tmp, probe)
             self.store.write(model, tmp, final, self.record.build(state, model))
-        except (OSError, RuntimeError) as err:
+        except (OSError, RuntimeError, SafetensorError) as err:  # safetensors' writer raises its own error
             full = self.store.disk_full_error(err, tmp, final)
             if full is None:
                 raise

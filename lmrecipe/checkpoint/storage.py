@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 
 from lmrecipe.checkpoint.background import (
     BackgroundWriter,
@@ -393,7 +394,7 @@ class CheckpointStore:
             if self.accelerator.is_main_process:
                 self._await_ranks(tmp)
                 self.publish(tmp, final, record)
-        except (OSError, RuntimeError) as err:
+        except (OSError, RuntimeError, SafetensorError) as err:  # safetensors' writer raises its own error
             try:  # tells the main process to stop waiting; on a full disk even this may not fit
                 (tmp / FAILED_MARKER.format(rank)).write_text(f"{err!r}\n")
             except OSError:
@@ -438,7 +439,10 @@ class CheckpointStore:
             free = shutil.disk_usage(self.root).free
         except OSError:
             free = 0
-        if getattr(err, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= max(needed, 1 << 20):
+        code = getattr(err, "errno", None)
+        if code is None and (found := re.search(r"(?:os error |code: )(\d+)", str(err))):
+            code = int(found.group(1))  # safetensors' SafetensorError: "IoError(Os { code: 28, kind: StorageFull ..."
+        if code not in (errno.ENOSPC, errno.EDQUOT) and free >= max(needed, 1 << 20):
             return None
         shutil.rmtree(tmp, ignore_errors=True)
         kept = f"The previous checkpoint {previous} is intact." if previous else "No earlier checkpoint exists."

@@ -397,3 +397,35 @@ def test_a_wsd_run_is_lengthened_in_its_stable_phase_and_refused_in_its_decay_un
     assert "from a checkpoint of its stable phase, step 240 or earlier" in message
     assert "schedule.decay=constant" not in message  # a constant rate is no way on for a decay that is to come
     resume_at(tmp_path, 260, wsd, [*wsd, "train.max_steps=600", "checkpoint.allow_lr_change=true"])
+
+
+def test_a_full_disk_under_safetensors_writer_is_a_user_error_and_the_partial_folder_goes(tmp_path):
+    """safetensors reports a full disk as its own SafetensorError (no errno, not an OSError), as Accelerate's
+    ``model.safetensors`` of a run without DeepSpeed does: the same message as torch.save's, the folder removed."""
+    from safetensors import SafetensorError
+
+    from lmrecipe.checkpoint.saving import Saver
+    from lmrecipe.checkpoint.storage import CheckpointStore
+
+    accelerator = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1,
+                                  wait_for_everyone=lambda: None)
+    store = CheckpointStore(accelerator, tmp_path / "checkpoints", keep_last=2, background=False, deepspeed=False,
+                            publish_timeout_s=60)
+
+    def write(model, tmp, final, record):
+        (tmp / "model.safetensors").write_bytes(b"partial")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    store.write = write
+    saver = object.__new__(Saver)
+    saver.section, saver.max_steps, saver.store = SimpleNamespace(every_steps=1), 4, store
+    saver.record = SimpleNamespace(build=lambda state, model: {})
+    saver._probe_logits = lambda model: None
+    saver._write_small_files = lambda model, tmp, probe: None
+    with pytest.raises(UserError, match="No space left on the device while writing checkpoint step_00000002"):
+        saver.maybe_save(None, SimpleNamespace(step=2))
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    # another safetensors error (not a full disk, space to spare) stays what it is
+    other = SafetensorError("Error while serializing: tensor invalid")
+    assert store.disk_full_error(other, tmp_path / "checkpoints" / ".tmp_step_00000003", tmp_path) is None
