@@ -237,7 +237,7 @@ class RawLoop:
     def __init__(self, cfg, hf_config, device, precision: str, micro_batches):
         import torch
 
-        from lmrecipe.model import build_model
+        from lmrecipe.model.build import build_model
         from lmrecipe.optim import param_groups
 
         torch.manual_seed(cfg.train.seed)

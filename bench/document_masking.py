@@ -87,7 +87,7 @@ def bench_step(args, report) -> dict:
 def bench_mask_memory(args, report) -> dict:
     import numpy as np
 
-    from lmrecipe.attention import additive_mask, block_causal_mask
+    from lmrecipe.model.attention import additive_mask, block_causal_mask
     from lmrecipe.data.documents import document_batch
 
     results = {}

@@ -123,7 +123,7 @@ def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
     layer's (the peak is in the output layer's backward, before any other layer's gradient exists)."""
     from lmrecipe.data.format import load_meta
     from lmrecipe.planning.memory import estimate_activations, model_shape
-    from lmrecipe.model import build_hf_config
+    from lmrecipe.model.build import build_hf_config
 
     vocab = cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"])
     shape = model_shape(build_hf_config(cfg.model, vocab, cfg.data.seq_len))

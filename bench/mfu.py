@@ -10,7 +10,7 @@ body of lmrecipe.train, bench/_common.py: OursLoop) with two peak probes:
 - square: lmrecipe.observe.device.cpu_matmul_tflops's probe (1024 x 1024 fp32 matmul, its defaults), the peak train.py's MFU uses;
 - model shapes: every Linear GEMM of one training micro-step at the model's own shapes (forward X W^T, backward
   dY W and dY^T X), FLOP-weighted: the best a dense kernel does at these sizes.
-Achieved FLOP/s = lmrecipe.model.flops_per_token (6 x non-embedding params + attention) x tokens/s. Each pair gives
+Achieved FLOP/s = lmrecipe.model.build.flops_per_token (6 x non-embedding params + attention) x tokens/s. Each pair gives
 achieved / peak, reported as the median with min and max.
 
 GPU: train.py itself (subprocess, one process) on the 1B recipe with each --ds-configs JSON, on data/stdlib with

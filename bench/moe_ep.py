@@ -51,7 +51,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from lmrecipe.data.format import load_meta
-    from lmrecipe.model import build_hf_config
+    from lmrecipe.model.build import build_hf_config
 
     overrides = [*WIDE, f"data.path={args.data}", *args.set]
     sides = {"EP1": args.zero, "EP2": f"{args.zero}+ep2"}

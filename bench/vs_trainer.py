@@ -116,7 +116,7 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
 
     from lmrecipe.data.format import load_meta, open_data
     from lmrecipe.parallel.precision import resolve_precision
-    from lmrecipe.model import build_hf_config, build_model
+    from lmrecipe.model.build import build_hf_config, build_model
     from lmrecipe.optim import build_optimizer, lr_at
 
     meta = load_meta(cfg.data.path)

@@ -33,7 +33,7 @@ from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import autoep_size_of, parse_shard_size
 from lmrecipe.errors import fail
 from lmrecipe.export import DTYPES, check_export_target, model_card, write_export
-from lmrecipe.model import bare_parameter_name
+from lmrecipe.model.build import bare_parameter_name
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from lmrecipe.attention import check_flash_kernel
+from lmrecipe.model.attention import check_flash_kernel
 from lmrecipe.checkpoint.remote import CheckpointMirror
 from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
@@ -33,7 +33,7 @@ from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources
 from lmrecipe.errors import UserError
 from lmrecipe.planning.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape
-from lmrecipe.model import build_attention, build_hf_config, check_init_tokenizer
+from lmrecipe.model.build import build_attention, build_hf_config, check_init_tokenizer
 from lmrecipe.objstore import READ_PATIENCE_S, check_access, is_remote, transient_errors, unreadable
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.parallel.launch import check_launch, check_launched_processes

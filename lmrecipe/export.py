@@ -46,7 +46,7 @@ from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import autoep_size_of, parse_shard_size
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic, write_text_atomic
-from lmrecipe.model import MOE_ARCHS, bare_parameter_name
+from lmrecipe.model.build import MOE_ARCHS, bare_parameter_name
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.observe.quiet import quiet_prints
 from lmrecipe.observe.run_report import config_differences

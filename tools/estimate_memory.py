@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_intermixed_args()  # options may come before or after the overrides
 
     from lmrecipe.planning.memory import format_estimates, model_shape
-    from lmrecipe.model import build_hf_config  # noqa: PLC0415
+    from lmrecipe.model.build import build_hf_config  # noqa: PLC0415
 
     if args.nodes < 1:
         raise fail(f"--nodes={args.nodes} must be at least 1.")

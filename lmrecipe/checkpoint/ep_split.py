@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import torch
 
 from lmrecipe.errors import fail
-from lmrecipe.model import bare_parameter_name
+from lmrecipe.model.build import bare_parameter_name
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 """The parameters of an AutoEP layer's ``experts`` module: gate, down and up projections of every local expert."""

@@ -26,7 +26,7 @@ import torch
 from lmrecipe.checkpoint.ep_split import expert_splits, place
 from lmrecipe.checkpoint.tp_split import full_shape, merge
 from lmrecipe.errors import fail
-from lmrecipe.model import bare_parameter_name
+from lmrecipe.model.build import bare_parameter_name
 
 logger = logging.getLogger(__name__)
 

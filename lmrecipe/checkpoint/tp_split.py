@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import torch
 
 from lmrecipe.errors import fail
-from lmrecipe.model import bare_parameter_name
+from lmrecipe.model.build import bare_parameter_name
 
 RECORD_KEY = "tensor_parallel"
 """Where ``train_state.json`` keeps ``{parameter name: {"dim": d, "sizes": [slice sizes by rank]}}``."""

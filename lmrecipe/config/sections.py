@@ -392,7 +392,7 @@ class TrainConfig:
     deterministic: bool = False
     """Deterministic kernels (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``) for debugging."""
     loss_chunk_tokens: Optional[int] = None
-    """The chunked loss (``lmrecipe/loss.py``): logits and their gradient are computed this many tokens at a time and
+    """The chunked loss (``lmrecipe/model/loss.py``): logits and their gradient are computed this many tokens at a time and
     never held whole. 0 = off (full logits); null = auto: 1,024 when the vocabulary has at least 65,536 tokens
     (Llama-3, Qwen, Gemma), off below (there the logits of a micro-batch are small next to the activations and the
     recomputation would cost more than it saves)."""

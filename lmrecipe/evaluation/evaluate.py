@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lmrecipe.attention import DocumentAttention, build_document_attention
+from lmrecipe.model.attention import DocumentAttention, build_document_attention
 from lmrecipe.config import TrainConfig
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.data.format import TokenWindows, load_meta
@@ -22,7 +22,7 @@ from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.parallel.accelerator import build_eval_accelerator
 from lmrecipe.errors import UserError, fail
 from lmrecipe.export import load_for_inference
-from lmrecipe.loss import forward_kwargs, use_chunked_loss, validation_loss
+from lmrecipe.model.loss import forward_kwargs, use_chunked_loss, validation_loss
 from lmrecipe.evaluation.tasks import NEXT_LINE, describe, prepare_tasks, resolve_tasks, score_tasks, single_documents
 
 logger = logging.getLogger(__name__)

@@ -31,12 +31,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lmrecipe.attention import DocumentAttention
+from lmrecipe.model.attention import DocumentAttention
 from lmrecipe.data.documents import DocumentBatch
 from lmrecipe.data.format import load_meta
 from lmrecipe.errors import fail
 from lmrecipe.fileio import write_text_atomic
-from lmrecipe.loss import causal_lm_loss, forward_kwargs
+from lmrecipe.model.loss import causal_lm_loss, forward_kwargs
 
 logger = logging.getLogger(__name__)
 

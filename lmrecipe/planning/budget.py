@@ -6,7 +6,7 @@ Hoffmann et al. 2022, "Training Compute-Optimal Large Language Models", whose fi
 parameter), so ``N = sqrt(C / (6 k))``. Near N, :func:`shapes_near` takes Llama shapes from one family (depth =
 width / 128, as Llama 3.2 1B 2048/16, Llama 3 8B 4096/32 and 405B 16384/126; MLP 3.5 x width, as Llama 3 8B and
 70B; 64-wide heads up to width 2048, else 128; at most 8 key/value heads), and for each the training FLOPs per
-token (:func:`lmrecipe.model.flops_per_token`) and the per-device memory under every ZeRO stage
+token (:func:`lmrecipe.model.build.flops_per_token`) and the per-device memory under every ZeRO stage
 (:func:`lmrecipe.planning.memory.estimate`). The chosen configuration is the shape nearest N that fits, under the stage that
 leaves the most memory free. Its wall time is ``tokens x FLOPs per token / (devices x peak x MFU)``.
 

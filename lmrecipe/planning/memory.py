@@ -88,7 +88,7 @@ import torch
 from torch import nn
 
 from lmrecipe.config import Workload
-from lmrecipe.model import param_counts
+from lmrecipe.model.build import param_counts
 from lmrecipe.optim import expert_params, muon_split
 from lmrecipe.parallel.topology import Topology, ZeroSetup
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from lmrecipe.config import ModelConfig
 from lmrecipe.planning.memory import ModelShape
-from lmrecipe.model import flops_per_token
+from lmrecipe.model.build import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class LlamaShape:
         return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token from the active parameters (:func:`lmrecipe.model.flops_per_token`)."""
+        """Training FLOPs per token from the active parameters (:func:`lmrecipe.model.build.flops_per_token`)."""
         return flops_per_token(self.n_active, self.n_lookup, self.num_layers, self.hidden_size, seq_len)
 
     def memory_shape(self) -> ModelShape:

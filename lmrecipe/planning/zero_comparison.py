@@ -36,7 +36,7 @@ from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import atomic_path, write_text_atomic
 from lmrecipe.launch import accelerate_launch_cmd
 from lmrecipe.planning.memory import MemoryEstimate, ModelShape, estimate_run, format_bytes, model_shape, read_measured
-from lmrecipe.model import build_hf_config
+from lmrecipe.model.build import build_hf_config
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.observe.plots import plot_memory_throughput
 from lmrecipe.parallel.launch import check_launch as check_distributed_launch

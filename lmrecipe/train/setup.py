@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from lmrecipe.attention import DocumentAttention
+from lmrecipe.model.attention import DocumentAttention
 from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBatches
 from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.errors import fail
-from lmrecipe.loss import use_chunked_loss
-from lmrecipe.model import (
+from lmrecipe.model.loss import use_chunked_loss
+from lmrecipe.model.build import (
     build_attention,
     build_hf_config,
     build_model,

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from lmrecipe.loss import LossTerms, forward_kwargs, training_loss
+from lmrecipe.model.loss import LossTerms, forward_kwargs, training_loss
 from lmrecipe.observe.profiler import region
 from lmrecipe.optim import set_lr
 from lmrecipe.train.setup import Run

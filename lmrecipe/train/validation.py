@@ -15,7 +15,7 @@ import logging
 from lmrecipe.config import due_at
 from lmrecipe.errors import fail
 from lmrecipe.evaluation.evaluate import greedy_continuation
-from lmrecipe.loss import validation_loss
+from lmrecipe.model.loss import validation_loss
 from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ def model_val_loss(model, data: Path, n_windows: int = 16, seq_len: int = 32) ->
     """Loss on the run's validation windows (the same ``ValBatches`` the training run evaluates), in this process."""
     from lmrecipe.data.batches import ValBatches
     from lmrecipe.data.format import TokenWindows
-    from lmrecipe.loss import causal_lm_loss
+    from lmrecipe.model.loss import causal_lm_loss
 
     total, count = 0.0, 0.0
     with torch.no_grad():

@@ -167,7 +167,7 @@ def test_the_ramp_under_deepspeed_matches_the_plain_run(tmp_path, ramp_run, deep
 
 def test_the_planner_counts_the_ramps_tokens():
     from lmrecipe.parallel.topology import Topology
-    from lmrecipe.model import build_hf_config
+    from lmrecipe.model.build import build_hf_config
     from lmrecipe.planning.prediction import predict_run
 
     cfg = load_config(TINY, ["train.global_batch_size=16", "train.micro_batch_size=4", "train.max_steps=10", RAMP])

@@ -292,7 +292,7 @@ SIGNATURE = {"vocab_size": 384, "dtype": "uint16", "eos_id": 0, "tokenizer_sha25
 def resume_inputs(overrides: list[str]) -> tuple[dict, dict]:
     """A run's resolved config and its model's transformers config, as the checkpoint records them."""
     from lmrecipe.config import load_config
-    from lmrecipe.model import build_hf_config
+    from lmrecipe.model.build import build_hf_config
 
     cfg = load_config(None, overrides)
     return cfg.to_dict(), build_hf_config(cfg.model, cfg.model.vocab_size or 384, cfg.data.seq_len).to_dict()

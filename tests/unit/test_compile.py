@@ -13,7 +13,7 @@ from helpers import ROOT, TINY_OVERRIDES
 from lmrecipe.config import load_config
 from lmrecipe.config.loader import config_from_dict, config_yaml
 from lmrecipe.errors import UserError
-from lmrecipe.model import compile_layers
+from lmrecipe.model.build import compile_layers
 from lmrecipe.parallel.launch import check_launch
 
 TINY = ROOT / "recipes" / "tiny.yaml"

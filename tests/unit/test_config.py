@@ -477,7 +477,7 @@ def test_flash_attention_3_is_a_choice_of_the_config():
 @pytest.fixture
 def machine(monkeypatch):
     """``machine(cuda, installed)``: this process sees a CUDA device or not, and only the modules ``installed``."""
-    from lmrecipe import attention
+    from lmrecipe.model import attention
 
     def pretend(cuda: bool, installed: set[str]) -> None:
         monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
@@ -493,7 +493,7 @@ def machine(monkeypatch):
 ])
 def test_flash_attention_3_is_refused_at_start_up_where_it_cannot_run(machine, document_masking, cuda, installed,
                                                                       reason):
-    from lmrecipe.model import build_attention
+    from lmrecipe.model.build import build_attention
 
     machine(cuda, installed)
     cfg = load_config(TINY, ["model.attn_implementation=flash_attention_3", f"data.document_masking={document_masking}"])
@@ -505,7 +505,7 @@ def test_flash_attention_3_is_refused_at_start_up_where_it_cannot_run(machine, d
 
 @pytest.mark.parametrize("installed", [{"flash_attn_interface"}, {"kernels"}])
 def test_flash_attention_3_starts_where_its_kernel_can_load(machine, installed):
-    from lmrecipe.model import build_attention
+    from lmrecipe.model.build import build_attention
 
     machine(True, installed)
     cfg = load_config(TINY, ["model.attn_implementation=flash_attention_3", "data.document_masking=false"])

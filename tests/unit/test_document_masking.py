@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config, LlamaCo
 from transformers import modeling_flash_attention_utils as flash_utils
 from transformers.utils import is_flash_attn_2_available, is_kernels_available
 
-from lmrecipe.attention import DOCUMENT_SDPA, build_document_attention
+from lmrecipe.model.attention import DOCUMENT_SDPA, build_document_attention
 from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import UserError
 

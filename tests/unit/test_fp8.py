@@ -9,7 +9,7 @@ from helpers import TINY_OVERRIDES, losses
 from torch import nn
 
 from lmrecipe.config import load_config
-from lmrecipe.model import fp8_layer_filter
+from lmrecipe.model.build import fp8_layer_filter
 
 
 def test_first_last_and_odd_sized_layers_stay_in_bf16():

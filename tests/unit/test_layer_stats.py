@@ -16,7 +16,7 @@ from helpers import TINY_OVERRIDES
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
 
 from lmrecipe.config import load_config
-from lmrecipe.loss import causal_lm_loss, chunked_head, use_chunked_loss
+from lmrecipe.model.loss import causal_lm_loss, chunked_head, use_chunked_loss
 from lmrecipe.observe.layer_plots import layer_grid
 from lmrecipe.train.callbacks.layer_stats import parameter_parts
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from lmrecipe.config import AUTO_LOSS_CHUNK_MIN_VOCAB, AUTO_LOSS_CHUNK_TOKENS, TrainConfig
 from lmrecipe.errors import UserError
-from lmrecipe.loss import ChunkedLossHead, causal_lm_loss, chunked_head, use_chunked_loss
+from lmrecipe.model.loss import ChunkedLossHead, causal_lm_loss, chunked_head, use_chunked_loss
 from lmrecipe.planning.memory import ModelShape, output_layer_bytes
 from lmrecipe.observe.host_syncs import HostSyncCounter
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from lmrecipe.loss import IGNORE_INDEX, causal_lm_loss, training_loss, use_chunked_loss
+from lmrecipe.model.loss import IGNORE_INDEX, causal_lm_loss, training_loss, use_chunked_loss
 
 VOCAB, DIM, ROWS, SEQ, CHUNK = 1000, 64, 3, 41, 16
 CHUNKS = -(-ROWS * SEQ // CHUNK)

@@ -19,7 +19,7 @@ from lmrecipe.planning.memory import (
     output_layer_bytes,
     read_measured,
 )
-from lmrecipe.model import build_hf_config
+from lmrecipe.model.build import build_hf_config
 from lmrecipe.train.callbacks.model_states import ModelStates
 
 # (hidden, layers, heads, kv heads, mlp, vocab): GPT-2 small-like, 1.3B-like, Llama-2-7B-like, a GQA 8B-like.

@@ -15,8 +15,8 @@ from lmrecipe.data.batches import BatchLayout
 from lmrecipe.parallel.deepspeed_config import load_deepspeed_config
 from lmrecipe.parallel.splits import autoep_registry_compat
 from lmrecipe.errors import UserError
-from lmrecipe.loss import expert_tokens
-from lmrecipe.model import build_hf_config, build_model, param_counts, set_moe_leaf_modules
+from lmrecipe.model.loss import expert_tokens
+from lmrecipe.model.build import build_hf_config, build_model, param_counts, set_moe_leaf_modules
 from lmrecipe.observe.console import load_balance
 from lmrecipe.optim import expert_params, param_groups
 
@@ -54,7 +54,7 @@ def test_a_shared_expert_is_built_where_the_architecture_has_one():
 
 def test_the_config_and_the_model_know_the_same_moe_architectures():
     from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS
-    from lmrecipe.model import MOE_ARCHS as MODEL_MOE_ARCHS
+    from lmrecipe.model.build import MOE_ARCHS as MODEL_MOE_ARCHS
 
     assert set(MOE_ARCHS) == set(MODEL_MOE_ARCHS)
     assert {arch for arch, keys in MODEL_MOE_ARCHS.items() if keys.shared_width} == set(SHARED_EXPERT_ARCHS)

@@ -103,7 +103,7 @@ def test_muon_run_learns_and_resumes_exactly(tmp_path, tiny_data, eager_muon):
 def test_memory_estimate_counts_one_moment_for_muon_matrices():
     from lmrecipe.parallel.topology import ZeroSetup
     from lmrecipe.planning.memory import estimate_model_states, model_shape
-    from lmrecipe.model import build_hf_config
+    from lmrecipe.model.build import build_hf_config
 
     cfg = load_config(None, ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128"])
     shape = model_shape(build_hf_config(cfg.model, 384, cfg.data.seq_len))

@@ -15,7 +15,7 @@ from lmrecipe.config import load_config
 from lmrecipe.parallel.topology import Topology, ZeroSetup
 from lmrecipe.errors import UserError
 from lmrecipe.planning.memory import estimate, model_shape
-from lmrecipe.model import build_hf_config
+from lmrecipe.model.build import build_hf_config
 from lmrecipe.observe.device import DEVICES
 from lmrecipe.planning.budget import budget_flops, compute_optimal, measured_mfu
 from lmrecipe.planning.prediction import predict_run

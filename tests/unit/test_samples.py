@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TINY_OVERRIDES
 
-from lmrecipe.attention import build_document_attention
+from lmrecipe.model.attention import build_document_attention
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
 from lmrecipe.evaluation.evaluate import greedy_continuation

@@ -15,7 +15,7 @@ from lmrecipe.parallel.deepspeed_config import check_sequence_parallel_stage, lo
 from lmrecipe.parallel.splits import SequenceParallel, check_sequence_parallel_model, name_sequence_parallel_attention
 from lmrecipe.parallel.topology import Topology, ZeroSetup, check_sequence_parallel_topology
 from lmrecipe.errors import UserError
-from lmrecipe.model import build_hf_config
+from lmrecipe.model.build import build_hf_config
 
 
 def test_each_rank_holds_its_slice_of_tokens_and_positions():
@@ -115,7 +115,7 @@ def test_fewer_key_value_heads_than_ranks_load_and_evaluate_with_every_head():
     the model's own count again."""
     from types import SimpleNamespace
 
-    from lmrecipe.model import build_model
+    from lmrecipe.model.build import build_model
 
     load_config(ROOT / "recipes" / "tiny.yaml", [*TINY_OVERRIDES, ZERO1, "distributed.sequence_parallel_size=2",
                                                  "model.num_kv_heads=1"])  # not refused: it trains

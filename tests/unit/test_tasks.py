@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from lmrecipe.attention import build_document_attention
+from lmrecipe.model.attention import build_document_attention
 from lmrecipe.config import load_config
 from lmrecipe.parallel.accelerator import build_eval_accelerator
 from lmrecipe.errors import UserError

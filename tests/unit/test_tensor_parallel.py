@@ -17,7 +17,7 @@ from lmrecipe.parallel.splits import check_tensor_parallel_model
 from lmrecipe.parallel.topology import Topology, ZeroSetup, check_tensor_parallel_topology
 from lmrecipe.errors import UserError
 from lmrecipe.planning.memory import model_shape
-from lmrecipe.model import build_hf_config
+from lmrecipe.model.build import build_hf_config
 
 TINY = ROOT / "recipes" / "tiny.yaml"
 TP2 = "distributed.tensor_parallel_size=2"

@@ -16,7 +16,7 @@ from lmrecipe.config import ModelConfig, load_config
 from lmrecipe.data.format import combine_splits, load_meta
 from lmrecipe.data.prepare.pipeline import prepare
 from lmrecipe.errors import UserError
-from lmrecipe.model import check_init_tokenizer
+from lmrecipe.model.build import check_init_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -59,7 +59,7 @@ def model_dir(tmp_path_factory, tiny_data) -> Path:
     """A Hugging Face model folder with tiny_data's tokenizer (what an export of a run on tiny_data holds)."""
     from transformers import AutoModelForCausalLM
 
-    from lmrecipe.model import build_hf_config
+    from lmrecipe.model.build import build_hf_config
 
     folder = copy_tokenizer(tiny_data, tmp_path_factory.mktemp("model") / "export")
     cfg = load_config("recipes/tiny.yaml", TINY_OVERRIDES)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
-from lmrecipe.loss import IGNORE_INDEX, causal_lm_loss, training_loss, use_chunked_loss
+from lmrecipe.model.loss import IGNORE_INDEX, causal_lm_loss, training_loss, use_chunked_loss
 from lmrecipe.observe.host_syncs import HostSyncCounter
 
 VOCAB = 1000

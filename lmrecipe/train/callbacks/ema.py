@@ -45,7 +45,7 @@ import torch
 from lmrecipe.checkpoint.ema_files import COUNT_KEY, FORMAT, FULL_FILE, SavedEMA, has_ema, partition_file
 from lmrecipe.config import TrainConfig
 from lmrecipe.errors import fail
-from lmrecipe.model import bare_parameter_name
+from lmrecipe.model.build import bare_parameter_name
 from lmrecipe.train.callback import Callback
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmrecipe.loss import ChunkedLossHead
+from lmrecipe.model.loss import ChunkedLossHead
 from lmrecipe.observe.console import log_due
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.train.callback import Callback

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.config import DataConfig, save_config
-from lmrecipe.loss import chunked_head
+from lmrecipe.model.loss import chunked_head
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end

@@ -44,7 +44,7 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lmrecipe.attention import DocumentAttention
+from lmrecipe.model.attention import DocumentAttention
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.errors import fail
 

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lmrecipe.attention import DocumentAttention, build_document_attention, check_flash_kernel
+from lmrecipe.model.attention import DocumentAttention, build_document_attention, check_flash_kernel
 from lmrecipe.config import DataConfig, ModelConfig, TrainConfig
 from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.errors import fail
@@ -189,7 +189,7 @@ def training_attention(name: str) -> str:
 
 
 def build_attention(model: ModelConfig, data: DataConfig, hf_config) -> DocumentAttention | None:
-    """The document-masking attention of ``data.document_masking`` (``lmrecipe/attention.py``), or None when off
+    """The document-masking attention of ``data.document_masking`` (``lmrecipe/model/attention.py``), or None when off
     (plain causal windows). A model or attention implementation that cannot mask is refused here, at start-up, as is
     a flash kernel that cannot run on this machine."""
     check_flash_kernel(model.attn_implementation)
