@@ -326,6 +326,10 @@ class CheckpointStore:
         """The newest checkpoint published (or resumed from) by this run."""
         self.pinned: set[Path] = set()
         """Checkpoints the next prune keeps whatever ``keep_last`` says (uploads in flight; main process)."""
+        if self.root.is_dir() and not os.access(self.root, os.W_OK | os.X_OK):  # every rank, before any step
+            raise fail(f"{self.root} cannot be written: that folder is read-only for this user, so no checkpoint of "
+                       "this run could be saved. Give it write permission (chmod u+w, or remount read-write), or copy "
+                       "the run folder to a writable disk and run the same command with out_dir=COPY.")
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.iterdir():

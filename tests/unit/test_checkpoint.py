@@ -429,3 +429,20 @@ def test_a_full_disk_under_safetensors_writer_is_a_user_error_and_the_partial_fo
     # another safetensors error (not a full disk, space to spare) stays what it is
     other = SafetensorError("Error while serializing: tensor invalid")
     assert store.disk_full_error(other, tmp_path / "checkpoints" / ".tmp_step_00000003", tmp_path) is None
+
+
+def test_a_read_only_checkpoints_folder_on_resume_is_refused_before_any_step(tmp_path, monkeypatch):
+    """out_dir itself is checked at start-up (cli.check_output_path); a resumed run's checkpoints/ that this user
+    cannot write would otherwise fail at the first save, after the steps before it were trained."""
+    import lmrecipe.checkpoint.storage as storage
+
+    root = tmp_path / "checkpoints"
+    (root / ".tmp_step_00000004").mkdir(parents=True)  # a leftover the store would remove
+    real_access = storage.os.access
+    monkeypatch.setattr(storage.os, "access", lambda p, mode: False if Path(p) == root else real_access(p, mode))
+    accelerator = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1,
+                                  wait_for_everyone=lambda: None)
+    with pytest.raises(UserError, match=r"checkpoints cannot be written: that folder is read-only.*chmod u\+w"):
+        storage.CheckpointStore(accelerator, root, keep_last=2, background=False, deepspeed=False,
+                                publish_timeout_s=60)
+    assert [p.name for p in root.iterdir()] == [".tmp_step_00000004"]
