@@ -168,20 +168,17 @@ def short_docs(tmp_path_factory, tiny_data) -> Path:
 
 @pytest.fixture
 def deepspeed_in_process():
-    """DeepSpeed's one-process world for the runs of a test, torn down after them: its process group, and the
-    environment the run sets (RANK, WORLD_SIZE, MASTER_*, Accelerate's ACCELERATE_USE_DEEPSPEED and its DeepSpeed
-    settings), so the later tests of this process start as plain one-process runs."""
+    """DeepSpeed's one-process world for the runs of a test, from a clean state and torn down after them: its process
+    group and the groups DeepSpeed caches, and the environment the run sets (RANK, WORLD_SIZE, MASTER_*, Accelerate's
+    ACCELERATE_USE_DEEPSPEED and its DeepSpeed settings), so the later tests of this process start as plain
+    one-process runs. A test that builds two runs calls :func:`helpers.reset_deepspeed_in_process` between them."""
     import os
 
-    import deepspeed.comm.comm as ds_comm
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState
+    from helpers import reset_deepspeed_in_process
 
     environment = dict(os.environ)
+    reset_deepspeed_in_process()
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    ds_comm.cdb = None
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_deepspeed_in_process()
     os.environ.clear()
     os.environ.update(environment)

@@ -113,11 +113,17 @@ def test_a_signal_stops_a_wait_for_object_storage_at_once(faulty, tiny_data, tmp
         sent.append(time.monotonic())
         os.kill(os.getpid(), signum)
 
+    # Ctrl-C as a terminal's process sees it: a pytest-xdist worker starts with SIGINT ignored, and the run keeps an
+    # ignored SIGINT ignored (a background job's).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     killer = threading.Thread(target=signal_once_waiting, daemon=True)
     killer.start()
-    with pytest.raises(UserError) as err:
-        train_tiny(tmp_path / "run", tiny_data, f"checkpoint.remote={url}")
-    killer.join()
+    try:
+        with pytest.raises(UserError) as err:
+            train_tiny(tmp_path / "run", tiny_data, f"checkpoint.remote={url}")
+    finally:
+        killer.join()
+        signal.signal(signal.SIGINT, previous)
     assert sent and time.monotonic() - sent[0] < 5
     name = signal.Signals(signum).name
     assert err.value.exit_code == exit_code

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_OVERRIDES
+from helpers import TINY_OVERRIDES, reset_deepspeed_in_process
 
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout, Prefetcher, TrainBatches
@@ -67,13 +67,11 @@ def test_prefetcher_gives_the_loader_order(tiny_data):
 def test_fused_adamw_under_deepspeed_trains_as_foreach(tmp_path, tiny_data, monkeypatch, deepspeed_in_process):
     """ZeRO-2 on one process: the fused AdamW the run builds moves the weights as foreach's per-operation kernels do,
     within 1e-6 after 4 steps."""
-    from accelerate.state import AcceleratorState
-
     from lmrecipe.train import setup
     from lmrecipe.train.trainer import build_trainer
 
     def train_zero2(name: str) -> tuple[object, dict, dict]:
-        AcceleratorState._reset_state(reset_partial_state=True)  # a DeepSpeed run needs an Accelerate state of its own
+        reset_deepspeed_in_process()  # each run builds its own process group and Accelerate state
         cfg = load_config("recipes/tiny.yaml", [
             f"out_dir={tmp_path / name}", f"data.path={tiny_data}", *TINY_OVERRIDES, "train.max_steps=4",
             "train.eval_every_steps=0", "checkpoint.every_steps=0", "distributed.deepspeed_config=zero2"])
