@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from lmrecipe.config import Workload
@@ -107,7 +108,7 @@ def check_launch(work: Workload, ds_path: str | Path | None, world_size: int,
     if ds_path is None:
         return topology, batch, None
     ds_config = load_deepspeed_config(ds_path, work.optim, dist, batch, precision)
-    topology = Topology.of_launch(dist, world_size, ZeroSetup.from_ds_config(ds_config))
+    topology = replace(topology, zero=ZeroSetup.from_ds_config(ds_config))  # the batch split does not depend on it
     check_tensor_parallel_stage(dist.tensor_parallel_size, topology.zero, Path(ds_path))
     check_compile_stage(work.train.compile, topology.zero, Path(ds_path))
     check_sequence_parallel_stage(dist.sequence_parallel_size, ds_config, precision, Path(ds_path), work.train.precision)
