@@ -7,7 +7,7 @@ import argparse
 import sys
 import textwrap
 
-from lmrecipe.cli import check_output_path, cli_main, setup_logging
+from lmrecipe.cli import cli_main, setup_logging
 from lmrecipe.config import load_config
 from lmrecipe.errors import fail
 
@@ -60,13 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = load_config(args.recipe, args.overrides)
     if args.dry_run:
-        from lmrecipe.dry_run import dry_run  # heavy imports only after the config is known to be valid
+        from lmrecipe.train.dry_run import dry_run  # heavy imports only after the config is known to be valid
 
         report = dry_run(cfg)
         print(report.text())
         report.raise_problems()
         return 0
-    check_output_path(cfg.out_dir, "out_dir")
     from lmrecipe.train.trainer import train  # heavy imports only after the config is known to be valid
 
     train(cfg, recipe=args.recipe, command=[sys.argv[0], *argv])

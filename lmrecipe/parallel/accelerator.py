@@ -14,8 +14,7 @@ from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 from lmrecipe.observe.quiet import quiet_prints
-from lmrecipe.parallel.launch import check_launch, check_launched_processes
-from lmrecipe.parallel.precision import check_precision, fp8_recipe
+from lmrecipe.parallel.precision import fp8_recipe
 from lmrecipe.parallel.splits import SequenceParallel, _sequence_parallelism
 from lmrecipe.parallel.topology import Topology, world_size_from_env
 
@@ -36,15 +35,13 @@ class Runtime:
     """This rank's share of each sequence (``distributed.sequence_parallel_size`` > 1); None: whole sequences."""
 
 
-def build_runtime(cfg: Config) -> Runtime:
-    """The Accelerator (and DeepSpeed plugin). Build it before the model so ZeRO-3 partitions at construction."""
+def build_runtime(cfg: Config, precision: str, topology: Topology, ds_config: dict | None) -> Runtime:
+    """The Accelerator (and DeepSpeed plugin) of the launch that the start-up checks judged (``precision``,
+    ``topology`` and the filled ``ds_config`` of :func:`~lmrecipe.parallel.launch.check_launch`). Build it before
+    the model so ZeRO-3 partitions at construction."""
     from accelerate.utils import DeepSpeedPlugin
 
-    precision = check_precision(cfg.train.precision)
-    check_launched_processes()
-    world_size = world_size_from_env()
-    topology, batch, ds_config = check_launch(cfg.workload(), cfg.distributed.deepspeed_config_path(), world_size,
-                                              precision)
+    world_size = topology.world_size
     if cfg.distributed.hang_watchdog and world_size > 1:
         # torch's flight recorder keeps each rank's collectives only when asked before the process group exists; the
         # hang watchdog writes it beside hang.md. A launch that sets its own size keeps it.
@@ -55,8 +52,9 @@ def build_runtime(cfg: Config) -> Runtime:
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
     sp = topology.sequence_parallel_size
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
+    accum_steps = topology.batch_layout(cfg.train).accum_steps
     with quiet_prints():  # DeepSpeed prints a line per process as it sets up its CPU collectives
-        accelerator = _build_accelerator(world_size, precision, batch.accum_steps, plugin, cfg.distributed.timeout_s,
+        accelerator = _build_accelerator(world_size, precision, accum_steps, plugin, cfg.distributed.timeout_s,
                                          parallelism)
     rank = accelerator.process_index
     sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None

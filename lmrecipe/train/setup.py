@@ -15,18 +15,13 @@ from pathlib import Path
 import torch
 
 from lmrecipe.model.attention import DocumentAttention
-from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBatches
-from lmrecipe.data.sources import TrainingData, check_sources, open_training_data
+from lmrecipe.data.sources import TrainingData, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
-from lmrecipe.errors import fail
 from lmrecipe.model.loss import use_chunked_loss
 from lmrecipe.model.build import (
-    build_attention,
-    build_hf_config,
     build_model,
-    check_init_tokenizer,
     compile_layers,
     flops_per_token,
     fp8_layer_filter,
@@ -36,12 +31,8 @@ from lmrecipe.model.build import (
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.parallel.accelerator import Runtime, build_runtime
-from lmrecipe.parallel.splits import (
-    autoep_registry_compat,
-    check_sequence_parallel_model,
-    check_tensor_parallel_model,
-    name_sequence_parallel_attention,
-)
+from lmrecipe.parallel.splits import autoep_registry_compat, name_sequence_parallel_attention
+from lmrecipe.train.preflight import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +106,18 @@ class Run:
 
 
 def build_run(cfg: Config, out_dir: Path) -> Run:
-    """Accelerator first (so ZeRO-3 partitions at construction), then data, model, optimizer, ``prepare``."""
-    if cfg.checkpoint.branch_from is not None:  # a branch inside its source run: refused before anything is built
-        check_branch_out_dir(cfg.checkpoint.branch_from, out_dir)
+    """The start-up checks (``lmrecipe/train/preflight.py``: every problem at once, before anything is built or
+    written), then the Accelerator (so ZeRO-3 partitions at construction), data, model, optimizer, ``prepare``."""
+    pf = preflight(cfg, out_dir)
+    pf.raise_problems()
     maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
-    runtime = build_runtime(cfg)
+    runtime = build_runtime(cfg, pf.precision, pf.topology, pf.ds_config)
     accelerator, topology, zero = runtime.accelerator, runtime.topology, runtime.topology.zero
-    # The data is checked before out_dir is touched: bad data writes nothing.
-    meta = check_sources(cfg.data)
-    check_init_tokenizer(cfg.model, cfg.data.source_list()[0].path)
+    if accelerator.is_main_process:
+        for note in pf.notes:
+            logger.warning("%s", note)
     check_trackers(cfg.logging.trackers, out_dir, accelerator)  # a tracker that cannot start stops it before it writes
-    hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(meta["vocab_size"]), cfg.data.seq_len)
+    hf_config = pf.hf_config
     # Validation windows: split over every rank, or over the data-parallel ranks under tensor parallelism (a
     # tensor-parallel group computes one forward together).
     val_ranks = None if topology.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
@@ -139,19 +131,10 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    if cfg.data.seq_len > hf_config.max_position_embeddings:
-        raise fail(
-            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
-            f"{hf_config.max_position_embeddings}. Lower data.seq_len or raise model.max_position_embeddings."
-        )
-    if zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
-        logger.warning("ZeRO-3 with non-reentrant activation checkpointing is known to fail; reentrant is the workaround.")
 
     torch.manual_seed(cfg.train.seed)
-    attention = build_attention(cfg.model, cfg.data, hf_config)
+    attention = pf.attention
     model = build_model(cfg.model, cfg.train, hf_config, attention)
-    check_sequence_parallel_model(topology.sequence_parallel_size, hf_config)
-    check_tensor_parallel_model(topology.tensor_parallel_size, hf_config)
     if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
         use_chunked_loss(model, chunk_tokens)
     if zero.stage == 3 and not topology.autoep:

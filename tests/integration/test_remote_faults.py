@@ -47,7 +47,7 @@ def faulty(s3_server, monkeypatch):
 def short_patience(monkeypatch):
     """Each remote read retries for 1 s instead of 60 s, in every module that waits on one."""
     for module in ("lmrecipe.objstore", "lmrecipe.train.callbacks.remote", "lmrecipe.data.remote",
-                   "lmrecipe.dry_run"):
+                   "lmrecipe.train.preflight"):
         monkeypatch.setattr(f"{module}.READ_PATIENCE_S", 1.0)
 
 

@@ -4,7 +4,6 @@ the sessions of run_meta.json, the CPU peak reference, training.png and the capp
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,14 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmrecipe.config import DataConfig, LoggingConfig
+from lmrecipe.config import LoggingConfig
 from lmrecipe.observe import device, plots
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.metrics_log import read_metrics, throughput
 from lmrecipe.observe.run_meta import (RUN_META_FILE, launch_record, read_run_meta, record_event, run_events,
                                        write_run_meta)
 from lmrecipe.observe.run_report import build_report, summarize_metrics
-from lmrecipe.train.callbacks.reporting import warn_capped_val_windows
 
 TOKENS_PER_STEP = 1000
 # (steps, seconds in training steps) of four intervals whose rates differ 100-fold
@@ -156,12 +154,3 @@ def test_cpu_peak_is_the_highest_of_the_cached_probes(tmp_path, monkeypatch):
         assert cached == {device.machine_key("fp32"): [0.07]} and f"{torch.get_num_threads()} threads" in next(iter(cached))
     finally:
         device.cpu_matmul_tflops.cache_clear()
-
-
-def test_a_capped_validation_set_is_named_once(caplog):
-    val_sets = {"stdlib": SimpleNamespace(windows=range(19), all_ids=range(19))}
-    with caplog.at_level(logging.WARNING):
-        warn_capped_val_windows(DataConfig(val_windows=64), val_sets)
-        warn_capped_val_windows(DataConfig(val_windows=19), val_sets)
-    (record,) = caplog.records
-    assert "data.val_windows=64" in record.message and "holds 19 windows" in record.message

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from lmrecipe.config import DataConfig, save_config
+from lmrecipe.config import save_config
 from lmrecipe.model.loss import chunked_head
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.run_meta import launch_record, record_event
@@ -113,24 +113,7 @@ def log_start(run: Run) -> None:
     head = chunked_head(run.model)
     logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
-    if run.accelerator.is_main_process:
-        warn_capped_val_windows(cfg.data, run.data.val_sets)
-    if cfg.schedule.warmup_steps > cfg.train.max_steps:
-        # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
-        logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
-                       "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
-                       run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
 
-
-def warn_capped_val_windows(data: DataConfig, val_sets: dict) -> None:
-    """Name a validation set that holds fewer windows than ``data.val_windows`` asks for (it evaluates them all)."""
-    for name, windows in val_sets.items():
-        available = len(windows.windows)
-        if data.val_windows > available:
-            logger.warning("data.val_windows=%d but the validation split of %s holds %d windows of data.seq_len=%d "
-                           "tokens: evaluating those %d. Set data.val_windows=%d to say so, or prepare the data with a "
-                           "larger --val-fraction.", data.val_windows, name, available, data.seq_len,
-                           len(windows.all_ids), available)
 
 
 def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:
