@@ -32,7 +32,7 @@ from lmrecipe.config.sections import fail_all
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import open_data
 from lmrecipe.data.remote import check_remote_data
-from lmrecipe.data.sources import check_sources
+from lmrecipe.data.sources import check_sources, local_sources
 from lmrecipe.errors import UserError
 from lmrecipe.model.attention import DocumentAttention, check_flash_kernel
 from lmrecipe.model.build import build_attention, build_hf_config, check_init_tokenizer
@@ -158,9 +158,10 @@ def check_data(pf: Preflight) -> None:
     if meta is None:
         return
     pf.meta = pf.meta or meta
-    pf.check(lambda: check_init_tokenizer(model, data.source_list()[0].path))
+    sources = local_sources(data)  # a run's staged copies (a dry run has only local folders here)
+    pf.check(lambda: check_init_tokenizer(model, sources[0].path))
     vocab_size = model.vocab_size or int(meta["vocab_size"])
-    for i, source in enumerate(data.source_list()):
+    for i, source in enumerate(sources):
         where = f"data.sources[{i}] ({source.resolved_name()}, {source.path}): " if data.is_mixture() else ""
         try:
             _, train, val = open_data(source.path, data.seq_len, vocab_size, documents=data.document_masking)
