@@ -28,7 +28,7 @@ from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
 from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config, DataConfig, ModelConfig, Workload
 from lmrecipe.config.sections import fail_all
-from lmrecipe.data.format import open_data
+from lmrecipe.data.format import check_model_vocab, open_data
 from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources
 from lmrecipe.errors import UserError
@@ -158,6 +158,7 @@ def check_data(data: DataConfig, model: ModelConfig, report: DryRunReport) -> di
     meta = check_sources(data)
     check_init_tokenizer(model, data.source_list()[0].path)
     vocab_size = model.vocab_size or int(meta["vocab_size"])
+    report.check(lambda: check_model_vocab(model.vocab_size, meta, data.source_list()[0].path))
     for i, source in enumerate(data.source_list()):
         where = f"data.sources[{i}] ({source.resolved_name()}, {source.path}): " if data.is_mixture() else ""
         try:
