@@ -12,14 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmrecipe.config import DataConfig, LoggingConfig
+from helpers import ROOT
+
+from lmrecipe.config import DataConfig, LoggingConfig, load_config
+from lmrecipe.data.batches import BatchLayout
 from lmrecipe.observe import device, plots
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.metrics_log import read_metrics, throughput
 from lmrecipe.observe.run_meta import (RUN_META_FILE, launch_record, read_run_meta, record_event, run_events,
                                        write_run_meta)
 from lmrecipe.observe.run_report import build_report, summarize_metrics
-from lmrecipe.train.callbacks.reporting import warn_capped_val_windows
+from lmrecipe.parallel.topology import Topology
+from lmrecipe.train.callbacks.reporting import log_start, warn_capped_val_windows
 
 TOKENS_PER_STEP = 1000
 # (steps, seconds in training steps) of four intervals whose rates differ 100-fold
@@ -165,3 +169,16 @@ def test_a_capped_validation_set_is_named_once(caplog):
         warn_capped_val_windows(DataConfig(val_windows=19), val_sets)
     (record,) = caplog.records
     assert "data.val_windows=64" in record.message and "holds 19 windows" in record.message
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_the_warmup_warning_is_the_main_processes_alone(main, caplog):
+    cfg = load_config(ROOT / "recipes" / "tiny.yaml", ["schedule.warmup_steps=50", "train.max_steps=10"])
+    run = SimpleNamespace(cfg=cfg, model=torch.nn.Linear(2, 2), n_params=10**6, n_active_params=None,
+                          runtime=SimpleNamespace(topology=Topology(2), batch=BatchLayout(16, 8, 2, 0), precision="fp32"),
+                          accelerator=SimpleNamespace(is_main_process=main), data=SimpleNamespace(val_sets={}),
+                          lr_at=lambda step: 1e-4)
+    with caplog.at_level(logging.INFO):
+        log_start(run)
+    warned = [r for r in caplog.records if "schedule.warmup_steps=50 exceeds train.max_steps=10" in r.message]
+    assert len(warned) == (1 if main else 0)

@@ -113,8 +113,9 @@ def log_start(run: Run) -> None:
     head = chunked_head(run.model)
     logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
-    if run.accelerator.is_main_process:
-        warn_capped_val_windows(cfg.data, run.data.val_sets)
+    if not run.accelerator.is_main_process:  # the warnings below are the run's, not a rank's: said once
+        return
+    warn_capped_val_windows(cfg.data, run.data.val_sets)
     if cfg.schedule.warmup_steps > cfg.train.max_steps:
         # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
         logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
