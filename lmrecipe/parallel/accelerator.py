@@ -14,6 +14,7 @@ from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 from lmrecipe.observe.quiet import quiet_prints
+from lmrecipe.parallel.deepspeed_config import log_op_compilation
 from lmrecipe.parallel.launch import check_launch, check_launched_processes
 from lmrecipe.parallel.precision import check_precision, fp8_recipe
 from lmrecipe.parallel.splits import SequenceParallel, _sequence_parallelism
@@ -53,6 +54,7 @@ def build_runtime(cfg: Config) -> Runtime:
     if ds_config is not None:
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+        log_op_compilation(topology.zero.offload_optimizer)
     sp = topology.sequence_parallel_size
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
     with quiet_prints():  # DeepSpeed prints a line per process as it sets up its CPU collectives
