@@ -176,6 +176,15 @@ def device_peak_tflops(device: torch.device, precision: str, configured: float |
     return cpu_matmul_tflops(precision), f"matmul probe: the highest of up to {PEAK_HISTORY} probes cached per machine"
 
 
+def cpu_threads_line(processes: int) -> str:
+    """The start-up line of a run on CPUs: torch's threads per process against the cores this process may use, and
+    what to set when other work shares them (each step waits for its slowest thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return (f"CPU: {processes} process(es) x {torch.get_num_threads()} torch threads on {cores} cores. On a CPU shared "
+            "with other work, set OMP_NUM_THREADS to the cores free for this run divided by its processes (e.g. "
+            "OMP_NUM_THREADS=1 python train.py ...): a thread that waits for a busy core stalls every step.")
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -176,9 +176,13 @@ def test_the_warmup_warning_is_the_main_processes_alone(main, caplog):
     cfg = load_config(ROOT / "recipes" / "tiny.yaml", ["schedule.warmup_steps=50", "train.max_steps=10"])
     run = SimpleNamespace(cfg=cfg, model=torch.nn.Linear(2, 2), n_params=10**6, n_active_params=None,
                           runtime=SimpleNamespace(topology=Topology(2), batch=BatchLayout(16, 8, 2, 0), precision="fp32"),
-                          accelerator=SimpleNamespace(is_main_process=main), data=SimpleNamespace(val_sets={}),
-                          lr_at=lambda step: 1e-4)
+                          accelerator=SimpleNamespace(is_main_process=main, device=torch.device("cpu")),
+                          data=SimpleNamespace(val_sets={}), lr_at=lambda step: 1e-4)
     with caplog.at_level(logging.INFO):
         log_start(run)
     warned = [r for r in caplog.records if "schedule.warmup_steps=50 exceeds train.max_steps=10" in r.message]
     assert len(warned) == (1 if main else 0)
+    # on a CPU, once, what to set when other work shares the cores
+    threads = [r for r in caplog.records if "set OMP_NUM_THREADS to the cores free for this run" in r.message]
+    assert len(threads) == (1 if main else 0)
+    assert not main or f"2 process(es) x {torch.get_num_threads()} torch threads" in threads[0].message

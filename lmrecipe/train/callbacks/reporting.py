@@ -14,6 +14,7 @@ import torch
 from lmrecipe.config import DataConfig, save_config
 from lmrecipe.model.loss import chunked_head
 from lmrecipe.observe.console import Reporter
+from lmrecipe.observe.device import cpu_threads_line
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
 from lmrecipe.parallel.topology import startup_line
@@ -113,8 +114,10 @@ def log_start(run: Run) -> None:
     head = chunked_head(run.model)
     logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
-    if not run.accelerator.is_main_process:  # the warnings below are the run's, not a rank's: said once
+    if not run.accelerator.is_main_process:  # the lines below are the run's, not a rank's: said once
         return
+    if run.accelerator.device.type == "cpu":
+        logger.info("%s", cpu_threads_line(runtime.topology.world_size))
     warn_capped_val_windows(cfg.data, run.data.val_sets)
     if cfg.schedule.warmup_steps > cfg.train.max_steps:
         # Allowed (a short smoke run of a long recipe), but the schedule never reaches its peak: say so.
