@@ -21,8 +21,7 @@ from lmrecipe.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-_H100_MEASURED = ("measured: this recipe's 1B model (bf16, ZeRO-2, SDPA) on one H100 80GB HBM3, docs/benchmarks/gpu.md; "
-                  "Llama 3 publishes 38-43% on 8,192-16,384 H100s (Dubey et al. 2024, Table 4)")
+_H100_MEASURED = "measured: this recipe's 1B model on one H100, bf16, ZeRO-2 (docs/benchmarks/gpu.md)"
 _H100_LIKE = "not measured on this device: the H100's measured 28.5% (docs/benchmarks/gpu.md), at the same bf16 peak"
 _A100_MFU = ("Narayanan et al. 2021 (Megatron-LM): 52% of peak, GPT-3 175B on 3,072 A100s; MegaScale "
              "(Jiang et al. 2024): 55.2% on 12,288 GPUs")
