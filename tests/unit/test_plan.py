@@ -244,3 +244,15 @@ def test_nothing_fits_suggests_more_devices_only_when_they_would_help(capsys):
     assert "More devices would not help" in err and "use more devices" not in err, err
     assert _plan_main()(["--gpus", "1", "--gpu", "l4", "--params", "7e9"]) == 2
     assert "use more devices" in capsys.readouterr().err
+
+
+def test_a_plan_without_zero_that_the_measured_peak_would_not_fit_says_so(capsys):
+    # One device: ZeRO-3 divides nothing and adds the gathered layer, so no ZeRO leaves the most memory free.
+    plan = _json_plan(capsys, "--gpus", "1", "--gpu", "h100", "--params", "5e8", "--vocab-size", "32000",
+                      "--micro-batch", "26")
+    assert plan["chosen"]["stage"] == 0
+    over = plan["chosen"]["device_bytes"] * 1.21 > plan["memory_bytes"]
+    assert _plan_main()(["--gpus", "1", "--gpu", "h100", "--params", "5e8", "--vocab-size", "32000",
+                         "--micro-batch", "26"]) == 0
+    assert ("Without DeepSpeed the measured peak was 1.21x the estimate" in capsys.readouterr().out) == over
+    assert over  # the case this test is for
