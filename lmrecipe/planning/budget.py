@@ -51,7 +51,7 @@ def device_spec(key: str) -> Device:
     device = DEVICES.get(key.strip().lower())
     if device is None:
         raise fail(f"--gpu {key!r} is not a device the planner knows. Choose one of {', '.join(DEVICES)}, or pass "
-                   "the nearest one with --peak-tflops and --memory-gb for yours.")
+                   "the nearest one with --peak-tflops and --memory-gib for yours.")
     return device
 
 
