@@ -53,6 +53,7 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
         error = None
         skip_autotuner_mlflow()
         maybe_skip_torchao_extensions()
+        quiet()  # a tool that sets up no logging of its own still drops the lines of lmrecipe/observe/quiet.py
         try:
             code = fn(*args, **kwargs)
             code = 0 if code is None else int(code)

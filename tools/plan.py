@@ -12,6 +12,7 @@ arithmetic and its sources are in lmrecipe/planning/budget.py; memory comes from
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -48,10 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
                         help="default: the recipe's; its 'auto' is bf16 on GPUs, fp32 on a CPU")
     parser.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default: the table / a CPU probe)")
-    parser.add_argument("--memory-gb", type=float, help="memory per device in GB (default: the table; on a CPU the host's "
-                        "RAM over --gpus)")
+    parser.add_argument("--memory-gib", type=float, help="memory per device in GiB (2^30 bytes; default: what the card "
+                        "reports, from the table; on a CPU the host's RAM over --gpus)")
     parser.add_argument("--reserve", type=float, default=0.10,
-                        help="share of device memory kept free of the estimate (default: %(default)s)")
+                        help="share of device memory kept free of the estimate (default: %(default)s; "
+                        "lmrecipe/planning/budget.py says why)")
     parser.add_argument("--cost-per-gpu-hour", type=float, help="price of one device for one hour")
     parser.add_argument("--write-recipe", metavar="PATH", help="write the chosen configuration as a recipe YAML")
     parser.add_argument("--overwrite", action="store_true", help="replace the --write-recipe file if it exists")
@@ -74,7 +76,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     for name in given + ["tokens_per_param"]:
         if not getattr(args, name) > 0:
             raise fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive.")
-    for name in ("seq_len", "micro_batch", "vocab_size", "peak_tflops", "memory_gb"):
+    for name in ("seq_len", "micro_batch", "vocab_size", "peak_tflops", "memory_gib"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive.")
     if args.mfu is not None and not 0 < args.mfu <= 1:
@@ -94,7 +96,8 @@ def plan_inputs(args: argparse.Namespace):
         DEFAULT_VOCAB_SIZE,
         PlanInputs,
         device_spec,
-        host_memory_gb,
+        GiB,
+        host_memory_bytes,
         measured_mfu,
         peak_tflops,
     )
@@ -111,7 +114,8 @@ def plan_inputs(args: argparse.Namespace):
     return PlanInputs(
         devices=args.gpus, device=device, precision=precision,
         peak_tflops=args.peak_tflops or peak_tflops(device, precision),
-        memory_gb=args.memory_gb or (host_memory_gb() / args.gpus if cpu else device.memory_gb),  # CPU: shared RAM
+        memory_bytes=args.memory_gib * GiB if args.memory_gib else (
+            host_memory_bytes() / args.gpus if cpu else device.memory_bytes),  # CPU: shared RAM
         mfu=mfu, mfu_source=mfu_source,
         base=base, vocab_size=vocab, seq_len=args.seq_len or base.data.seq_len,
         micro_batch_size=args.micro_batch or base.train.micro_batch_size,
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
     for warning in plan.warnings:
         print(f"\nwarning: {warning}", file=sys.stderr)
     if args.write_recipe:
-        write_recipe(plan, args.recipe, args.write_recipe, args.overrides)
+        command = shlex.join(["python", "tools/plan.py", *(sys.argv[1:] if argv is None else argv)])
+        write_recipe(plan, args.recipe, args.write_recipe, args.overrides, command)
         print(f"\nRecipe written to {args.write_recipe}: python train.py {args.write_recipe}", file=sys.stderr)
     return 0
 

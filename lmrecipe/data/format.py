@@ -78,7 +78,7 @@ def load_meta(data_dir: str | Path) -> dict:
     """
     data_dir = Path(data_dir)
     _refuse_leftover(data_dir)
-    how_to_make = f"Create it with: python tools/prepare_data.py --output {data_dir}"
+    how_to_make = prepare_hint(data_dir)
     if data_dir.exists() and not data_dir.is_dir():
         raise fail(f"Data folder {str(data_dir)!r} is a file, not a prepared data folder. Pass the folder that "
                    f"tools/prepare_data.py wrote (it holds meta.json).")
@@ -93,6 +93,16 @@ def load_meta(data_dir: str | Path) -> dict:
     for name in SPLITS:
         _check_sizes(data_dir, name, meta, how_to_make)
     return meta
+
+
+def prepare_hint(data_dir: str | Path, overwrite: bool = False) -> str:
+    """How to prepare ``data_dir`` from the user's own corpus and tokenizer. Without ``--input``, prepare_data.py
+    prepares its embedded demo corpus, which a bare ``--output`` hint would put under any recipe's data name."""
+    return (f"Prepare it from your corpus: `python tools/prepare_data.py --input CORPUS --tokenizer TOKENIZER --output "
+            f"{data_dir}{' --overwrite' if overwrite else ''}` (CORPUS: text, .jsonl or .parquet files or folders of "
+            "them, or --hub-dataset NAME instead of --input; TOKENIZER: the model's tokenizer, a Hub name or a folder, "
+            "or leave it out to train a BPE of --vocab-size tokens). Without --input it prepares the embedded demo "
+            "corpus (Python's standard library), not your data.")
 
 
 def shard_name(index: int, count: int) -> str:
@@ -244,7 +254,7 @@ def read_meta_file(data_dir: str | os.PathLike) -> dict[str, Any]:
     data_dir = Path(data_dir)
     _refuse_leftover(data_dir)
     path = data_dir / "meta.json"
-    remedy = f"Create it with `python tools/prepare_data.py --output {data_dir}` (add --overwrite to replace it)."
+    remedy = prepare_hint(data_dir, overwrite=True)
     if not path.is_file():
         if data_dir.is_dir() and any(SHARD_NAME.fullmatch(p.name.split(".tmp-")[0]) for p in data_dir.iterdir()):
             raise fail(f"{data_dir} holds shards of a sharded preparation but no meta.json: the set is not finished "
@@ -277,9 +287,9 @@ def _refuse_leftover(data_dir: Path) -> None:
     if match is None or (data_dir / "meta.json").is_file():
         return
     dest = data_dir.with_name(match.group(1))
-    use = f"use {dest}, which exists." if dest.is_dir() else f"create {dest} with: python tools/prepare_data.py --output {dest}"
+    use = f"Delete it, and use {dest}, which exists." if dest.is_dir() else f"Delete it. {prepare_hint(dest)}"
     raise fail(f"{data_dir} is the temporary folder of an interrupted preparation into {dest}, not a prepared data "
-               f"folder. Delete it, and {use}")
+               f"folder. {use}")
 
 
 def _check_version(version: Any, path: Path, remedy: str) -> None:
@@ -505,6 +515,25 @@ def check_sample(tokens: np.ndarray, index_path: Path, meta: dict, split: str) -
     if (ends < 1).any() or (ends > len(tokens)).any() or (tokens[ends - 1] != int(meta["eos_id"])).any():
         raise fail(f"{index_path} does not match {index_path.with_suffix('.bin')}: document ends do not fall on EOS "
                    f"tokens. {fix}")
+
+
+VOCAB_PADDING = 128
+"""A model vocabulary above the data's, up to the next multiple of this, is padding (a shape the matmul kernels
+prefer), not another tokenizer."""
+
+
+def check_model_vocab(model_vocab_size: int | None, meta: dict, data_dir: str | Path) -> None:
+    """UserError when ``model.vocab_size`` exceeds the vocabulary of the tokenizer ``data_dir`` was prepared with by
+    more than padding (:data:`VOCAB_PADDING`): the model was sized for another tokenizer. (Below the data's,
+    :func:`open_data` refuses it.)"""
+    data_vocab = int(meta["vocab_size"])
+    if model_vocab_size is None or model_vocab_size <= -(-data_vocab // VOCAB_PADDING) * VOCAB_PADDING:
+        return
+    raise fail(f"model.vocab_size={model_vocab_size:,} but {data_dir} was prepared with a tokenizer of "
+               f"{data_vocab:,} tokens ({meta.get('tokenizer', 'its meta.json')}): the model is sized for another "
+               f"tokenizer, and {model_vocab_size - data_vocab:,} of its embedding rows would never see a token. Set "
+               "model.vocab_size=null to take the data's, or prepare the data with the model's tokenizer: `python "
+               "tools/prepare_data.py --input CORPUS --tokenizer TOKENIZER --output NEW_DATA`, then data.path=NEW_DATA.")
 
 
 def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None,

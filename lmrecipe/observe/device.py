@@ -21,10 +21,12 @@ from lmrecipe.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-_H100_MFU = "Llama 3 (Dubey et al. 2024, Table 4): 38-43% BF16 MFU on 8,192-16,384 H100s"
+_H100_MEASURED = "measured: this recipe's 1B model on one H100, bf16, ZeRO-2 (docs/benchmarks/gpu.md)"
+_H100_LIKE = "not measured on this device: the H100's measured 28.5% (docs/benchmarks/gpu.md), at the same bf16 peak"
 _A100_MFU = ("Narayanan et al. 2021 (Megatron-LM): 52% of peak, GPT-3 175B on 3,072 A100s; MegaScale "
              "(Jiang et al. 2024): 55.2% on 12,288 GPUs")
-_OTHER_MFU = "no large-scale figure published; the H100's 40% assumed"
+_OTHER_MFU = "no large-scale figure published; the H100's measured 28.5% assumed"
+_MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,11 @@ class Device:
     """A fragment of the name torch gives the device (``NVIDIA H100 80GB HBM3`` holds ``H100``); ``cpu``."""
     peak_tflops: dict[str, float]
     """Dense peak TFLOP/s (no sparsity) for bf16/fp16 and fp32 (TF32 off); empty for the CPU, whose peak is probed."""
-    memory_gb: float | None
-    """Nominal memory per device (GB = 1e9 bytes, the vendor's figure); None = this host's RAM (the CPU)."""
+    memory_bytes: int | None
+    """Memory per device as the card reports it to a program (``torch.cuda.get_device_properties().total_memory``:
+    an "80 GB" H100 reports 79.2 GiB, 85.0e9 bytes); None = this host's RAM (the CPU)."""
     mfu: float
-    """MFU assumed for a large run (the planner's default)."""
+    """MFU assumed for a large run (the planner's default): this recipe's measured figure where one exists."""
     mfu_source: str
 
 
@@ -46,18 +49,21 @@ def _peaks(bf16: float, fp32: float, fp16: float | None = None) -> dict[str, flo
     return {"bf16": bf16, "fp16": bf16 if fp16 is None else fp16, "fp32": fp32}
 
 
+# Memory: total_memory as torch reports it (its repr rounds to MiB): H100 80GB HBM3 81,090 MiB (79.2 GiB, as
+# bench/gpu/results/ recorded), H200 143,156, H100 PCIe 81,008, A100-SXM4-80GB 81,920, A100-SXM4-40GB 40,536,
+# L40S 45,589, A10G 22,587, V100-32GB 32,510, RTX 4090 24,563, RTX 3090 24,268; the L4's 23,034 is nvidia-smi's.
 DEVICES = {
-    "h100": Device("H100", _peaks(989.0, 67.0), 80, 0.40, _H100_MFU),
-    "h100-pcie": Device("H100 PCIe", _peaks(756.0, 51.0), 80, 0.40, _H100_MFU),
-    "h200": Device("H200", _peaks(989.0, 67.0), 141, 0.40, _H100_MFU),
-    "a100": Device("A100", _peaks(312.0, 19.5), 80, 0.50, _A100_MFU),
-    "a100-40gb": Device("A100", _peaks(312.0, 19.5), 40, 0.50, _A100_MFU),
-    "l40s": Device("L40S", _peaks(362.0, 91.6), 48, 0.40, _OTHER_MFU),
-    "a10g": Device("A10G", _peaks(125.0, 31.2), 24, 0.40, _OTHER_MFU),
-    "l4": Device("L4", _peaks(121.0, 30.3), 24, 0.40, _OTHER_MFU),
-    "v100": Device("V100", _peaks(0.0, 15.7, fp16=125.0), 32, 0.40, _OTHER_MFU),
-    "rtx-4090": Device("RTX 4090", _peaks(165.0, 82.6), 24, 0.40, _OTHER_MFU),
-    "rtx-3090": Device("RTX 3090", _peaks(71.0, 35.6), 24, 0.40, _OTHER_MFU),
+    "h100": Device("H100", _peaks(989.0, 67.0), 81_090 * _MiB, 0.285, _H100_MEASURED),
+    "h100-pcie": Device("H100 PCIe", _peaks(756.0, 51.0), 81_008 * _MiB, 0.285, _H100_LIKE),
+    "h200": Device("H200", _peaks(989.0, 67.0), 143_156 * _MiB, 0.285, _H100_LIKE),
+    "a100": Device("A100", _peaks(312.0, 19.5), 81_920 * _MiB, 0.50, _A100_MFU),
+    "a100-40gb": Device("A100", _peaks(312.0, 19.5), 40_536 * _MiB, 0.50, _A100_MFU),
+    "l40s": Device("L40S", _peaks(362.0, 91.6), 45_589 * _MiB, 0.285, _OTHER_MFU),
+    "a10g": Device("A10G", _peaks(125.0, 31.2), 22_587 * _MiB, 0.285, _OTHER_MFU),
+    "l4": Device("L4", _peaks(121.0, 30.3), 23_034 * _MiB, 0.285, _OTHER_MFU),
+    "v100": Device("V100", _peaks(0.0, 15.7, fp16=125.0), 32_510 * _MiB, 0.285, _OTHER_MFU),
+    "rtx-4090": Device("RTX 4090", _peaks(165.0, 82.6), 24_563 * _MiB, 0.285, _OTHER_MFU),
+    "rtx-3090": Device("RTX 3090", _peaks(71.0, 35.6), 24_268 * _MiB, 0.285, _OTHER_MFU),
     "cpu": Device("cpu", {}, None, 0.40, "BENCHMARKS.md section 5: the tiny recipe at 38-42% of this CPU's matmul peak"),
 }
 """The one device catalogue: MFU's peaks (:func:`device_peak_tflops`) and the planner's devices (``--gpu`` keys)."""
@@ -167,6 +173,15 @@ def device_peak_tflops(device: torch.device, precision: str, configured: float |
             return peak, f"table ({name})"
         logger.warning("No peak TFLOP/s known for %s; set logging.peak_tflops for MFU. Probing a matmul instead.", name)
     return cpu_matmul_tflops(precision), f"matmul probe: the highest of up to {PEAK_HISTORY} probes cached per machine"
+
+
+def cpu_threads_line(processes: int) -> str:
+    """The start-up line of a run on CPUs: torch's threads per process against the cores this process may use, and
+    what to set when other work shares them (each step waits for its slowest thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return (f"CPU: {processes} process(es) x {torch.get_num_threads()} torch threads on {cores} cores. On a CPU shared "
+            "with other work, set OMP_NUM_THREADS to the cores free for this run divided by its processes (e.g. "
+            "OMP_NUM_THREADS=1 python train.py ...): a thread that waits for a busy core stalls every step.")
 
 
 def reset_peak_memory(device: torch.device) -> None:

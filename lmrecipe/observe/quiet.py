@@ -68,6 +68,12 @@ QUIET_LINES = (
               "Accelerate's lines of each checkpoint save and load; the recipe logs one line for each"),
     QuietLine(WARNING, "FutureWarning", r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
               "DeepSpeed's ZeRO calls a torch collective that torch now deprecates; nothing for a user to change"),
+    QuietLine(WARNING, "FutureWarning", r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
+              "DeepSpeed's ZeRO-3 calls a torch collective that torch now deprecates, twice per step and rank; nothing "
+              "for a user to change"),
+    QuietLine(LOGGER, "botocore.credentials", r"^Found credentials in ",
+              "boto3 says where it found the object store's credentials each time a client is made; the run names its "
+              "bucket, and a missing or refused credential is an error of its own"),
     QuietLine(PRINT, "deepspeed", r"^DeepSpeed deepspeed\.ops\.comm\.\w+ built successfully$",
               "DeepSpeed prints it on each process when it loads its CPU collectives (built once, then cached)"),
     QuietLine(PRINT, "deepspeed", r"^(Processing zero checkpoint|Parsing checkpoint created by deepspeed|Detected "

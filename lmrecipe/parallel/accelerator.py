@@ -14,6 +14,7 @@ from lmrecipe.config import Config
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 from lmrecipe.observe.quiet import quiet_prints
+from lmrecipe.parallel.deepspeed_config import log_op_compilation
 from lmrecipe.parallel.precision import fp8_recipe
 from lmrecipe.parallel.splits import SequenceParallel, _sequence_parallelism
 from lmrecipe.parallel.topology import Topology, world_size_from_env
@@ -50,6 +51,7 @@ def build_runtime(cfg: Config, precision: str, topology: Topology, ds_config: di
     if ds_config is not None:
         _ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+        log_op_compilation(topology.zero.offload_optimizer)
     sp = topology.sequence_parallel_size
     parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
     accum_steps = topology.batch_layout(cfg.train).accum_steps

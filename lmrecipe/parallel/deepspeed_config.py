@@ -5,12 +5,17 @@ Also the DeepSpeed ops compiled ahead of the first run."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 from pathlib import Path
 
 from lmrecipe.config import DistributedConfig, OptimConfig
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 from lmrecipe.parallel.topology import ZeroSetup
+
+logger = logging.getLogger(__name__)
 
 
 # Values a ds_configs/*.json may leave as "auto": each has exactly one home, the recipe.
@@ -189,6 +194,44 @@ def _uses_bf16_optimizer(ds_config: dict) -> bool:
 #: ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): CPU Adam, ZeRO-Offload's optimizer; and the
 #: shared-memory collectives that DeepSpeed's communication layer builds on a machine without a GPU.
 DEEPSPEED_OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")
+
+
+def extensions_dir() -> Path:
+    """Where torch caches the ops it compiles: ``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/pyXY_cpu``
+    (``_cuXYZ`` with CUDA), as ``torch.utils.cpp_extension`` chooses."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    device = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{device}"
+
+
+def ops_to_compile(offload_optimizer: bool) -> list[str]:
+    """The ops of ``DEEPSPEED_OPS`` that a run compiles before its first step here (CPU Adam only when the optimizer
+    is offloaded): those this machine's DeepSpeed uses that came neither installed nor compiled in
+    :func:`extensions_dir`."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    names = []
+    for name in DEEPSPEED_OPS:
+        builder = get_accelerator().create_op_builder(name) if offload_optimizer or name != "CPUAdamBuilder" else None
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            continue
+        if not installed_ops.get(builder.name) and not (extensions_dir() / builder.name / f"{builder.name}.so").is_file():
+            names.append(builder.name)
+    return names
+
+
+def log_op_compilation(offload_optimizer: bool) -> None:
+    """Say what the run waits for when DeepSpeed is about to compile its ops (a minute or more, with no output)."""
+    names = ops_to_compile(offload_optimizer)
+    if names:
+        logger.info("DeepSpeed compiles %s on first use on this machine: about a minute each, with no output, then "
+                    "cached in %s. python tools/build_ops.py compiles them ahead.", " and ".join(names), extensions_dir())
 
 
 def build_deepspeed_ops() -> list[str]:

@@ -34,9 +34,16 @@ DEFAULT_TOKENS_PER_PARAM = 20.0
 """Hoffmann et al. 2022 (Chinchilla): about 20 training tokens per parameter at the compute-optimal point."""
 DEFAULT_VOCAB_SIZE = 128_256
 """Llama 3's vocabulary: the planner's assumption when neither the flags nor the base recipe's data say."""
+GiB = 2**30
+"""The planner's unit of memory, as the dry run's and ``tools/estimate_memory.py``'s."""
 DEFAULT_RESERVE = 0.10
-"""Share of a device's memory kept free of the estimate: the CUDA context, communication buffers and the
-allocator's fragmentation, which the estimator does not count."""
+"""Share of a device's reported memory kept free of the estimate. Measured on one H100 (docs/benchmarks/gpu.md), the
+allocator's peak was 0.96-1.04 of the estimate under ZeRO-1, -2 and -3 (1B recipe, bf16): up to 4% for the
+estimator's error; the rest for what the allocator's peak does not count: the CUDA context and communication buffers
+(about 0.5-1 GiB) and the allocator's cached, fragmented blocks."""
+NO_ZERO_MEASURED = 1.21
+"""The allocator's peak over the estimate without DeepSpeed, measured on the same H100: a no-ZeRO plan needs more
+than :data:`DEFAULT_RESERVE` free (:func:`memory_notes`)."""
 STAGES = (0, 1, 2, 3)
 
 def device_spec(key: str) -> Device:
@@ -44,7 +51,7 @@ def device_spec(key: str) -> Device:
     device = DEVICES.get(key.strip().lower())
     if device is None:
         raise fail(f"--gpu {key!r} is not a device the planner knows. Choose one of {', '.join(DEVICES)}, or pass "
-                   "the nearest one with --peak-tflops and --memory-gb for yours.")
+                   "the nearest one with --peak-tflops and --memory-gib for yours.")
     return device
 
 
@@ -59,10 +66,10 @@ def peak_tflops(device: Device, precision: str) -> float:
     return peak
 
 
-def host_memory_gb() -> float:
+def host_memory_bytes() -> float:
     import psutil
 
-    return psutil.virtual_memory().total / 1e9
+    return float(psutil.virtual_memory().total)
 
 
 def measured_mfu(run: str | Path) -> tuple[float, str]:
@@ -103,7 +110,8 @@ class PlanInputs:
     device: Device
     precision: str
     peak_tflops: float
-    memory_gb: float
+    memory_bytes: float
+    """Memory per device as it reports it (:attr:`Device.memory_bytes`)."""
     mfu: float
     mfu_source: str
     base: Config
@@ -217,7 +225,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     else:
         check_within_family(i, n_opt)
         shapes = shapes_near(n_opt, i.vocab_size)
-    capacity = i.memory_gb * 1e9 * (1.0 - i.reserve)
+    capacity = i.memory_bytes * (1.0 - i.reserve)
     tried = []
     for micro_batch, checkpointing in memory_settings(i):
         accum = batch_and_steps(replace(i, micro_batch_size=micro_batch), 1.0)[0] // (micro_batch * i.devices)
@@ -248,9 +256,20 @@ def make_plan(inputs: PlanInputs) -> Plan:
     else:
         tokens = k * chosen.shape.n_params
     gbs, steps = batch_and_steps(i, tokens)
+    notes += memory_notes(chosen, i.memory_bytes)
     plan = Plan(i, compute, n_opt, d_opt, shapes, candidates, chosen, tokens, gbs, steps, notes)
     plan.warnings = budget_warnings(plan)
     return plan
+
+
+def memory_notes(chosen: Candidate, memory_bytes: float) -> list[str]:
+    """A note when the chosen configuration runs without DeepSpeed and would not fit at the peak measured against
+    the estimate there (:data:`NO_ZERO_MEASURED`)."""
+    if chosen.stage != 0 or chosen.device_bytes * NO_ZERO_MEASURED <= memory_bytes:
+        return []
+    return [f"Without DeepSpeed the measured peak was {NO_ZERO_MEASURED}x the estimate (docs/benchmarks/gpu.md): "
+            f"{chosen.device_bytes * NO_ZERO_MEASURED / GiB:,.1f} GiB here, over the device's "
+            f"{memory_bytes / GiB:,.1f} GiB. Prefer ZeRO-1 (distributed.deepspeed_config=zero1)."]
 
 
 _BRACKET = 1.5
@@ -294,12 +313,12 @@ def nothing_fits(i: PlanInputs, candidates: list[Candidate], tried: str, micro_b
              *(["use more devices"] if floor <= capacity else []),
              *([] if i.model_from_recipe else ["plan a smaller model (--params)"])]
     more = "" if floor <= capacity else (
-        f" More devices would not help: even on any number of them ZeRO-3 needs {floor / 1e9:,.1f} GB per device for "
+        f" More devices would not help: even on any number of them ZeRO-3 needs {floor / GiB:,.1f} GiB per device for "
         "the activations and the gathered layer, which no device count divides.")
     advice = ", ".join(fixes[:-1]) + " or " + fixes[-1]
     return fail(f"Nothing fits: the smallest configuration (ZeRO-{smallest.stage}, {smallest.shape.describe()}, "
-                f"{tried}) needs {smallest.device_bytes / 1e9:,.1f} GB per device, over the {capacity / 1e9:,.1f} GB "
-                f"usable of {i.memory_gb:,.0f} GB ({100 * i.reserve:.0f}% kept free).{more} "
+                f"{tried}) needs {smallest.device_bytes / GiB:,.1f} GiB per device, over the {capacity / GiB:,.1f} GiB "
+                f"usable of {i.memory_bytes / GiB:,.1f} GiB ({100 * i.reserve:.0f}% kept free).{more} "
                 f"{advice[0].upper()}{advice[1:]}.")
 
 

@@ -117,16 +117,12 @@ def family_widths() -> list[int]:
 
 
 def shapes_near(n_params: float, vocab_size: int, count: int = 3) -> list[LlamaShape]:
-    """Up to ``count`` family shapes around ``n_params``: the nearest (in log size), and the nearest to 1/1.5 and 1.5
-    times it, smallest first."""
+    """``count`` family shapes around ``n_params``, smallest first: the nearest (in log size) and its neighbours in
+    the family, one smaller and one larger (at the family's ends, the next ones on the other side)."""
     family = [family_shape(h, vocab_size) for h in family_widths()]
-    targets = [n_params, n_params / 1.5, n_params * 1.5][:count]
-    chosen: list[LlamaShape] = []
-    for target in targets:
-        best = min(family, key=lambda s: abs(math.log(s.n_params / target)))
-        if best not in chosen:
-            chosen.append(best)
-    return sorted(chosen, key=lambda s: s.n_params)
+    nearest = min(range(len(family)), key=lambda k: abs(math.log(family[k].n_params / n_params)))
+    start = min(max(0, nearest - (count - 1) // 2), max(0, len(family) - count))
+    return family[start:start + count]
 
 
 def shape_from_config(m: ModelConfig, vocab_size: int) -> LlamaShape:

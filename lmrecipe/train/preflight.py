@@ -30,7 +30,7 @@ from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config
 from lmrecipe.config.sections import fail_all
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.data.format import open_data
+from lmrecipe.data.format import check_model_vocab, open_data
 from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources, local_sources
 from lmrecipe.errors import UserError
@@ -160,6 +160,8 @@ def check_data(pf: Preflight) -> None:
     pf.meta = pf.meta or meta
     sources = local_sources(data)  # a run's staged copies (a dry run has only local folders here)
     pf.check(lambda: check_init_tokenizer(model, sources[0].path))
+    if pf.dry:
+        pf.check(lambda: check_model_vocab(model.vocab_size, meta, sources[0].path))
     vocab_size = model.vocab_size or int(meta["vocab_size"])
     for i, source in enumerate(sources):
         where = f"data.sources[{i}] ({source.resolved_name()}, {source.path}): " if data.is_mixture() else ""

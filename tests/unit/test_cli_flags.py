@@ -133,7 +133,19 @@ def test_dry_run_of_a_missing_data_folder_says_how_to_make_it(train_main, capsys
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code, _, err = run(train_main, capsys, "--dry-run", RECIPE, f"data.path={tmp_path / 'none'}",
                        f"out_dir={tmp_path / 'run'}")
-    assert code == 2 and "does not exist" in err and "tools/prepare_data.py" in err
+    assert code == 2 and "does not exist" in err
+    # the hint names the corpus and the tokenizer: a bare --output would prepare the embedded demo corpus there
+    assert f"tools/prepare_data.py --input CORPUS --tokenizer TOKENIZER --output {tmp_path / 'none'}`" in err
+    assert "Without --input it prepares the embedded demo corpus" in err
+
+
+def test_dry_run_of_a_model_vocabulary_beyond_the_datas_tokenizer_is_a_problem(train_main, capsys, data, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, out, err = run(train_main, capsys, "--dry-run", RECIPE, f"data.path={data}", f"out_dir={tmp_path / 'run'}",
+                         "model.vocab_size=128256")
+    assert code == 2 and "dry run: 1 problem(s)" in out
+    assert "model.vocab_size=128,256 but" in err and "model.vocab_size=null" in err and "Traceback" not in err
 
 
 def test_list_keys_lists_every_section_named_after_it(train_main, capsys):

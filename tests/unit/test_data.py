@@ -17,7 +17,7 @@ import torch
 from helpers import SEQ_LEN, write_data
 
 from lmrecipe.data.batches import BatchLayout, TrainBatches, ValBatches
-from lmrecipe.data.format import INDEX_DTYPE, TokenWindows, load_meta, open_data, sample_blocks
+from lmrecipe.data.format import INDEX_DTYPE, TokenWindows, check_model_vocab, load_meta, open_data, sample_blocks
 from lmrecipe.data.order import ORDER_VERSION, SampleOrder
 from lmrecipe.errors import UserError
 
@@ -176,6 +176,14 @@ def test_token_id_beyond_model_vocab_names_both_numbers(tmp_path):
     top = int(np.fromfile(folder / "train.bin", dtype=np.uint16).max())
     with pytest.raises(UserError, match=rf"contains token id {top} \(meta.json max_token_id\), which is >= the model's vocab size 900"):
         open_data(folder, SEQ_LEN, model_vocab_size=900)
+
+
+def test_a_model_vocabulary_beyond_the_datas_by_more_than_padding_is_refused(tmp_path):
+    meta = load_meta(write_data(tmp_path / "d", vocab=1000))
+    for padded in (None, 1000, 1024):  # 1,024: the next multiple of 128
+        check_model_vocab(padded, meta, tmp_path / "d")
+    with pytest.raises(UserError, match=r"model.vocab_size=1,025 but .* tokenizer of 1,000 tokens"):
+        check_model_vocab(1025, meta, tmp_path / "d")
 
 
 def test_start_up_reads_meta_json_and_a_sample_not_every_token(tmp_path):

@@ -4,13 +4,14 @@ refused with the recipe key, before any process group or file exists."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from helpers import ROOT, TINY_OVERRIDES, write_data
 
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout
-from lmrecipe.parallel.deepspeed_config import load_deepspeed_config
+from lmrecipe.parallel.deepspeed_config import load_deepspeed_config, log_op_compilation, ops_to_compile
 from lmrecipe.errors import UserError
 
 
@@ -44,3 +45,21 @@ def test_a_run_given_such_a_json_writes_nothing(tmp_path):
     with pytest.raises(UserError, match="set distributed.tensor_parallel_size=1 in the"):
         train(cfg)
     assert not out.exists()
+
+
+def test_the_ops_deepspeed_is_about_to_compile_are_named_before_the_wait(tmp_path, monkeypatch, caplog):
+    # a first launch waited a minute with no output while DeepSpeed compiled its CPU collectives
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="lmrecipe.parallel.deepspeed_config"):
+        log_op_compilation(offload_optimizer=True)
+    (record,) = caplog.records
+    assert "cpu_adam" in record.message and f"cached in {tmp_path}" in record.message
+    assert "tools/build_ops.py" in record.message
+    compiled = ops_to_compile(offload_optimizer=True)
+    for name in compiled:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmrecipe.parallel.deepspeed_config"):
+        log_op_compilation(offload_optimizer=True)
+    assert caplog.records == [] and ops_to_compile(offload_optimizer=False) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from dataclasses import replace
 
 import pytest
@@ -14,19 +15,24 @@ from helpers import ROOT
 from lmrecipe.config import load_config
 from lmrecipe.parallel.topology import Topology, ZeroSetup
 from lmrecipe.errors import UserError
-from lmrecipe.planning.memory import estimate, model_shape
+from lmrecipe.planning.memory import estimate, format_bytes, model_shape
 from lmrecipe.model.build import build_hf_config
 from lmrecipe.observe.device import DEVICES
-from lmrecipe.planning.budget import budget_flops, compute_optimal, measured_mfu
+from lmrecipe.planning.budget import budget_flops, compute_optimal, make_plan, measured_mfu
 from lmrecipe.planning.prediction import predict_run
 from lmrecipe.planning.shapes import family_shape, shape_from_config, shapes_near
+from lmrecipe.planning.write import recipe_overrides
 
 
-def _plan_main():
+def _plan_tool():
     spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def _plan_main():
+    return _plan_tool().main
 
 
 def _json_plan(capsys, *argv) -> dict:
@@ -89,12 +95,12 @@ def test_plan_from_params_by_hand(capsys):
     stage3 = ZeroSetup.from_ds_config(json.loads((ROOT / "ds_configs" / "zero3.json").read_text()))
     expected = estimate(shape, stage3, 8, 1, "bf16", 16, 4, 2048, False, loss_chunk_tokens=1024).device_total
     assert memory["3"] == pytest.approx(expected, rel=1e-12)
-    assert plan["chosen"]["headroom_bytes"] == pytest.approx(80e9 * 0.9 - expected, rel=1e-12)
+    assert plan["chosen"]["headroom_bytes"] == pytest.approx(81_920 * 2**20 * 0.9 - expected, rel=1e-12)
 
 
 def test_plan_from_days_fills_the_budget(capsys):
     plan = _json_plan(capsys, "--gpus", "32", "--gpu", "h100", "--days", "14", "--vocab-size", "128256",
-                      "--gradient-checkpointing")
+                      "--gradient-checkpointing", "--mfu", "0.4")
     assert plan["compute_flops"] == pytest.approx(1.531256832e22, rel=1e-12)
     assert plan["optimal_params"] == pytest.approx(math.sqrt(1.531256832e22 / 120), rel=1e-12)
     assert plan["wall_seconds"] / 86_400 == pytest.approx(14, rel=1e-3)  # to within the last step
@@ -131,6 +137,42 @@ def test_written_recipe_loads_and_is_the_chosen_configuration(tmp_path, capsys):
     assert cfg.train.precision == "bf16" and cfg.logging.cost_per_device_hour == 3.0 and cfg.out_dir == "runs/planned"
     assert shape_from_config(cfg.model, 32000).n_params == plan["chosen"]["n_params"]
     assert [p.name for p in tmp_path.iterdir()] == ["planned.yaml"]  # no temporary file left
+    # a short recipe on the base, saying where it came from; nothing lost against the base with every key set
+    text = path.read_text()
+    base = os.path.relpath(ROOT / "recipes" / "llama_1b.yaml", tmp_path)
+    assert text.startswith("# Planned by python tools/plan.py --gpus 8 --gpu h100") and f"\nbase: {base}\n" in text
+    assert len(text.splitlines()) < 25
+    tool = _plan_tool()
+    full = load_config(ROOT / "recipes" / "llama_1b.yaml", recipe_overrides(make_plan(tool.plan_inputs(tool.parse_args(
+        ["--gpus", "8", "--gpu", "h100", "--params", "3e8", "--vocab-size", "32000", "--cost-per-gpu-hour", "3"]))),
+        "runs/planned"))
+    assert cfg.to_dict() == full.to_dict()
+
+
+def test_the_plan_speaks_gib_of_the_cards_reported_memory_as_the_dry_run_does(capsys):
+    # 8 H100 x 7 days: the card reports 79.2 GiB; 10% of it kept free; the estimate in GiB, as format_bytes writes it.
+    plan = _json_plan(capsys, "--gpus", "8", "--gpu", "h100", "--days", "7")
+    assert plan["memory_bytes"] == DEVICES["h100"].memory_bytes == 81_090 * 2**20
+    assert _plan_main()(["--gpus", "8", "--gpu", "h100", "--days", "7"]) == 0
+    text = capsys.readouterr().out
+    device_bytes = plan["chosen"]["device_bytes"]
+    assert format_bytes(device_bytes) == f"{device_bytes / 2**30:.1f} GiB"
+    assert f"{device_bytes / 2**30:,.2f} GiB per device" in text and "79.2 GiB each (10% kept free)" in text
+    assert f"fits {81_090 * 2**20 * 0.9 / 2**30:,.1f} GiB:" in text and " GB" not in text
+
+
+def test_the_h100s_default_mfu_is_the_one_measured_on_an_h100():
+    runs = sorted((ROOT / "bench" / "gpu" / "results").glob("*-h100.json"))
+    measured = [stage["sides"]["bf16 ZeRO-2"]["mfu"] for run in runs for stage in json.loads(run.read_text())["stages"]
+                if stage["stage"] == "mfu_zero2" and stage["status"] == "measured"]
+    assert measured and DEVICES["h100"].mfu == round(measured[-1], 3)
+    assert "measured" in DEVICES["h100"].mfu_source and "docs/benchmarks/gpu.md" in DEVICES["h100"].mfu_source
+
+
+@pytest.mark.parametrize("n_params", [3.99e9, 1.2e9, 1e6, 1e12])
+def test_shapes_near_are_three_distinct_shapes_around_the_target(n_params):
+    shapes = shapes_near(n_params, 128_256)  # 3.99B, the 8 H100 x 7 days optimum, lies between two wide steps
+    assert len(shapes) == len(set(shapes)) == 3 and [s.n_params for s in shapes] == sorted(s.n_params for s in shapes)
 
 
 def test_from_run_takes_the_mfu_over_the_time_in_training_steps_of_the_logged_intervals(tmp_path):
@@ -159,7 +201,7 @@ def test_run_prediction_by_hand(tmp_path):
     assert out["model_states_gb"] == pytest.approx(expected.model_states / 1e9) and out["model_states_measured_gb"] == 0.0472
     h100 = predict_run(cfg.workload(), hf, topology=Topology(1), precision="bf16", accum_steps=2, flops_per_token=fpt,
                        peak_tflops=989.0, device_name="NVIDIA H100 80GB HBM3")
-    assert h100["mfu"] == 0.4 and h100["model_states_measured_gb"] is None and "Llama 3" in h100["mfu_source"]
+    assert h100["mfu"] == 0.285 and h100["model_states_measured_gb"] is None and "measured" in h100["mfu_source"]
 
 
 # ---------------------------------------------------------------------------------------------- budgets out of range
@@ -202,3 +244,15 @@ def test_nothing_fits_suggests_more_devices_only_when_they_would_help(capsys):
     assert "More devices would not help" in err and "use more devices" not in err, err
     assert _plan_main()(["--gpus", "1", "--gpu", "l4", "--params", "7e9"]) == 2
     assert "use more devices" in capsys.readouterr().err
+
+
+def test_a_plan_without_zero_that_the_measured_peak_would_not_fit_says_so(capsys):
+    # One device: ZeRO-3 divides nothing and adds the gathered layer, so no ZeRO leaves the most memory free.
+    plan = _json_plan(capsys, "--gpus", "1", "--gpu", "h100", "--params", "5e8", "--vocab-size", "32000",
+                      "--micro-batch", "26")
+    assert plan["chosen"]["stage"] == 0
+    over = plan["chosen"]["device_bytes"] * 1.21 > plan["memory_bytes"]
+    assert _plan_main()(["--gpus", "1", "--gpu", "h100", "--params", "5e8", "--vocab-size", "32000",
+                         "--micro-batch", "26"]) == 0
+    assert ("Without DeepSpeed the measured peak was 1.21x the estimate" in capsys.readouterr().out) == over
+    assert over  # the case this test is for

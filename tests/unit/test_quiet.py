@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lmrecipe.cli import cli_main
 from lmrecipe.observe import quiet as quiet_module
 from lmrecipe.observe.quiet import QUIET_LINES, VERBOSE_ENV, quiet, quiet_prints
 
@@ -24,6 +25,7 @@ OBSERVED = {
     "DeepSpeed": "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
     "accelerate.accelerator": "[RANK 0] Saving current state to /runs/tiny/checkpoints/.tmp_step_00000020",
     "accelerate.checkpointing": "[RANK 0] Optimizer state saved in /runs/tiny/checkpoints/.tmp_step_00000020/optimizer.bin",
+    "botocore.credentials": "Found credentials in environment variables.",
 }
 # More lines of the same rows (a resume's, a DeepSpeed save's).
 ALSO_DROPPED = {
@@ -117,10 +119,27 @@ def test_warning_rows_drop_their_warning_only(captured):
         quiet()  # catch_warnings reset the filters: install again inside
         warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
                       "`torch.distributed.all_gather_single` instead.", FutureWarning)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+                      "`torch.distributed.reduce_scatter_single` instead.", FutureWarning)
         warnings.warn("`torch.foo` is deprecated.", FutureWarning)
     assert [str(w.message) for w in caught] == ["`torch.foo` is deprecated."]
     quiet(verbose=True)
     assert not any(getattr(f[1], "pattern", "").startswith("`torch\\.distributed") for f in warnings.filters)
+
+
+def test_a_tool_that_sets_up_no_logging_drops_the_lines_too(captured):
+    for row in QUIET_LINES:  # as in a fresh process: no filter installed yet
+        if row.kind == "logger":
+            logger = logging.getLogger(row.source)
+            logger.filters[:] = [f for f in logger.filters if not isinstance(f, quiet_module.QuietFilter)]
+
+    @cli_main
+    def tool() -> int:  # tools/estimate_memory.py imports torchao inside its main
+        emit_all()
+        return 0
+
+    assert tool() == 0
+    assert sorted(r.getMessage() for r in captured) == sorted(KEPT.values())
 
 
 def test_printed_lines_are_dropped_and_the_rest_kept(monkeypatch, capsys):

@@ -4,6 +4,7 @@ the sessions of run_meta.json, the CPU peak reference, training.png and the capp
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,13 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmrecipe.config import LoggingConfig
+from helpers import ROOT
+
+from lmrecipe.config import LoggingConfig, load_config
+from lmrecipe.data.batches import BatchLayout
 from lmrecipe.observe import device, plots
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.metrics_log import read_metrics, throughput
 from lmrecipe.observe.run_meta import (RUN_META_FILE, launch_record, read_run_meta, record_event, run_events,
                                        write_run_meta)
 from lmrecipe.observe.run_report import build_report, summarize_metrics
+from lmrecipe.parallel.topology import Topology
+from lmrecipe.train.callbacks.reporting import log_start
 
 TOKENS_PER_STEP = 1000
 # (steps, seconds in training steps) of four intervals whose rates differ 100-fold
@@ -154,3 +160,18 @@ def test_cpu_peak_is_the_highest_of_the_cached_probes(tmp_path, monkeypatch):
         assert cached == {device.machine_key("fp32"): [0.07]} and f"{torch.get_num_threads()} threads" in next(iter(cached))
     finally:
         device.cpu_matmul_tflops.cache_clear()
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_the_threads_line_is_the_main_processes_alone(main, caplog):
+    cfg = load_config(ROOT / "recipes" / "tiny.yaml", ["train.max_steps=10"])
+    run = SimpleNamespace(cfg=cfg, model=torch.nn.Linear(2, 2), n_params=10**6, n_active_params=None,
+                          runtime=SimpleNamespace(topology=Topology(2), batch=BatchLayout(16, 8, 2, 0), precision="fp32"),
+                          accelerator=SimpleNamespace(is_main_process=main, device=torch.device("cpu")),
+                          data=SimpleNamespace(val_sets={}), lr_at=lambda step: 1e-4)
+    with caplog.at_level(logging.INFO):
+        log_start(run)
+    # on a CPU, once, what to set when other work shares the cores
+    threads = [r for r in caplog.records if "set OMP_NUM_THREADS to the cores free for this run" in r.message]
+    assert len(threads) == (1 if main else 0)
+    assert not main or f"2 process(es) x {torch.get_num_threads()} torch threads" in threads[0].message

@@ -14,6 +14,7 @@ import torch
 from lmrecipe.config import save_config
 from lmrecipe.model.loss import chunked_head
 from lmrecipe.observe.console import Reporter
+from lmrecipe.observe.device import cpu_threads_line
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
 from lmrecipe.parallel.topology import startup_line
@@ -113,6 +114,8 @@ def log_start(run: Run) -> None:
     head = chunked_head(run.model)
     logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
+    if run.accelerator.is_main_process and run.accelerator.device.type == "cpu":  # the run's line, said once
+        logger.info("%s", cpu_threads_line(runtime.topology.world_size))
 
 
 
