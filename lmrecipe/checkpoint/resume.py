@@ -132,11 +132,7 @@ class Resumer:
             raise fail(f"{path} is at step {saved['state']['step']}, past train.max_steps={max_steps}: there is "
                        "nothing to train. Raise train.max_steps to train on, pass checkpoint.resume=PATH of an earlier "
                        "checkpoint, or export this one with tools/export_hf.py.")
-        self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
-        check_resume_compatible(saved, path, run_config=self.facts.run_config,
-                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
-                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule,
-                                branch=branch)
+        self.check_compatible(saved, path, model, branch=branch)
         continue_sample_order(self.data.train_batches, saved)
         if branch:
             self.source = path
@@ -144,6 +140,16 @@ class Resumer:
         self.record.branched_from = (branch_record(path, saved) if branch else saved.get("branched_from"))
         self._log_resume(path, saved, state, branch)
         return path
+
+    def check_compatible(self, saved: dict, path: Path | str, model, branch: bool = False) -> None:
+        """Stop (UserError) when checkpoint ``path`` (``saved``: its ``train_state.json``; ``path`` may be the URL
+        of a remote one, checked before it is downloaded) cannot continue as this run: another optimizer or MoE
+        layer, or a change of what its weights, optimizer state or data position depend on."""
+        self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
+        check_resume_compatible(saved, path, run_config=self.facts.run_config,
+                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
+                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule,
+                                branch=branch)
 
     def _log_resume(self, path: Path, saved: dict, state: LoopState, branch: bool) -> None:
         changes = self.record.topology.changes_from(saved_layout(saved))
