@@ -359,10 +359,11 @@ def _diverging(run: RunFigures, evidence: str, rows: list[dict]) -> Finding:
 
 def loss_not_falling(run: RunFigures) -> Finding | None:
     """After warmup the smoothed loss (:func:`smoothed`, at least :data:`TREND_POINTS` points) never falls below its
-    first point by :data:`LOSS_FALL_MIN`, and not because the updates were skipped (:data:`SKIPPED_SHARE`: that is
-    :func:`non_finite`'s finding, whose fix is the opposite of a higher rate)."""
+    first point by :data:`LOSS_FALL_MIN`, and neither because the updates were skipped (:data:`SKIPPED_SHARE`: that
+    is :func:`non_finite`'s finding) nor because it climbs (:func:`loss_diverging`'s): their fixes are the opposite of
+    a higher rate."""
     rows = [r for r in run.after_warmup() if _finite(r["loss"])]
-    if len(rows) < TREND_POINTS * SMOOTH_ROWS or _mostly_skipped(rows):
+    if len(rows) < TREND_POINTS * SMOOTH_ROWS or _mostly_skipped(rows) or loss_diverging(run) is not None:
         return None
     points = smoothed(rows, from_end=False)
     start, best = points[0], min(points[1:], key=lambda p: p.loss)

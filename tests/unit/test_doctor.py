@@ -69,6 +69,12 @@ def test_updates_skipped_throughout_get_one_rate_advice_not_a_lower_and_a_higher
     assert advised == {"optim.lr=0.0001"}
 
 
+def test_a_loss_that_climbs_and_never_falls_is_divergence_alone_not_also_a_rate_too_low():
+    for loss in (lambda s: 5 + s / 50, lambda s: 5.0 if s < 100 else 9.0):
+        findings = diagnose(rows(loss=loss), meta())
+        assert names(findings) == ["loss_diverging"] and "optim.lr=0.000333" in findings[0].fix
+
+
 def test_a_large_z_loss_is_named_as_the_cause_of_non_finite_steps_not_the_rate():
     (finding,) = diagnose(skipped_flat(z_loss=lambda s: 3.55e31), meta(train={"z_loss": 1e30}))
     assert finding.name == "non_finite" and "z_loss 3.55e+31 at step 10 (the loss 5.9610)" in finding.evidence
