@@ -253,7 +253,10 @@ def _g(value: float) -> str:
 
 
 def _longer_warmup(run: RunFigures) -> str:
-    """Twice the warmup, and at least a twentieth of the run."""
+    """Twice the warmup, and at least a twentieth of the run (the key alone when the run's configuration is not at
+    hand: a copied ``metrics.jsonl`` without ``run_meta.json``)."""
+    if run.key("schedule.warmup_steps") is None and run.key("train.max_steps") is None:
+        return "schedule.warmup_steps raised"
     return f"schedule.warmup_steps={max(2 * run.warmup_steps, int(run.key('train.max_steps', 0) or 0) // 20, 1)}"
 
 

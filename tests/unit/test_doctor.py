@@ -91,6 +91,8 @@ def test_without_run_meta_a_flat_loss_quotes_no_configuration_it_does_not_have()
     (finding,) = diagnose(flat, {})
     assert finding.name == "loss_not_falling" and "nan" not in finding.evidence + finding.fix
     assert finding.evidence.endswith("; learning rate 0.001") and "optim.lr=0.0003 (the default peak)" in finding.fix
+    (diverging,) = diagnose(rows(loss=lambda s: 5 + s / 50), {})
+    assert diverging.fix == "a lower optim.lr (a third), or a longer warmup (schedule.warmup_steps raised)"
 
 
 def test_a_loss_above_the_untrained_models_is_divergence():
