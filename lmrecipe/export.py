@@ -292,11 +292,11 @@ def check_export_target(out: Path, checkpoints: list[Path], overwrite: bool) -> 
 
 
 def write_export(out: Path, state_dict: dict[str, torch.Tensor], ckpt: Path, *, dtype: str, max_shard_size: int,
-                 card: Callable[[int], str], what: str, retry: str) -> Path:
+                 card: Callable[[int, int], str], what: str, retry: str) -> Path:
     """Write the Hugging Face folder ``out`` (replacing it) from ``state_dict`` (in ``dtype``) with the transformers
-    config and tokenizer of checkpoint ``ckpt``, and the model card ``card(n_params, n_active)`` (parameters, and those
-    one token passes through: fewer for an MoE model): built in a temporary folder
-    that is renamed into place. ``what`` and ``retry``: the work and the command to name when the disk is full."""
+    config and tokenizer of checkpoint ``ckpt``, and the model card ``card(n_params, n_active)`` (the parameters, and
+    those one token passes through: fewer for an MoE model): built in a temporary folder that is renamed into place.
+    ``what`` and ``retry``: the work and the command to name when the disk is full."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = DTYPES[dtype]

@@ -30,6 +30,7 @@ from lmrecipe.checkpoint.storage import (
     STATE_FILE,
     TMP_PREFIX,
     manifest_problems,
+    manifest_sizes,
     step_of_dir,
     summary,
 )
@@ -230,7 +231,7 @@ class CheckpointMirror:
         self._retry(lambda: self.store.get_file(f"{name}/{STATE_FILE}", tmp / STATE_FILE), f"downloading {name}")
         try:
             saved = json.loads((tmp / STATE_FILE).read_text())
-            manifest_of(tmp)
+            manifest_sizes(saved)
             return saved
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise self._damaged(name, [f"{STATE_FILE} is not a readable checkpoint state ({type(err).__name__})"])

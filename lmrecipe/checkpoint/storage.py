@@ -162,7 +162,7 @@ def read_checkpoint(path: str | Path) -> dict:
         saved = json.loads(state_file.read_text())
         version = saved["format_version"]
         saved["state"]["step"]
-        {str(rel): int(size) for rel, size in saved["manifest"].items()}  # a manifest of names and sizes
+        manifest_sizes(saved)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise fail(f"{state_file} is not a readable checkpoint state ({err!r}); the checkpoint is damaged. "
                    f"{use_earlier(path)}") from None
@@ -180,7 +180,7 @@ def manifest_problems(path: Path, saved: dict) -> list[str]:
     sha256 that differs; empty when every file is whole."""
     problems = []
     checksums = saved.get("sha256") if isinstance(saved.get("sha256"), dict) else {}
-    for rel, size in ((str(rel), int(size)) for rel, size in saved["manifest"].items()):
+    for rel, size in manifest_sizes(saved).items():
         file = path / rel
         if not file.is_file():
             problems.append(f"{rel} is missing")
@@ -191,6 +191,12 @@ def manifest_problems(path: Path, saved: dict) -> list[str]:
         elif rel in checksums and file_sha256(file) != checksums[rel]:
             problems.append(f"{rel} does not match its sha256 (its size is right, its content is not)")
     return problems
+
+
+def manifest_sizes(saved: dict) -> dict[str, int]:
+    """A checkpoint's files by relative path, with their sizes (``saved``: its ``train_state.json``); KeyError,
+    TypeError, ValueError or AttributeError when the manifest is not one."""
+    return {str(rel): int(size) for rel, size in saved["manifest"].items()}
 
 
 def summary(problems: list[str]) -> str:
