@@ -206,7 +206,8 @@ def average_checkpoints(checkpoints: list[Path], out: str | Path, *, weights: li
     command = " ".join(["python tools/average_checkpoints.py", *map(str, checkpoints), "--out", str(out),
                         "--weights", ",".join(f"{w:.6g}" for w in weights), "--dtype", dtype, "--overwrite"])
     write_export(out, state_dict, last, dtype=dtype, max_shard_size=shard_bytes,
-                 card=lambda n_params: model_card(last, saved, n_params, dtype, "raw", described=described),
+                 card=lambda n_params, n_active: model_card(last, saved, n_params, dtype, "raw", described=described,
+                                                            n_active=n_active),
                  what=f"averaging {len(checkpoints)} checkpoints", retry=command)
     logger.info("Averaged %d checkpoints (%s) into %s (%s)", len(checkpoints), steps, out, dtype)
     return Averaged(out, list(checkpoints), list(weights))

@@ -46,7 +46,7 @@ from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import autoep_size_of, parse_shard_size
 from lmrecipe.errors import UserError, fail
 from lmrecipe.fileio import building_dir, is_disk_full, write_json_atomic, write_text_atomic
-from lmrecipe.model.build import MOE_ARCHS, bare_parameter_name
+from lmrecipe.model.build import MOE_ARCHS, bare_parameter_name, param_counts
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics
 from lmrecipe.observe.quiet import quiet_prints
 from lmrecipe.observe.run_report import config_differences
@@ -274,7 +274,7 @@ def _export(ckpt: Path, out: Path, dtype: str, max_shard_size: str | int, overwr
     shard_bytes = parse_shard_size(max_shard_size)
     state_dict = weights_state_dict(ckpt, DTYPES[dtype], weights, saved)
     write_export(out, state_dict, ckpt, dtype=dtype, max_shard_size=shard_bytes,
-                 card=lambda n_params: model_card(ckpt, saved, n_params, dtype, weights),
+                 card=lambda n_params, n_active: model_card(ckpt, saved, n_params, dtype, weights, n_active=n_active),
                  what=f"exporting {ckpt}",
                  retry=f"python tools/export_hf.py {ckpt} {out} --dtype {dtype} --weights {weights} --overwrite")
     logger.info("Exported %s to %s (%s, %s weights)", ckpt, out, dtype, weights)
@@ -292,10 +292,11 @@ def check_export_target(out: Path, checkpoints: list[Path], overwrite: bool) -> 
 
 
 def write_export(out: Path, state_dict: dict[str, torch.Tensor], ckpt: Path, *, dtype: str, max_shard_size: int,
-                 card: Callable[[int], str], what: str, retry: str) -> Path:
+                 card: Callable[[int, int], str], what: str, retry: str) -> Path:
     """Write the Hugging Face folder ``out`` (replacing it) from ``state_dict`` (in ``dtype``) with the transformers
-    config and tokenizer of checkpoint ``ckpt``, and the model card ``card(n_params)``: built in a temporary folder
-    that is renamed into place. ``what`` and ``retry``: the work and the command to name when the disk is full."""
+    config and tokenizer of checkpoint ``ckpt``, and the model card ``card(n_params, n_active)`` (the parameters, and
+    those one token passes through: fewer for an MoE model): built in a temporary folder that is renamed into place.
+    ``what`` and ``retry``: the work and the command to name when the disk is full."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = DTYPES[dtype]
@@ -312,6 +313,8 @@ def write_export(out: Path, state_dict: dict[str, torch.Tensor], ckpt: Path, *, 
     existed = out.exists()
     tensors = {id(t): t for t in state_dict.values()}.values()  # tied weights once
     size, n_params = sum(t.numel() * t.element_size() for t in tensors), sum(t.numel() for t in tensors)
+    counts = param_counts(model)
+    n_active = n_params - (counts["total"] - counts["active"])  # the routed experts a token does not pass through
     try:
         with building_dir(out, overwrite=True) as tmp:
             with quiet_prints():
@@ -321,7 +324,7 @@ def write_export(out: Path, state_dict: dict[str, torch.Tensor], ckpt: Path, *, 
                 if file.is_file() and file.name not in _NOT_TOKENIZER:
                     shutil.copy2(file, tmp / file.name)
             # Inside the temporary folder: the card is published with the weights it describes, or not at all.
-            write_text_atomic(tmp / CARD_FILE, card(n_params))
+            write_text_atomic(tmp / CARD_FILE, card(n_params, n_active))
     except Exception as err:  # safetensors reports a full disk as its own error type, torch as a RuntimeError
         if not is_disk_full(err):
             raise
@@ -355,6 +358,37 @@ def _data_sources(config: dict) -> list[tuple[str, str, float | None]]:
             pass
         sources.append((str(name or Path(folder).name), folder, source.get("weight")))
     return sources
+
+
+def _training_data(config: dict, step: int) -> list[str]:
+    """The card's "Training data" lines: the sources, and for a staged mixture (``data.stages``) its stages, the
+    sources' own weights then being the validation mean's; the stages a checkpoint at ``step`` has not reached are
+    marked."""
+    stages = config.get("data", {}).get("stages") or []
+    label = "validation weight" if stages else "weight"
+    lines = [f"- {name} (`{folder}`)" + (f", {label} {weight:.4g}" if weight is not None else "")
+             for name, folder, weight in _data_sources(config)]
+    if not stages:
+        return lines
+    lines += ["", "Staged mixture: the training weights from each stage's first step on."]
+    for stage in stages:
+        weights = ", ".join(f"{name} {weight:.4g}" for name, weight in stage.get("weights", {}).items())
+        reached = "" if int(stage["start_step"]) < step else f" (not reached: the weights are of step {step})"
+        lines.append(f"- from step {stage['start_step']}: {weights}{reached}")
+    return lines
+
+
+def _mlp_shape(hf: dict, arch: str) -> str:
+    """The MLP part of the card's shape line: for an MoE model its experts, how many route each token, an expert's
+    width and the shared expert's."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+    if not experts:
+        return f"MLP {hf.get('intermediate_size')}"
+    keys = MOE_ARCHS.get(arch)
+    width = hf.get(keys.expert_width if keys else "moe_intermediate_size") or hf.get("intermediate_size")
+    shared = hf.get(keys.shared_width) if keys and keys.shared_width else None
+    return (f"MoE MLP: {experts} experts of width {width}, each token routed to the top "
+            f"{hf.get('num_experts_per_tok')}{f', and a shared expert of width {shared}' if shared else ''}")
 
 
 def _final_figures(run: Path | None, step: int, saved: dict) -> dict:
@@ -393,10 +427,12 @@ def _training_command(run: Path | None, config: dict) -> str:
     return " ".join(shlex.quote(part) for part in launcher + command)
 
 
-def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str, described: str | None = None) -> str:
+def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str, described: str | None = None,
+               n_active: int | None = None) -> str:
     """The export's ``README.md``, from the checkpoint's record (``saved``) and its run folder (``config.yaml``,
     ``run_meta.json``, ``metrics.jsonl``) when it is still beside it. ``described``: what the weights are, when
-    not ``weights`` of ``ckpt`` (an average of checkpoints)."""
+    not ``weights`` of ``ckpt`` (an average of checkpoints); ``n_active``: the parameters one token passes through,
+    named when fewer than ``n_params`` (an MoE model)."""
     import yaml
 
     config, hf, state = saved["config"], saved.get("hf_config", {}), saved["state"]
@@ -414,11 +450,10 @@ def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str,
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     shape = (f"{hf.get('num_hidden_layers')} layers, hidden size {hf.get('hidden_size')}, "
-             f"{hf.get('num_attention_heads')} attention heads ({hf.get('num_key_value_heads')} key/value), MLP "
-             f"{hf.get('intermediate_size')}, vocabulary {hf.get('vocab_size')}, context "
+             f"{hf.get('num_attention_heads')} attention heads ({hf.get('num_key_value_heads')} key/value), "
+             f"{_mlp_shape(hf, arch)}, vocabulary {hf.get('vocab_size')}, context "
              f"{config.get('data', {}).get('seq_len')} tokens (positions up to {hf.get('max_position_embeddings')})")
-    data = "\n".join(f"- {name} (`{folder}`)" + (f", weight {weight:.4g}" if weight is not None else "")
-                     for name, folder, weight in sources)
+    active = f"; {n_active:,} active per token" if n_active is not None and n_active < n_params else ""
     rows = [f"| training loss (step {figures.get('loss_step')}) | {fmt(figures.get('loss'))} |",
             f"| validation loss (step {figures.get('val_step')}) | {fmt(figures.get('val_loss'))} |"]
     rows += [f"| {task} accuracy | {fmt(score)} |" for task, score in sorted(figures.get("tasks", {}).items())]
@@ -427,7 +462,7 @@ def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str,
     return "\n".join([
         "---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
         f"# {name}", "",
-        f"A {arch} causal language model with {n_params:,} parameters ({n_params / 1e6:.2f}M), trained "
+        f"A {arch} causal language model with {n_params:,} parameters ({n_params / 1e6:.2f}M{active}), trained "
         f"{f'from {init_from} ' if init_from else 'from scratch '}by lmrecipe for {step:,} optimizer steps on "
         f"{int(state.get('tokens_seen', 0)):,} tokens. The weights are "
         f"{described or ('the trained weights' if weights == 'raw' else 'the moving average of the trained weights')}"
@@ -435,7 +470,7 @@ def model_card(ckpt: Path, saved: dict, n_params: int, dtype: str, weights: str,
         *([f"Branched at step {branch.get('step')} from checkpoint `{branch.get('checkpoint')}` of the run "
            f"`{branch.get('out_dir')}`.", ""] if branch else []),
         "## Model", "", f"{shape}.", "",
-        "## Training data", "", data, "",
+        "## Training data", "", *_training_data(config, step), "",
         "## Results", "", "| figure | value |", "|---|---|", *rows, "",
         "## Training command", "", "```", _training_command(run, config), "```", "",
         "## Use", "", "```python",

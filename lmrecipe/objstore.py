@@ -68,6 +68,7 @@ def open_filesystem(url: str):
     except ImportError:
         raise _missing_client(url, "fsspec") from None
     scheme = scheme_of(url)
+    require_bucket(url)
     options: dict = {}
     if scheme in ("s3", "s3a"):
         try:
@@ -245,6 +246,7 @@ def check_access(url: str, what: str, write: bool = True) -> Store:
     once the bucket and the prefix were listed, which needs the credentials too, and nothing is written); UserError
     naming ``what`` (the key), the URL and the fix for a missing client, missing bucket, wrong credentials or an
     endpoint that does not answer."""
+    require_bucket(url, what)
     store = Store.open(url)
     probe = f".lmrecipe-access-check-{uuid.uuid4().hex[:12]}"
     endpoint = endpoint_from_env()
@@ -281,6 +283,15 @@ def unreadable(url: str, err: BaseException, what: str | None = None) -> "UserEr
     return fail(f"{what + '=' if what else ''}{url}: object storage{where} could not be read (after retrying; "
                 f"{type(err).__name__}: {_short(err)}). {_outage_fix()}, then run the "
                 "command again.")
+
+
+def require_bucket(url: str, what: str | None = None) -> None:
+    """UserError when an object-storage URL (``s3://``, ``gs://``) names no bucket (``s3://``, ``s3:///PREFIX``):
+    asked, the client would blame the endpoint or the credentials."""
+    scheme = scheme_of(url)
+    if scheme in ("s3", "s3a", "gs", "gcs") and not _bucket(url):
+        raise fail(f"{what + '=' if what else ''}{url} names no bucket: the bucket comes right after {scheme}://. "
+                   f"Write the URL as {scheme}://BUCKET/PREFIX (e.g. {scheme}://my-bucket/runs/NAME).")
 
 
 def _outage_fix() -> str:

@@ -29,8 +29,10 @@ from lmrecipe.checkpoint.storage import (
     LATEST,
     STATE_FILE,
     TMP_PREFIX,
-    read_checkpoint,
+    manifest_problems,
+    manifest_sizes,
     step_of_dir,
+    summary,
 )
 from lmrecipe.data.format import file_sha256
 from lmrecipe.errors import UserError
@@ -54,6 +56,25 @@ def owner(rel: str, world_size: int) -> int:
 class RemoteLatestError(UserError):
     """The remote ``latest`` names no complete checkpoint: the run stops with this message as it is (it names the
     pointer, what the remote holds and the fix), not as a failed download."""
+
+
+class RemoteDamagedError(RemoteLatestError):
+    """The checkpoint the remote ``latest`` names was downloaded whole and does not match its manifest: named by its
+    URL, with the fix, as it is."""
+
+
+def downloaded_problems(tmp: Path) -> list[str]:
+    """What is wrong with a downloaded checkpoint ``tmp`` against its manifest (empty: it is whole)."""
+    try:
+        saved = json.loads((tmp / STATE_FILE).read_text())
+        return manifest_problems(tmp, saved)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return [f"{STATE_FILE} is not a readable checkpoint state ({type(err).__name__})"]
+
+
+def damaged_remote(url: str, problems: list[str]) -> str:
+    """The opening of the message naming remote checkpoint ``url`` whose downloaded files have ``problems``."""
+    return f"The remote checkpoint {url} is damaged: {summary(problems)}."
 
 
 def manifest_of(folder: Path) -> dict[str, int]:
@@ -201,13 +222,19 @@ class CheckpointMirror:
             f"resume from (e.g. write {example} into it), or delete it to resume from the newest complete one, or set "
             "checkpoint.remote to another URL for a new run.")
 
-    def fetch_state(self, name: str, tmp: Path) -> dict[str, int]:
-        """Main process: a fresh ``tmp`` holding the remote ``train_state.json`` of ``name``; its manifest."""
+    def fetch_state(self, name: str, tmp: Path) -> dict:
+        """Main process: a fresh ``tmp`` holding the remote ``train_state.json`` of ``name``, read;
+        :class:`RemoteDamagedError` when it is not a checkpoint's state."""
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         self._retry(lambda: self.store.get_file(f"{name}/{STATE_FILE}", tmp / STATE_FILE), f"downloading {name}")
-        return manifest_of(tmp)
+        try:
+            saved = json.loads((tmp / STATE_FILE).read_text())
+            manifest_sizes(saved)
+            return saved
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise self._damaged(name, [f"{STATE_FILE} is not a readable checkpoint state ({type(err).__name__})"])
 
     def download_share(self, name: str, tmp: Path) -> int:
         """This rank's files of remote checkpoint ``name`` into ``tmp`` (its state file already there); bytes."""
@@ -221,9 +248,22 @@ class CheckpointMirror:
             done += size
         return done
 
+    def _damaged(self, name: str, problems: list[str]) -> RemoteDamagedError:
+        others = [n for _, n in self._retry(self.complete, "listing the remote checkpoints") if n != name]
+        held = f"the other complete remote checkpoints: {', '.join(others)}" if others else \
+            "no other remote checkpoint is complete"
+        return RemoteDamagedError(
+            f"{damaged_remote(self.store.url_of(name), problems)} Nothing was published: the local folder {self.root} "
+            f"is unchanged. Upload the checkpoint again from a whole copy, or write the name of an earlier complete "
+            f"checkpoint into {self.store.url_of(LATEST)} to resume from it ({held}), or set checkpoint.remote to "
+            "another URL for a new run.")
+
     def publish_download(self, tmp: Path, final: Path) -> None:
-        """Main process: verify ``tmp`` against its manifest, then rename it to ``final`` and point ``latest`` at it."""
-        read_checkpoint(tmp)  # sizes, sha256 of the small files, safetensors headers; UserError when damaged
+        """Main process: verify ``tmp`` against its manifest (sizes, sha256 of the small files, safetensors headers),
+        then rename it to ``final`` and point ``latest`` at it; :class:`RemoteDamagedError` naming the remote
+        checkpoint when a file does not match."""
+        if problems := downloaded_problems(tmp):
+            raise self._damaged(final.name, problems)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -304,8 +344,9 @@ def fetch_remote(url: str, cache_dir: str = CHECKPOINT_CACHE) -> Path:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 remote(lambda rel=rel: source.get_file(rel, tmp / rel), f"downloading {source.url_of(rel)}",
                        patience_s=600)
-            if checkpoint:
-                read_checkpoint(tmp)
+            if checkpoint and (problems := downloaded_problems(tmp)):
+                raise fail(f"{damaged_remote(source.url, problems)} Upload it again from a whole copy, or pass the URL "
+                           f"of another checkpoint of the run ({source.url.rsplit('/', 1)[0]}/step_N).")
             (tmp / _LISTING_MARKER).write_text(digest + "\n")
             install_dir(tmp, dest, overwrite=True)
         finally:

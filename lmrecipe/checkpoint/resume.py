@@ -41,6 +41,7 @@ from lmrecipe.checkpoint.rng import restore_rng
 from lmrecipe.checkpoint.storage import (
     DS_TAG,
     STATE_FILE,
+    complete_checkpoints,
     find_resume_checkpoint,
     looks_like_checkpoint,
     no_checkpoint_message,
@@ -49,10 +50,11 @@ from lmrecipe.checkpoint.storage import (
     use_earlier,
 )
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
-from lmrecipe.config import autoep_size_of
+from lmrecipe.config import ScheduleConfig, autoep_size_of
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.parallel.topology import Topology
 from lmrecipe.errors import UserError, fail
+from lmrecipe.objstore import is_remote
 from lmrecipe.fileio import install_dir, remove_path, temp_dir_for
 from lmrecipe.optim import optimizer_param_names
 
@@ -124,18 +126,13 @@ class Resumer:
         saved = read_checkpoint(path)
         max_steps = self.facts.max_steps
         if branch and saved["state"]["step"] >= max_steps:
-            raise fail(f"checkpoint.branch_from={path} is at step {saved['state']['step']}, and the branch's "
-                       f"train.max_steps={max_steps} leaves nothing to train: set train.max_steps above "
-                       f"{saved['state']['step']} (e.g. the step plus schedule.decay_steps).")
+            raise fail(branch_too_short(path, int(saved["state"]["step"]), max_steps,
+                                        self.facts.run_config.get("schedule", {})))
         if saved["state"]["step"] > max_steps:  # the loop would not run, and the end of the run would re-export
             raise fail(f"{path} is at step {saved['state']['step']}, past train.max_steps={max_steps}: there is "
                        "nothing to train. Raise train.max_steps to train on, pass checkpoint.resume=PATH of an earlier "
                        "checkpoint, or export this one with tools/export_hf.py.")
-        self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
-        check_resume_compatible(saved, path, run_config=self.facts.run_config,
-                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
-                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule,
-                                branch=branch)
+        self.check_compatible(saved, path, model, branch=branch)
         continue_sample_order(self.data.train_batches, saved)
         if branch:
             self.source = path
@@ -143,6 +140,16 @@ class Resumer:
         self.record.branched_from = (branch_record(path, saved) if branch else saved.get("branched_from"))
         self._log_resume(path, saved, state, branch)
         return path
+
+    def check_compatible(self, saved: dict, path: Path | str, model, branch: bool = False) -> None:
+        """Stop (UserError) when checkpoint ``path`` (``saved``: its ``train_state.json``; ``path`` may be the URL
+        of a remote one, checked before it is downloaded) cannot continue as this run: another optimizer or MoE
+        layer, or a change of what its weights, optimizer state or data position depend on."""
+        self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
+        check_resume_compatible(saved, path, run_config=self.facts.run_config,
+                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
+                                data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule,
+                                branch=branch)
 
     def _log_resume(self, path: Path, saved: dict, state: LoopState, branch: bool) -> None:
         changes = self.record.topology.changes_from(saved_layout(saved))
@@ -164,25 +171,31 @@ class Resumer:
     def _branch_start(self, own: Path | None) -> tuple[Path | None, bool]:
         """The checkpoint a run with ``checkpoint.branch_from`` starts from, and whether it is the source (a branch)
         rather than the branch's own newest checkpoint ``own``. Stops when the branch would write into the source
-        run, or when ``out_dir`` holds checkpoints of another run."""
+        run, or when ``out_dir`` holds checkpoints of another run. A branch with checkpoints of its own resumes from
+        them whatever became of its source since: pruned, or (``branch_from`` naming the source's run folder) moved
+        on to newer checkpoints."""
+        check_branch_out_dir(self.branch_from, self.root.parent)
+        if own is not None:
+            return self._own_branch(own), False
         source = resolve_checkpoint(self.branch_from)
         if not looks_like_checkpoint(source):
             raise fail(f"checkpoint.branch_from={self.branch_from}: {no_checkpoint_message(Path(self.branch_from))} "
                        "Pass a checkpoint folder of the run to branch from (OTHER_RUN/checkpoints/step_N), or its run "
                        "folder for its newest checkpoint.")
-        source = source.resolve()
-        check_branch_out_dir(self.branch_from, self.root.parent)
-        if own is None:
-            return source, True
-        recorded = (read_checkpoint(own).get("branched_from") or {}).get("checkpoint")
-        if recorded is not None and Path(recorded).resolve() == source:
+        return source.resolve(), True
+
+    def _own_branch(self, own: Path) -> Path:
+        """``own``, when it is a checkpoint of a branch from what ``checkpoint.branch_from`` names; else the refusal."""
+        recorded = read_checkpoint(own).get("branched_from") or {}
+        if branched_from_this(recorded, self.branch_from):
             logger.info("%s holds checkpoints of this branch: resuming the branch from %s (not from its source %s)",
-                        self.root.parent, own, source)
-            return own, False
-        origin = f"a branch from {recorded}" if recorded else "a run that is not a branch"
+                        self.root.parent, own, recorded["checkpoint"])
+            return own
+        origin = f"a branch from {recorded['checkpoint']}" if recorded.get("checkpoint") else \
+            "a run that is not a branch"
         raise fail(f"out_dir={self.root.parent} already holds checkpoints ({own.name}) of {origin}, not of a branch "
-                   f"from checkpoint.branch_from={source}. Choose a new out_dir for the branch, or set "
-                   "checkpoint.branch_from=null to resume the run in that folder.")
+                   f"from checkpoint.branch_from={resolve_checkpoint(self.branch_from).resolve()}. Choose a new "
+                   "out_dir for the branch, or set checkpoint.branch_from=null to resume the run in that folder.")
 
     def restore(self, path: Path, state: LoopState) -> None:
         """Reload a checkpoint of this run in-process (a rollback), as a resume loads it, without the compatibility
@@ -231,11 +244,46 @@ class Resumer:
                        f"tools/export_hf.py {path} EXPORT --dtype fp32, then model.init_from=EXPORT checkpoint.resume=none.")
 
 
+def branched_from_this(recorded: dict, branch_from: str) -> bool:
+    """Whether a branch's record of its source (``branched_from``: checkpoint, step, the source's run folder) is of a
+    branch from what ``branch_from`` names: that checkpoint (also once pruned), or the run folder (or its
+    ``checkpoints/``) it was the newest of (also once the run has moved on)."""
+    if not recorded.get("checkpoint"):
+        return False
+    named = Path(branch_from).resolve()
+    if Path(recorded["checkpoint"]).resolve() in (named, resolve_checkpoint(branch_from).resolve()):
+        return True
+    run = Path(recorded.get("out_dir") or recorded["checkpoint"]).resolve()
+    return named in (run, run / "checkpoints")
+
+
+def branch_too_short(path: Path, step: int, max_steps: int, schedule: dict) -> str:
+    """The refusal of a branch from ``path`` (at ``step``) whose ``train.max_steps`` is not past it: for this
+    shorter schedule, an earlier checkpoint of the source (the newest before the branch's decay, when one is left);
+    or a longer ``train.max_steps`` to train on past the source."""
+    decay = ScheduleConfig(decay_steps=schedule.get("decay_steps"), decay_fraction=schedule.get("decay_fraction"))
+    start = decay.decay_start(max_steps)
+    latest = start if start is not None else max_steps - 1
+    earlier = [c.path for c in complete_checkpoints(path.parent) if c.step <= latest]
+    found = f"{earlier[-1]} is one" if earlier else f"none is left in {path.parent}"
+    what = f"its decay starts at step {start}" if start is not None else "its last step is the step before"
+    longer = f" (e.g. {step + decay.decay_length(max_steps)}, the step plus the decay)" if start is not None else ""
+    return (f"checkpoint.branch_from={path} is at step {step}, and the branch's train.max_steps={max_steps} leaves "
+            f"nothing to train. For a run of {max_steps} steps, branch from a checkpoint of the source at step "
+            f"{latest} or earlier ({what}): {found}. To train on past step {step}, set train.max_steps above {step}"
+            f"{longer}.")
+
+
 def check_branch_out_dir(branch_from: str, out_dir: str | Path) -> None:
     """Stop (exit 2) when ``out_dir`` and the run that ``checkpoint.branch_from`` names overlap: the source run's
     folder (the parent of its ``checkpoints/``; the checkpoint folder itself when it lies elsewhere) and everything
     under it are only read, and the source run prunes its old checkpoints as it trains on (a branch inside one would
-    go with it). Reads files only, writes nothing: called before ``out_dir`` is made, and by the dry run."""
+    go with it); and when it is a URL (a branch reads its source from a local folder). Reads files only, writes
+    nothing: called before ``out_dir`` is made, and by the dry run."""
+    if is_remote(branch_from):
+        raise fail(f"checkpoint.branch_from={branch_from} is a URL: a branch reads its source checkpoint from a local "
+                   "folder. Copy the checkpoint down first (e.g. `aws s3 sync URL/checkpoints/step_N "
+                   "runs/SOURCE/checkpoints/step_N`), then pass checkpoint.branch_from=runs/SOURCE/checkpoints/step_N.")
     source = resolve_checkpoint(branch_from).resolve()
     source_run = source.parent.parent if source.parent.name == "checkpoints" else (
         source.parent if source.name == "checkpoints" else source)

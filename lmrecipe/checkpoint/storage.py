@@ -161,17 +161,26 @@ def read_checkpoint(path: str | Path) -> dict:
     try:
         saved = json.loads(state_file.read_text())
         version = saved["format_version"]
-        manifest = saved["manifest"]
         saved["state"]["step"]
-        sizes = {str(rel): int(size) for rel, size in manifest.items()}
+        manifest_sizes(saved)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise fail(f"{state_file} is not a readable checkpoint state ({err!r}); the checkpoint is damaged. "
                    f"{use_earlier(path)}") from None
     if version != FORMAT_VERSION:
         raise fail(f"{state_file} has format_version {version}; this code reads {FORMAT_VERSION}.")
+    if problems := manifest_problems(path, saved):
+        raise fail(f"Checkpoint {path} is damaged: {summary(problems)}. {use_earlier(path)} Or copy the checkpoint "
+                   "again if it was transferred.")
+    return saved
+
+
+def manifest_problems(path: Path, saved: dict) -> list[str]:
+    """What is wrong with the files of checkpoint folder ``path`` against its manifest (``saved``: its
+    ``train_state.json``): missing, of another size, a safetensors header that does not describe its bytes, a
+    sha256 that differs; empty when every file is whole."""
     problems = []
     checksums = saved.get("sha256") if isinstance(saved.get("sha256"), dict) else {}
-    for rel, size in sizes.items():
+    for rel, size in manifest_sizes(saved).items():
         file = path / rel
         if not file.is_file():
             problems.append(f"{rel} is missing")
@@ -181,11 +190,18 @@ def read_checkpoint(path: str | Path) -> dict:
             problems.append(f"{rel} {bad} (its size is right, its content is not)")
         elif rel in checksums and file_sha256(file) != checksums[rel]:
             problems.append(f"{rel} does not match its sha256 (its size is right, its content is not)")
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise fail(f"Checkpoint {path} is damaged: {shown}. {use_earlier(path)} Or copy the checkpoint again if it "
-                   "was transferred.")
-    return saved
+    return problems
+
+
+def manifest_sizes(saved: dict) -> dict[str, int]:
+    """A checkpoint's files by relative path, with their sizes (``saved``: its ``train_state.json``); KeyError,
+    TypeError, ValueError or AttributeError when the manifest is not one."""
+    return {str(rel): int(size) for rel, size in saved["manifest"].items()}
+
+
+def summary(problems: list[str]) -> str:
+    """The first five of a checkpoint's ``problems``, and how many more."""
+    return "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
 
 
 def use_earlier(path: Path) -> str:

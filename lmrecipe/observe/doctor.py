@@ -103,6 +103,12 @@ a restored state continues the curve (the same data order, the same moments); a 
 restored."""
 FREQUENT_ROLLBACKS = 3
 """Rollbacks (the spike guard, ``spike.enabled``) in the kept history from which spikes are frequent, not bad luck."""
+Z_LOSS_LARGE = 1e-2
+"""A ``train.z_loss`` coefficient above this is blamed for non-finite steps: the usual values are 1e-5 to 1e-3, and
+the run's own stop message names it from the same value on."""
+SKIPPED_SHARE = 0.5
+"""Updates skipped (non-finite) in this share of the steps after warmup explain a loss that does not fall: the weights
+did not move, and a higher rate is not the fix."""
 
 
 @dataclass(frozen=True)
@@ -247,7 +253,10 @@ def _g(value: float) -> str:
 
 
 def _longer_warmup(run: RunFigures) -> str:
-    """Twice the warmup, and at least a twentieth of the run."""
+    """Twice the warmup, and at least a twentieth of the run (the key alone when the run's configuration is not at
+    hand: a copied ``metrics.jsonl`` without ``run_meta.json``)."""
+    if run.key("schedule.warmup_steps") is None and run.key("train.max_steps") is None:
+        return "schedule.warmup_steps raised"
     return f"schedule.warmup_steps={max(2 * run.warmup_steps, int(run.key('train.max_steps', 0) or 0) // 20, 1)}"
 
 
@@ -257,7 +266,8 @@ def _lower_rate(run: RunFigures, factor: float) -> str:
 
 
 def non_finite(run: RunFigures) -> Finding | None:
-    """Steps skipped for a non-finite loss or gradient norm, or a non-finite loss logged."""
+    """Steps skipped for a non-finite loss or gradient norm, or a non-finite loss logged; blamed on the z-loss when
+    its coefficient is large (:func:`_z_loss_overflow`)."""
     skipped = [r for r in run.train if (r.get("skipped_steps") or 0) > 0]
     bad = [r for r in run.train if not _finite(r.get("loss")) or ("grad_norm" in r and not _finite(r["grad_norm"]))]
     if not skipped and not bad:
@@ -267,11 +277,30 @@ def non_finite(run: RunFigures) -> Finding | None:
     early = first <= max(run.warmup_steps, 1)
     evidence = (f"{count} step(s) skipped for a non-finite loss or gradient norm by step {run.train[-1]['step']}, "
                 f"the first by step {first}" if count else f"a non-finite loss or gradient norm logged at step {first}")
+    if (z_loss := _z_loss_overflow(run)) is not None:
+        return Finding("non_finite", "non-finite loss or gradients", evidence + z_loss[0], z_loss[1],
+                       "train.z_loss=1e-4 (PaLM's), or train.z_loss=0 to turn it off")
     cause = ("the rate is too high for the start, or a gradient-norm spike at the first steps" if early else
              "a bad batch (ids out of the vocabulary's range, a broken mask) or a rate too high for this phase")
     fix = (f"{_lower_rate(run, 10)} and {_longer_warmup(run)}; check the data (token ids below "
            "the vocabulary size, documents ending in EOS)")
     return Finding("non_finite", "non-finite loss or gradients", evidence, cause, fix)
+
+
+def _z_loss_overflow(run: RunFigures) -> tuple[str, str] | None:
+    """(evidence, cause) when ``train.z_loss`` is above :data:`Z_LOSS_LARGE`, or the logged z-loss is not finite or
+    outweighs the loss itself; else None."""
+    weight = run.key("train.z_loss")
+    logged = next((r for r in run.train if "z_loss" in r and (not _finite(r["z_loss"]) or (
+        _finite(r.get("loss")) and r["z_loss"] > r["loss"]))), None)
+    if not (_finite(weight) and weight > Z_LOSS_LARGE) and logged is None:
+        return None
+    evidence = f"; z_loss {_g(logged['z_loss'])} at step {logged['step']}" if logged is not None else ""
+    if logged is not None and _finite(logged.get("loss")):
+        evidence += f" (the loss {logged['loss']:.4f})"
+    named = f"train.z_loss={_g(weight)}" if _finite(weight) else "the z-loss (train.z_loss)"
+    return evidence, (f"{named} is too large: z_loss * logsumexp(logits)^2 added to the loss overflows, whatever "
+                      "the rate")
 
 
 def _rose(loss: float, reference: float) -> bool:
@@ -333,9 +362,11 @@ def _diverging(run: RunFigures, evidence: str, rows: list[dict]) -> Finding:
 
 def loss_not_falling(run: RunFigures) -> Finding | None:
     """After warmup the smoothed loss (:func:`smoothed`, at least :data:`TREND_POINTS` points) never falls below its
-    first point by :data:`LOSS_FALL_MIN`."""
+    first point by :data:`LOSS_FALL_MIN`, and neither because the updates were skipped (:data:`SKIPPED_SHARE`: that
+    is :func:`non_finite`'s finding) nor because it climbs (:func:`loss_diverging`'s): their fixes are the opposite of
+    a higher rate."""
     rows = [r for r in run.after_warmup() if _finite(r["loss"])]
-    if len(rows) < TREND_POINTS * SMOOTH_ROWS:
+    if len(rows) < TREND_POINTS * SMOOTH_ROWS or _mostly_skipped(rows) or loss_diverging(run) is not None:
         return None
     points = smoothed(rows, from_end=False)
     start, best = points[0], min(points[1:], key=lambda p: p.loss)
@@ -343,8 +374,11 @@ def loss_not_falling(run: RunFigures) -> Finding | None:
         return None
     last = rows[-1]
     evidence = (f"mean loss {start.loss:.4f} over {start.span()} (end of warmup), lowest {best.loss:.4f} "
-                f"over {best.span()}, {last['loss']:.4f} at step {last['step']}; learning rate "
-                f"{_g(last.get('lr', float('nan')))} (peak optim.lr={_g(run.key('optim.lr', float('nan')))})")
+                f"over {best.span()}, {last['loss']:.4f} at step {last['step']}")
+    rates = [f"learning rate {_g(last['lr'])}" if _finite(last.get("lr")) else "",
+             f"peak optim.lr={_g(run.key('optim.lr'))}" if _finite(run.key("optim.lr")) else ""]
+    if any(rates):  # a run folder without run_meta.json has no configuration to quote
+        evidence += "; " + (f"{rates[0]} ({rates[1]})" if all(rates) else rates[0] or rates[1])
     epochs = run.epochs(last["step"])
     cause = "the learning rate is too low, or the schedule never reaches it"
     lr = run.key("optim.lr")
@@ -356,6 +390,14 @@ def loss_not_falling(run: RunFigures) -> Finding | None:
         cause += ", or the same batches seen again (more than one epoch: the model has learned what they hold)"
         fix += "; more training data (data.path, data.sources)"
     return Finding("loss_not_falling", "loss not falling after warmup", evidence, cause, fix)
+
+
+def _mostly_skipped(rows: list[dict]) -> bool:
+    """Whether the updates skipped (``skipped_steps``, a running count) over ``rows`` reach :data:`SKIPPED_SHARE` of
+    their steps."""
+    counts = [r.get("skipped_steps") or 0 for r in rows]
+    steps = rows[-1]["step"] - rows[0]["step"]
+    return steps > 0 and counts[-1] - counts[0] >= SKIPPED_SHARE * steps
 
 
 def grad_norm_rising(run: RunFigures) -> Finding | None:

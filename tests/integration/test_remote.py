@@ -210,6 +210,52 @@ def test_a_remote_latest_naming_a_missing_checkpoint_stops_a_fresh_run_before_it
     assert code == 2 and refusal in capsys.readouterr().err
 
 
+def remote_run(server, reference: Path, prefix: str) -> str:
+    """The URL of a remote run holding ``reference``'s checkpoint step 6, its ``latest`` pointing at it."""
+    upload_folder(server, reference / "checkpoints" / "step_00000006", f"{prefix}/checkpoints/step_00000006")
+    server.client().put_object(Bucket=server.bucket, Key=f"{prefix}/checkpoints/latest", Body=b"step_00000006\n")
+    return f"s3://{server.bucket}/{prefix}"
+
+
+def assert_untouched(out: Path) -> None:
+    """Nothing trained, downloaded or left half-written in ``out``."""
+    assert not (out / "metrics.jsonl").exists()
+    assert not [p.name for p in (out / "checkpoints").iterdir()] if (out / "checkpoints").exists() else True
+
+
+def test_a_damaged_remote_checkpoint_is_named_by_its_url_and_leaves_no_partial_download(s3, reference, tiny_data,
+                                                                                       tmp_path, monkeypatch, capsys):
+    url = remote_run(s3, reference, "run")
+    weights = (reference / "checkpoints" / "step_00000006" / "model.safetensors").read_bytes()
+    s3.client().put_object(Bucket=s3.bucket, Key="run/checkpoints/step_00000006/model.safetensors",
+                           Body=b"\xff" * 8 + weights[8:])  # the same size, a header length past the end
+    damaged = (f"The remote checkpoint {url}/checkpoints/step_00000006 is damaged: model.safetensors has an "
+               "impossible header length (its size is right, its content is not).")
+    with pytest.raises(UserError) as err:
+        train_tiny(tmp_path / "fresh", tiny_data, f"checkpoint.remote={url}")
+    message = str(err.value)
+    assert message.startswith(damaged) and f"the local folder {tmp_path / 'fresh' / 'checkpoints'} is unchanged" in message
+    assert f"write the name of an earlier complete checkpoint into {url}/checkpoints/latest" in message
+    assert ".tmp_" not in message and "checkpoint.resume=" not in message
+    assert_untouched(tmp_path / "fresh")
+    # eval.py names the same URL, not the cache folder it downloads into.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    capsys.readouterr()
+    assert script("eval.py").main([url, "--data", str(tiny_data)]) == 2
+    err_text = capsys.readouterr().err
+    assert damaged in err_text and str(tmp_path / "home") not in err_text and "Traceback" not in err_text
+
+
+def test_a_remote_run_of_another_seed_is_refused_before_anything_is_downloaded(s3, reference, tiny_data, tmp_path):
+    url = remote_run(s3, reference, "other_run")
+    with pytest.raises(UserError) as err:
+        train_tiny(tmp_path / "mine", tiny_data, f"checkpoint.remote={url}", "train.seed=7")
+    assert str(err.value).startswith(f"Cannot resume from {url}/checkpoints/step_00000006: this run differs in what "
+                                     "the checkpoint's weights, optimizer state or data position depend on "
+                                     "(train.seed: 1337 -> 7)")
+    assert_untouched(tmp_path / "mine")
+
+
 def test_wrong_credentials_and_a_missing_bucket_stop_before_the_first_step(s3, tiny_data, tmp_path, monkeypatch,
                                                                            capsys):
     url = f"s3://{s3.bucket}/run"

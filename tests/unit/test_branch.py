@@ -59,9 +59,20 @@ def test_a_branch_that_cannot_be_one_is_refused_before_its_first_step(tmp_path, 
         train_wsd(tmp_path / "wide", tiny_data, *branch, "model.hidden_size=32")
     with pytest.raises(UserError, match="lies in this run's out_dir.*Choose a new out_dir"):
         train_wsd(b, tiny_data, *branch)
-    with pytest.raises(UserError, match="leaves nothing to train: set train.max_steps above 10"):
+    # A shorter run than the source's step: an earlier checkpoint of the source (before this run's decay) is its fix.
+    with pytest.raises(UserError) as err:
         train_wsd(tmp_path / "short", tiny_data, "train.max_steps=10", "schedule.decay_steps=4",
-                   f"checkpoint.branch_from={source}")
+                  f"checkpoint.branch_from={source}")
+    assert str(err.value) == (
+        f"checkpoint.branch_from={source.resolve()} is at step 10, and the branch's train.max_steps=10 leaves nothing "
+        "to train. For a run of 10 steps, branch from a checkpoint of the source at step 6 or earlier (its decay starts "
+        f"at step 6): {source.resolve().parent / 'step_00000005'} is one. To train on past step 10, set "
+        "train.max_steps above 10 (e.g. 14, the step plus the decay).")
+    with pytest.raises(UserError, match="^checkpoint.branch_from=s3://bucket/run/checkpoints/step_00000010 is a URL: "
+                                        "a branch reads its source checkpoint from a local folder. Copy the checkpoint"):
+        train_wsd(tmp_path / "url", tiny_data, "train.max_steps=16",
+                  "checkpoint.branch_from=s3://bucket/run/checkpoints/step_00000010")
+    assert not (tmp_path / "url").exists()
     with pytest.raises(UserError, match="does not exist. Pass a checkpoint folder of the run to branch from"):
         train_wsd(tmp_path / "none", tiny_data, "train.max_steps=16", f"checkpoint.branch_from={tmp_path / 'no'}")
     with pytest.raises(UserError, match="a branch starts from its source, then resumes from its own"):
@@ -70,6 +81,35 @@ def test_a_branch_that_cannot_be_one_is_refused_before_its_first_step(tmp_path, 
     with pytest.raises(UserError, match=r"already holds checkpoints \(step_00000005\) of a run that is not a branch"):
         train_wsd(other, tiny_data, *branch)
     assert tree_digest(b) == before
+
+
+@pytest.mark.parametrize("names", ["checkpoint", "run"])
+def test_a_requeued_branch_resumes_its_own_checkpoints_after_its_source_was_pruned_or_moved_on(
+        tmp_path, tmp_path_factory, tiny_data, monkeypatch, names):
+    """The source run (a copy of step 10 of run B) prunes that checkpoint and saves step 15 while the branch is
+    interrupted; the same command then resumes the branch from its own step 11, whether ``branch_from`` names the
+    pruned checkpoint or the source's run folder (whose newest is now step 15)."""
+    import shutil
+
+    b = wsd_run(tmp_path_factory, tiny_data, 24)
+    source_run = tmp_path / "stable"
+    shutil.copytree(b / "checkpoints" / "step_00000010", source_run / "checkpoints" / "step_00000010")
+    (source_run / "checkpoints" / "latest").write_text("step_00000010\n")
+    named = source_run / "checkpoints" / "step_00000010" if names == "checkpoint" else source_run
+    branch = ["train.max_steps=13", "schedule.decay_steps=3", "checkpoint.every_steps=1",
+              f"checkpoint.branch_from={named}"]
+    monkeypatch.setenv("LMRECIPE_FAULT_OOM_AT_STEP", "12")
+    with pytest.raises(UserError, match="out of memory"):
+        train_wsd(tmp_path / "decay", tiny_data, *branch)
+    monkeypatch.delenv("LMRECIPE_FAULT_OOM_AT_STEP")
+    shutil.copytree(b / "checkpoints" / "step_00000015", source_run / "checkpoints" / "step_00000015")
+    (source_run / "checkpoints" / "latest").write_text("step_00000015\n")
+    shutil.rmtree(source_run / "checkpoints" / "step_00000010")
+    c = train_wsd(tmp_path / "decay", tiny_data, *branch)
+    meta = json.loads((c / "run_meta.json").read_text())
+    assert [launch["resumed_from"] for launch in meta["launches"]] == [
+        str((source_run / "checkpoints" / "step_00000010").resolve()), str(c / "checkpoints" / "step_00000011")]
+    assert sorted(metric_rows(c, "loss")) == [11, 12, 13]
 
 
 def test_the_topology_free_form_of_a_branch_source_is_cached_in_the_branch_only(tmp_path):

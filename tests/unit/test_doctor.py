@@ -54,6 +54,47 @@ def test_skipped_non_finite_steps_at_the_start_blame_the_rate_and_warmup():
     assert "optim.lr=0.0001" in finding.fix and "schedule.warmup_steps=20" in finding.fix
 
 
+def skipped_flat(**extra) -> list[dict]:
+    """A run whose every update was skipped for a non-finite gradient norm: the loss stays where it started."""
+    data = rows(loss=lambda s: 5.96 + 0.001 * (s % 3), grad_norm=lambda s: math.inf, **extra)
+    for r in data:
+        r["skipped_steps"] = r["step"]
+    return data
+
+
+def test_updates_skipped_throughout_get_one_rate_advice_not_a_lower_and_a_higher_rate():
+    findings = diagnose(skipped_flat(), meta())
+    assert names(findings) == ["non_finite"]  # the flat loss is the skipped updates, not a rate too low
+    advised = {word for f in findings for word in f.fix.split() if word.startswith("optim.lr=")}
+    assert advised == {"optim.lr=0.0001"}
+
+
+def test_a_loss_that_climbs_and_never_falls_is_divergence_alone_not_also_a_rate_too_low():
+    for loss in (lambda s: 5 + s / 50, lambda s: 5.0 if s < 100 else 9.0):
+        findings = diagnose(rows(loss=loss), meta())
+        assert names(findings) == ["loss_diverging"] and "optim.lr=0.000333" in findings[0].fix
+
+
+def test_a_large_z_loss_is_named_as_the_cause_of_non_finite_steps_not_the_rate():
+    (finding,) = diagnose(skipped_flat(z_loss=lambda s: 3.55e31), meta(train={"z_loss": 1e30}))
+    assert finding.name == "non_finite" and "z_loss 3.55e+31 at step 10 (the loss 5.9610)" in finding.evidence
+    assert finding.cause.startswith("train.z_loss=1e+30 is too large")
+    assert finding.fix == "train.z_loss=1e-4 (PaLM's), or train.z_loss=0 to turn it off"
+    (logged_only,) = diagnose(skipped_flat(z_loss=lambda s: math.inf), {})  # no run_meta.json: the rows say it
+    assert logged_only.cause.startswith("the z-loss (train.z_loss) is too large")
+    (small,) = diagnose(skipped_flat(z_loss=lambda s: 1e-3), meta(train={"z_loss": 1e-4}))
+    assert "optim.lr=0.0001" in small.fix and "z_loss" not in small.fix
+
+
+def test_without_run_meta_a_flat_loss_quotes_no_configuration_it_does_not_have():
+    flat = rows(loss=lambda s: 5.0 + 0.001 * (s % 3))
+    (finding,) = diagnose(flat, {})
+    assert finding.name == "loss_not_falling" and "nan" not in finding.evidence + finding.fix
+    assert finding.evidence.endswith("; learning rate 0.001") and "optim.lr=0.0003 (the default peak)" in finding.fix
+    (diverging,) = diagnose(rows(loss=lambda s: 5 + s / 50), {})
+    assert diverging.fix == "a lower optim.lr (a third), or a longer warmup (schedule.warmup_steps raised)"
+
+
 def test_a_loss_above_the_untrained_models_is_divergence():
     data = rows(loss=lambda s: 5.0 if s != 40 else 9.0)
     finding = next(f for f in diagnose(data, meta()) if f.name == "loss_diverging")

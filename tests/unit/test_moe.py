@@ -257,3 +257,31 @@ def test_init_from_refuses_expert_keys_that_contradict_the_model_and_returns_its
     same = load_config(TINY, [*TINY_OVERRIDES, *MOE, f"model.init_from={tmp_path / 'moe'}"])
     continued = build_model(same.model, same.train, build_hf_config(same.model, 384, same.data.seq_len))
     assert continued.config.num_experts_per_tok == 2 and continued.config.output_router_logits
+
+
+@pytest.mark.parametrize("arch, extra, mlp", [
+    ("qwen3_moe", (), "MoE MLP: 4 experts of width 16, each token routed to the top 2, vocabulary"),
+    ("mixtral", (), "MoE MLP: 4 experts of width 16, each token routed to the top 2, vocabulary"),
+    ("qwen2_moe", ("model.shared_experts=1",),
+     "MoE MLP: 4 experts of width 16, each token routed to the top 2, and a shared expert of width 16, vocabulary"),
+])
+def test_the_model_card_of_an_moe_export_names_its_experts_and_active_parameters(tmp_path, tiny_data, arch, extra,
+                                                                                   mlp):
+    import shutil
+
+    from lmrecipe.export import model_card, write_export
+
+    cfg, hf_config, model = moe_model(arch, extra)
+    ckpt = tmp_path / "checkpoints" / "step_00000003"
+    hf_config.save_pretrained(ckpt / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_data / name, ckpt / "hf" / name)
+    saved = {"config": cfg.to_dict(), "hf_config": hf_config.to_dict(), "state": {"step": 3, "tokens_seen": 768}}
+    out = write_export(tmp_path / "export", model.state_dict(), ckpt, dtype="fp32", max_shard_size=10**9,
+                       card=lambda n, active: model_card(ckpt, saved, n, "fp32", "raw", n_active=active),
+                       what="exporting", retry="")
+    card = (out / "README.md").read_text()
+    counts = param_counts(model)
+    assert f"with {counts['total']:,} parameters ({counts['total'] / 1e6:.2f}M; {counts['active']:,} active per " \
+           "token)" in card
+    assert mlp in card and "MLP 64" not in card

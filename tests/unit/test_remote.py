@@ -135,6 +135,18 @@ def test_the_access_check_names_the_url_and_the_fix(tmp_path):
         open_filesystem("nosuchscheme://bucket/x")
 
 
+@pytest.mark.parametrize("url", ["s3://", "s3:///runs/a", "gs://"])
+def test_a_url_with_no_bucket_is_refused_naming_the_bucket_not_the_endpoint(url, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: a request would blame it
+    with pytest.raises(UserError) as err:
+        check_access(url, "checkpoint.remote")
+    assert str(err.value) == (f"checkpoint.remote={url} names no bucket: the bucket comes right after "
+                              f"{url[:5].rstrip(':/')}://. Write the URL as {url[:5].rstrip(':/')}://BUCKET/PREFIX "
+                              f"(e.g. {url[:5].rstrip(':/')}://my-bucket/runs/NAME).")
+    with pytest.raises(UserError, match=rf"^{url} names no bucket"):  # eval.py, export_hf.py, data.path
+        open_filesystem(url)
+
+
 class BlockingMirror:
     """Stands for CheckpointMirror: records what it uploads, the first upload held until released."""
 

@@ -110,6 +110,20 @@ def test_a_resume_across_a_stage_boundary_is_exact(tmp_path, two_sources):
                                               3 * window + 192]
     assert set(metric_rows(tmp_path / "whole", "val_loss/prose")) == {3, 6}
     assert set(metric_rows(tmp_path / "whole", "val_loss/code")) == {3, 6}
+    assert_card_lists_the_stages(tmp_path)
     saved = json.loads((tmp_path / "split" / "checkpoints" / "step_00000002" / "train_state.json").read_text())
     assert saved["data"]["stages"] == [{"start_step": 0, "start_sample": 0, "quotas": [65536, 0]},
                                        {"start_step": 3, "start_sample": 24, "quotas": [16384, 49152]}]
+
+
+def assert_card_lists_the_stages(runs):
+    """The export's model card: the sources with their validation weights, the stages, the one not yet reached."""
+    from lmrecipe.export import export_checkpoint
+
+    for run, step, note in (("split", 2, " (not reached: the weights are of step 2)"), ("whole", 6, "")):
+        card = (export_checkpoint(runs / run / "checkpoints" / f"step_{step:08d}", runs / f"{run}_export",
+                                  dtype="fp32") / "README.md").read_text()
+        data = card.split("## Training data\n\n", 1)[1].split("\n## ", 1)[0]
+        assert data.startswith("- code (`") and data.count("`), validation weight 1\n") == 2
+        assert "- prose (`" in data and ", weight" not in data
+        assert "- from step 0: code 1\n" in data and f"- from step 3: code 0.25, prose 0.75{note}\n" in data

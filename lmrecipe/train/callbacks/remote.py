@@ -35,6 +35,7 @@ from lmrecipe.checkpoint.storage import (
 )
 from lmrecipe.config import CheckpointConfig
 from lmrecipe.errors import EXIT_USER_ERROR, UserError, fail
+from lmrecipe.fileio import remove_path
 from lmrecipe.objstore import READ_PATIENCE_S, Store, check_access, retrying, transient_errors, unreadable
 from lmrecipe.train.callback import Callback
 from lmrecipe.train.lock import LOCK_FILE
@@ -165,13 +166,18 @@ class RemoteResume(Callback):
         mirror = CheckpointMirror(self.store, self.root, rank=acc.process_index, world_size=acc.num_processes,
                                   keep_last=self.section.keep_last, patience_s=READ_PATIENCE_S,
                                   should_stop=lambda: self.preemption.name is not None)
-        name = self._everyone(lambda: self._plan(mirror) if self.section.resume == "auto" else None)
+        name = self._everyone(lambda: self._plan(mirror, trainer) if self.section.resume == "auto" else None)
         if name is None:
             return
         start = time.perf_counter()
         tmp = download_dir(self.root, name)
-        done = self._everyone(lambda: mirror.download_share(name, tmp), every_rank=True)
-        self._everyone(lambda: mirror.publish_download(tmp, self.root / name))
+        try:
+            done = self._everyone(lambda: mirror.download_share(name, tmp), every_rank=True)
+            self._everyone(lambda: mirror.publish_download(tmp, self.root / name))
+        except UserError:
+            if acc.is_main_process:  # every rank is past its share (the failure was gathered): nothing left half-written
+                remove_path(tmp)
+            raise
         logger.info("Downloaded checkpoint %s from %s (%.1f MB on this rank, %.1f s) to resume on this node", name,
                     self.store.url, done / 1e6, time.perf_counter() - start)
         self.downloaded = name
@@ -209,16 +215,32 @@ class RemoteResume(Callback):
                 f"{str(err)[:300]}. The local folder {self.root} is unchanged; check the object storage and run "
                 "again, or pass checkpoint.resume=none to start fresh.", EXIT_USER_ERROR)
 
-    def _plan(self, mirror: CheckpointMirror) -> str | None:
+    def _plan(self, mirror: CheckpointMirror, trainer) -> str | None:
         """Main process: the remote checkpoint to download (its ``train_state.json`` fetched into the temporary
-        folder), or None."""
+        folder), or None. One this run cannot resume from (another run's: another seed, model or data) is refused
+        from its ``train_state.json`` alone, the temporary folder removed: nothing else is downloaded."""
         local = find_resume_checkpoint("auto", self.root)
         remote = mirror.resume_point(step_of_dir(local.name) if local is not None else None)
         if remote is None:
             return None
         logger.info("The remote %s holds %s, newer than the local folder's %s: downloading it", mirror.store.url,
                     remote[0], local.name if local is not None else "(none)")
-        mirror.fetch_state(remote[0], download_dir(self.root, remote[0]))
+        tmp = download_dir(self.root, remote[0])
+        try:
+            saved = mirror.fetch_state(remote[0], tmp)
+            trainer.checkpointer.resumer.check_compatible(saved, mirror.store.url_of(remote[0]), trainer.run.model)
+        except RemoteLatestError:
+            remove_path(tmp)
+            raise
+        except UserError as err:  # the remote is another run's: its refusal as it is, and where a new run goes
+            remove_path(tmp)
+            raise RemoteLatestError(
+                f"{err} Nothing was downloaded: the local folder {self.root} is unchanged. A new run needs its own "
+                f"checkpoint.remote (another URL), or it would upload its checkpoints over those of "
+                f"{mirror.store.url}.") from None
+        except BaseException:
+            remove_path(tmp)
+            raise
         return remote[0]
 
     def outcome(self, trainer) -> dict:
