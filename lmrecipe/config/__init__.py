@@ -1,4 +1,4 @@
-"""The one typed configuration of a run: ``sections.py`` declares it (a dataclass per section, every field
+"""The one typed configuration of a run: ``sections/`` declares it (a dataclass per section, every field
 documented with its units), ``rules.py`` holds every refused combination of settings as a table, ``loader.py``
 reads recipes (with ``base:`` inheritance) and ``key=value`` overrides into it, ``reference.py`` lists every key
 for ``docs/reference/keys.md`` and ``train.py --list-keys``.

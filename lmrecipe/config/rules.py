@@ -2,7 +2,7 @@
 
 A row names the rule, says when it is broken (``applies``), what is wrong (``message``) and how to fix it (``fix``);
 :func:`check_rules` reports every broken row at once (exit code 2). A refusal of one field on its own (a range, a name)
-is that section's ``validate`` (``sections.py``). What only the launch knows stays where it is known:
+is that section's ``validate`` (``sections/``). What only the launch knows stays where it is known:
 the process count, the GPU, the installed libraries (``lmrecipe/parallel/``: ``build_runtime``,
 ``check_*_topology``), what a DeepSpeed JSON file says (its ZeRO stage and offload: ``check_*_stage``,
 ``load_deepspeed_config``), and the shape of a model continued from ``model.init_from`` (its own ``config.json``:
