@@ -27,6 +27,7 @@ from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
 from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config, DataConfig, ModelConfig, Workload
+from lmrecipe.config.notes import unreached_steps
 from lmrecipe.config.sections import fail_all
 from lmrecipe.data.format import open_data
 from lmrecipe.data.remote import check_remote_data
@@ -112,6 +113,7 @@ def dry_run(cfg: Config) -> DryRunReport:
     if cfg.schedule.warmup_steps > cfg.train.max_steps:  # allowed (a short smoke run of a long recipe), as in training
         report.lines.append(f"note: schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds train.max_steps="
                             f"{cfg.train.max_steps}: the learning rate never reaches optim.lr={cfg.optim.lr:.3g}.")
+    report.lines += [f"note: {note}" for note in unreached_steps(cfg.data, cfg.train)]
     if resume_from is not None:
         report.lines.append(f"note: the run resumes from {resume_from} (checkpoint.resume={cfg.checkpoint.resume}).")
     return report

@@ -1,4 +1,6 @@
-"""Config messages: the example an error shows is a value of the key it names."""
+"""Config messages: the example an error shows is a value of the key it names; a note names each stage or batch-size
+ramp point that a run ends before (the dry run's and the start-up's are tested with them, in test_cli_flags.py and
+test_batch_ramp.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from helpers import ROOT
 
 from lmrecipe.config import Config, load_config
 from lmrecipe.config import loader as config_loader
+from lmrecipe.config.notes import unreached_steps
 from lmrecipe.config.reference import ITEMS, config_keys
 from lmrecipe.errors import UserError
 
@@ -64,3 +67,29 @@ def test_the_examples_of_stages_and_ramps_load_as_those_keys(override, into, sup
     example = shown_example(override)
     assert "path:" not in example and "rms_norm_eps" not in example
     load_config(TINY, [*supporting, into.format(example)])
+
+
+LINEAR = ["train.global_batch_size=32", "train.batch_ramp_start_size=8", "train.batch_ramp_increment=8",
+          "train.batch_ramp_steps_per_increment=100"]
+
+
+def test_a_linear_ramp_that_reaches_its_full_size_past_the_last_step_is_noted():
+    cfg = load_config(TINY, ["train.max_steps=300", *LINEAR])  # sizes 8, 16, 24 from steps 0, 100, 200; 32 from 300
+    assert unreached_steps(cfg.data, cfg.train) == [
+        "The linear batch-size ramp (train.batch_ramp_start_size=8, train.batch_ramp_increment=8, "
+        "train.batch_ramp_steps_per_increment=100) reaches train.global_batch_size only at step 300, at or after "
+        "train.max_steps=300 (the last optimizer step is 299): its sizes from step 300 on never take effect, and the "
+        "run ends at 24 sequences per step, below train.global_batch_size=32. Raise train.max_steps above 300 to reach "
+        "the full size."]
+    cfg = load_config(TINY, ["train.max_steps=301", *LINEAR])
+    assert unreached_steps(cfg.data, cfg.train) == []
+
+
+def test_every_stage_past_the_last_step_is_named_in_one_note():
+    cfg = load_config(TINY, ["train.max_steps=100", SOURCES, "data.stages=[{start_step: 0, weights: {web: 1}}, "
+                             "{start_step: 99, weights: {code: 1}}, {start_step: 100, weights: {web: 1}}, "
+                             "{start_step: 5000, weights: {code: 1}}]"])
+    assert unreached_steps(cfg.data, cfg.train) == [
+        "data.stages[2] (start_step 100), data.stages[3] (start_step 5000) start at or after train.max_steps=100 (the "
+        "last optimizer step is 99), so they never take effect: the run trains on data.stages[1]'s weights to its end. "
+        "Raise train.max_steps above 5000 to train every stage."]

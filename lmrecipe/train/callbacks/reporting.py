@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.config import DataConfig, save_config
+from lmrecipe.config.notes import unreached_steps
 from lmrecipe.model.loss import chunked_head
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.run_meta import launch_record, record_event
@@ -120,6 +121,8 @@ def log_start(run: Run) -> None:
         logger.warning("schedule.warmup_steps=%d exceeds train.max_steps=%d: the learning rate stops at %.3g, below "
                        "optim.lr=%.3g.", cfg.schedule.warmup_steps, cfg.train.max_steps,
                        run.lr_at(cfg.train.max_steps - 1), cfg.optim.lr)
+    for note in unreached_steps(cfg.data, cfg.train):  # allowed too (a smoke run), but never in effect: say so
+        logger.warning("%s", note)
 
 
 def warn_capped_val_windows(data: DataConfig, val_sets: dict) -> None:
