@@ -1,5 +1,5 @@
 """Config messages: the example an error shows is a value of the key it names; a note names each stage or batch-size
-ramp point that a run ends before (the dry run's and the start-up's are tested with them, in test_cli_flags.py and
+ramp point that a run ends before (the dry run's note is tested in test_cli_flags.py, the start-up warning in
 test_batch_ramp.py)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lmrecipe.errors import UserError
 
 TINY = ROOT / "recipes" / "tiny.yaml"
 LIST_AND_MAPPING_KEYS = [k.key for k in config_keys() if k.type == "mapping" or k.type.startswith("list")]
-"""The keys whose values are lists or mappings (``data.stages[].weights`` among them), and the list items."""
+"""The keys whose values are lists or mappings, a list item's keys among them (``data.stages[].weights``)."""
 SOURCES = "data.sources=[{path: data/web, name: web}, {path: data/code, name: code}]"
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from lmrecipe.errors import UserError, fail
 
-
 FIXED_ON_RESUME = {"fixed_on_resume": True}
 """Field metadata: a resume may not change this value (the saved weights, shards or data position depend on it)."""
 

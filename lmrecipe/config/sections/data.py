@@ -13,7 +13,6 @@ from typing import Optional
 from lmrecipe.config.sections.common import FIXED_ON_RESUME, fixed, positive
 from lmrecipe.errors import fail
 
-
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 

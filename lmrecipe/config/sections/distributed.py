@@ -12,7 +12,6 @@ from typing import Literal, Optional
 from lmrecipe.config.sections.common import fixed, positive
 from lmrecipe.errors import fail
 
-
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 

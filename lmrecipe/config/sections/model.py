@@ -10,7 +10,6 @@ from typing import Literal, Optional
 from lmrecipe.config.sections.common import FIXED_ON_RESUME, fixed, non_negative, positive
 from lmrecipe.errors import fail
 
-
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The mixture-of-experts architectures (``model.arch``) a recipe builds with ``model.num_experts`` > 0."""
 SHARED_EXPERT_ARCHS = {"qwen2_moe": 1}

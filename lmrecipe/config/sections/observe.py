@@ -9,7 +9,6 @@ from typing import Literal, Optional
 from lmrecipe.config.sections.common import positive
 from lmrecipe.errors import fail
 
-
 TrackerName = Literal["wandb", "tensorboard", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio"]
 
 

@@ -11,7 +11,6 @@ from typing import Any, Literal, Optional
 from lmrecipe.config.sections.common import FIXED_ON_RESUME, fixed, non_negative, positive
 from lmrecipe.errors import fail
 
-
 Precision = Literal["auto", "bf16", "fp16", "fp32", "fp8"]
 
 
