@@ -1,7 +1,8 @@
-"""The one typed configuration of a run: ``sections.py`` declares it (a dataclass per section, every field
+"""The one typed configuration of a run: ``sections/`` declares it (a dataclass per section, every field
 documented with its units), ``rules.py`` holds every refused combination of settings as a table, ``loader.py``
 reads recipes (with ``base:`` inheritance) and ``key=value`` overrides into it, ``reference.py`` lists every key
-for ``docs/reference/keys.md`` and ``train.py --list-keys``.
+for ``docs/reference/keys.md`` and ``train.py --list-keys``; ``notes.py`` names settings that a run as configured
+never reaches (a warning at start-up, a note in ``train.py --dry-run``).
 
 Precedence: dataclass defaults < recipe YAML < ``key=value`` overrides. Unknown keys, wrong types, out-of-range
 values and refused combinations raise :class:`~lmrecipe.errors.UserError` naming each key and what is allowed.

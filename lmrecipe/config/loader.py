@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -31,6 +32,21 @@ BASE_KEY = "base"
 RENAMED = {"logging.tracker": "logging.trackers, a list: logging.trackers=[wandb] or [wandb,tensorboard]"}
 """Keys of earlier versions and what replaced them."""
 
+
+EXAMPLES = {
+    "model.extra": "{rms_norm_eps: 1e-5}",
+    "data.sources": "[{path: data/code, weight: 0.7}, {path: data/prose, weight: 0.3}]",
+    "data.sources[]": "{path: data/code, weight: 0.7}",
+    "data.stages": "[{start_step: 0, weights: {web: 1.0}}, {start_step: 9000, weights: {web: 0.5, code: 0.5}}]",
+    "data.stages[]": "{start_step: 9000, weights: {web: 0.5, code: 0.5}}",
+    "data.stages[].weights": "{web: 0.5, code: 0.5}",
+    "train.batch_ramp": "[{step: 0, size: 64}, {step: 500, size: 128}]",
+    "train.batch_ramp[]": "{step: 500, size: 128}",
+    "eval.tasks": "[next_line]",
+    "eval.samples": '["def main(", "import "]',
+    "logging.trackers": "[wandb, tensorboard]",
+}
+"""An example value of each list and mapping key (a list's items as ``key[]``), shown when a value is not of its type."""
 
 BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 """How a boolean may be written on the command line (YAML reads its own)."""
@@ -268,7 +284,7 @@ def _coerce(key: str, value: Any, hint: Any, from_cli: bool, problems: list[str]
                 value = None
         if isinstance(value, dict):
             return value
-        raise fail(f"{key}={value!r} must be a mapping, e.g. {key}='{{rms_norm_eps: 1e-5}}'.")
+        raise fail(f"{key}={value!r} must be a mapping{_example(key)}.")
     raise UserError(f"{key}: unsupported config type {hint!r}.")
 
 
@@ -283,7 +299,7 @@ def _coerce_list(key: str, value: Any, item_hint: Any, from_cli: bool, problems:
     if isinstance(value, str):
         value = [value]  # one item
     if not isinstance(value, list):
-        raise fail(f"{key}={value!r} must be a list, e.g. {key}='[{{path: data/code, weight: 0.7}}]'.")
+        raise fail(f"{key}={value!r} must be a list{_example(key)}.")
     before = len(problems)
     items = []
     for i, item in enumerate(value):
@@ -306,7 +322,8 @@ def _record(key: str, value: Any, cls: type, problems: list[str]) -> Any:
     required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if not isinstance(value, dict):
-        raise fail(f"{key}={value!r} must be a mapping with keys {', '.join(names)} (required: {', '.join(required)}).")
+        raise fail(f"{key}={value!r} must be a mapping with keys {', '.join(names)} (required: {', '.join(required)})"
+                   f"{_example(key)}.")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     before = len(problems)
@@ -321,5 +338,14 @@ def _record(key: str, value: Any, cls: type, problems: list[str]) -> Any:
         raise _Reported()
     missing = [name for name in required if name not in kwargs]
     if missing:
-        raise fail(f"{key} lacks {', '.join(missing)}: write e.g. {{path: data/code, weight: 0.7}}.")
+        raise fail(f"{key} lacks {', '.join(missing)}{_example(key, ': write e.g. ')}.")
     return cls(**kwargs)
+
+
+def _example(key: str, lead: str = ", e.g. ") -> str:
+    """``lead`` and the example of ``key`` from :data:`EXAMPLES` ('' for none): an override ``KEY='VALUE'``, or the
+    value alone inside a list item (``data.stages[0]``, which no override sets by itself)."""
+    example = EXAMPLES.get(re.sub(r"\[\d+\]", "[]", key))
+    if example is None:
+        return ""
+    return lead + (example if "[" in key else f"{key}='{example}'")

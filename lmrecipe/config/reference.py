@@ -1,5 +1,6 @@
 """The key reference, generated from the config dataclasses: every key with its type, default, whether a resume
-may change it, and its docstring (read from ``sections.py`` itself, so the reference cannot drift from the code).
+may change it, and its docstring (read from the source of the modules that declare them, so the reference cannot
+drift from the code).
 
 :func:`config_keys` lists the keys; :func:`render_markdown` is ``docs/reference/keys.md``, regenerated with
 ``python -m lmrecipe.config.reference > docs/reference/keys.md``; :func:`format_key_list` is ``train.py
@@ -20,7 +21,6 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from lmrecipe.config import sections
 from lmrecipe.config.loader import BASE_KEY
 from lmrecipe.config.sections import BatchSize, Config, DataSource, DataStage
 from lmrecipe.errors import UserError
@@ -67,18 +67,23 @@ class KeyInfo:
 
 @functools.cache
 def field_docs() -> dict[tuple[str, str], str]:
-    """``{(class name, field name): docstring}`` of every dataclass in ``sections.py``, read once from its source (an
-    attribute docstring is the string literal right after the field)."""
-    tree = ast.parse(inspect.getsource(sections))
+    """``{(class name, field name): docstring}`` of every dataclass of the configuration, read once from the source
+    of each module that declares one (an attribute docstring is the string literal right after the field)."""
     docs = {}
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        for item, following in zip(node.body, [*node.body[1:], None]):
-            if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
-                docs[(node.name, item.target.id)] = " ".join(inspect.cleandoc(following.value.value).split())
+    for module in dict.fromkeys(sys.modules[cls.__module__] for cls in _config_classes()):
+        for node in ast.parse(inspect.getsource(module)).body:
+            if isinstance(node, ast.ClassDef):
+                docs.update(_attribute_docs(node))
+    return docs
+
+
+def _attribute_docs(node: ast.ClassDef) -> dict[tuple[str, str], str]:
+    docs = {}
+    for item, following in zip(node.body, [*node.body[1:], None]):
+        if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[(node.name, item.target.id)] = " ".join(inspect.cleandoc(following.value.value).split())
     return docs
 
 
@@ -189,10 +194,10 @@ def first_sentence(text: str) -> str:
 _INTRO = f"""\
 # Configuration keys
 
-<!-- Generated from lmrecipe/config/sections.py by `{REGENERATE}`; do not edit by hand. -->
+<!-- Generated from lmrecipe/config/sections/ by `{REGENERATE}`; do not edit by hand. -->
 
 Every key a recipe may set, with its type, its default and what it does. This page is generated from the
-configuration's dataclasses (`lmrecipe/config/sections.py`, one docstring per field); after changing a field,
+configuration's dataclasses (`lmrecipe/config/sections/`, one docstring per field); after changing a field,
 regenerate it with
 
     {REGENERATE}

@@ -2,7 +2,7 @@
 
 A row names the rule, says when it is broken (``applies``), what is wrong (``message``) and how to fix it (``fix``);
 :func:`check_rules` reports every broken row at once (exit code 2). A refusal of one field on its own (a range, a name)
-is that section's ``validate`` (``sections.py``). What only the launch knows stays where it is known:
+is that section's ``validate`` (``sections/``). What only the launch knows stays where it is known:
 the process count, the GPU, the installed libraries (``lmrecipe/parallel/``: ``build_runtime``,
 ``check_*_topology``), what a DeepSpeed JSON file says (its ZeRO stage and offload: ``check_*_stage``,
 ``load_deepspeed_config``), and the shape of a model continued from ``model.init_from`` (its own ``config.json``:
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable, Union
 
-from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS, Config, fail_all
+from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS, Config, TrainConfig, fail_all
 
 Text = Union[str, Callable[[Config], str]]
 
@@ -105,9 +105,9 @@ def _autoep_refuses(name: str, applies: Callable[[Config], bool], setting: Calla
                 "distributed.expert_layer=hf).")
 
 
-def _uneven_ramp_sizes(c: Config) -> list[int]:
+def _uneven_ramp_sizes(train: TrainConfig) -> list[int]:
     """The batch-size ramp's step sizes that are not whole micro-batches."""
-    return [size for _, size in c.train.ramp_points() if size % c.train.micro_batch_size]
+    return [size for _, size in train.ramp_points() if size % train.micro_batch_size]
 
 
 def _multiple_below(value: int, unit: int) -> int:
@@ -234,8 +234,8 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"train.global_batch_size={c.train.global_batch_size} must be a multiple of "
                    f"train.micro_batch_size={c.train.micro_batch_size}."),
     Rule("ramp_whole_micro_batches",
-         lambda c: len(c.train.ramp_points()) > 1 and bool(_uneven_ramp_sizes(c)),
-         lambda c: f"The batch-size ramp has step sizes ({', '.join(str(s) for s in _uneven_ramp_sizes(c))}) that are "
+         lambda c: len(c.train.ramp_points()) > 1 and bool(_uneven_ramp_sizes(c.train)),
+         lambda c: f"The batch-size ramp has step sizes ({', '.join(str(s) for s in _uneven_ramp_sizes(c.train))}) that are "
                    f"not multiples of train.micro_batch_size={c.train.micro_batch_size}: a ramp changes the "
                    "accumulation count, never the micro-batch.",
          lambda c: f"Choose sizes that are multiples of {c.train.micro_batch_size} x the data-parallel processes (for "

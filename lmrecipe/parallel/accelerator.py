@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch
 
-from lmrecipe.config import Config
+from lmrecipe.config import Workload
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.errors import fail
 from lmrecipe.observe.quiet import quiet_prints
@@ -36,14 +36,14 @@ class Runtime:
     """This rank's share of each sequence (``distributed.sequence_parallel_size`` > 1); None: whole sequences."""
 
 
-def build_runtime(cfg: Config, precision: str, topology: Topology, ds_config: dict | None) -> Runtime:
+def build_runtime(work: Workload, precision: str, topology: Topology, ds_config: dict | None) -> Runtime:
     """The Accelerator (and DeepSpeed plugin) of the launch that the start-up checks judged (``precision``,
     ``topology`` and the filled ``ds_config`` of :func:`~lmrecipe.parallel.launch.check_launch`). Build it before
     the model so ZeRO-3 partitions at construction."""
     from accelerate.utils import DeepSpeedPlugin
 
     world_size = topology.world_size
-    if cfg.distributed.hang_watchdog and world_size > 1:
+    if work.distributed.hang_watchdog and world_size > 1:
         # torch's flight recorder keeps each rank's collectives only when asked before the process group exists; the
         # hang watchdog writes it beside hang.md. A launch that sets its own size keeps it.
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
@@ -53,14 +53,14 @@ def build_runtime(cfg: Config, precision: str, topology: Topology, ds_config: di
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
         log_op_compilation(topology.zero.offload_optimizer)
     sp = topology.sequence_parallel_size
-    parallelism = _sequence_parallelism(sp, world_size, cfg.data.seq_len) if sp > 1 else None
-    accum_steps = topology.batch_layout(cfg.train).accum_steps
+    parallelism = _sequence_parallelism(sp, world_size, work.data.seq_len) if sp > 1 else None
+    accum_steps = topology.batch_layout(work.train).accum_steps
     with quiet_prints():  # DeepSpeed prints a line per process as it sets up its CPU collectives
-        accelerator = _build_accelerator(world_size, precision, accum_steps, plugin, cfg.distributed.timeout_s,
+        accelerator = _build_accelerator(world_size, precision, accum_steps, plugin, work.distributed.timeout_s,
                                          parallelism)
     rank = accelerator.process_index
     sequence = SequenceParallel.of_rank(sp, rank, ds_config) if sp > 1 else None
-    return Runtime(accelerator, precision, topology, topology.batch_layout(cfg.train, rank), ds_config, sequence)
+    return Runtime(accelerator, precision, topology, topology.batch_layout(work.train, rank), ds_config, sequence)
 
 
 def _ensure_single_process_env() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmrecipe.config import Config
+from lmrecipe.config import Config, Workload
 from lmrecipe.config.sections import fail_all
 from lmrecipe.planning.memory import MemoryEstimate, estimate_run, format_bytes, model_shape
 from lmrecipe.parallel.topology import startup_line
@@ -47,25 +47,24 @@ def dry_run(cfg: Config) -> DryRunReport:
     pf = preflight(cfg, dry=True)
     report = DryRunReport(list(pf.lines), pf.problems)
     if pf.hf_config is not None and pf.topology is not None and pf.precision is not None:
-        report.lines += run_lines(pf)
+        report.lines += run_lines(cfg.workload(), pf)
     report.lines += [f"note: {note}" for note in pf.notes]
     if pf.resume_from is not None:
         report.lines.append(f"note: the run resumes from {pf.resume_from} (checkpoint.resume={cfg.checkpoint.resume}).")
     return report
 
 
-def run_lines(pf: Preflight) -> list[str]:
+def run_lines(work: Workload, pf: Preflight) -> list[str]:
     """The start-up line the run would log, its memory estimate per rank and the notes on this machine."""
-    cfg, shape = pf.cfg, model_shape(pf.hf_config)
-    work = cfg.workload()
+    shape = model_shape(pf.hf_config)
     lines = ["start-up line: " + startup_line(
-        shape.n_params, shape.active() if shape.expert_params else None, pf.topology, pf.batch, cfg.data.seq_len,
+        shape.n_params, shape.active() if shape.expert_params else None, pf.topology, pf.batch, work.data.seq_len,
         pf.precision, work.train.chunk_tokens(pf.hf_config.vocab_size))]
     memory = pf.check(lambda: estimate_run(shape, work, pf.topology, pf.precision, pf.batch.accum_steps,
                                            _nodes(pf.world_size)))
     if memory is not None:
-        lines.append(memory_line(memory, cfg.train.gradient_checkpointing))
-        lines += device_notes(memory, cfg.train.precision, pf.precision)
+        lines.append(memory_line(memory, work.train.gradient_checkpointing))
+        lines += device_notes(memory, work.train.precision, pf.precision)
     return lines
 
 

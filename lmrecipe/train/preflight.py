@@ -28,6 +28,7 @@ from lmrecipe.checkpoint.resume import check_branch_out_dir
 from lmrecipe.checkpoint.storage import find_resume_checkpoint, step_of_dir
 from lmrecipe.cli import check_output_path
 from lmrecipe.config import Config
+from lmrecipe.config.notes import unreached_steps
 from lmrecipe.config.sections import fail_all
 from lmrecipe.data.batches import BatchLayout
 from lmrecipe.data.format import check_model_vocab, open_data
@@ -206,6 +207,7 @@ def add_notes(pf: Preflight) -> None:
         pf.notes.append(f"schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds train.max_steps="
                         f"{cfg.train.max_steps}: the learning rate stops at {last_lr:.3g}, below "
                         f"optim.lr={cfg.optim.lr:.3g}.")
+    pf.notes += unreached_steps(cfg.data, cfg.train)  # a stage or ramp point at or past the end
     zero = pf.topology.zero if pf.topology is not None else None
     if zero is not None and zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
         pf.notes.append("ZeRO-3 with non-reentrant activation checkpointing is known to fail; "

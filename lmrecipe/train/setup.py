@@ -111,7 +111,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     pf = preflight(cfg, out_dir)
     pf.raise_problems()
     maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
-    runtime = build_runtime(cfg, pf.precision, pf.topology, pf.ds_config)
+    runtime = build_runtime(cfg.workload(), pf.precision, pf.topology, pf.ds_config)
     accelerator, topology, zero = runtime.accelerator, runtime.topology, runtime.topology.zero
     if accelerator.is_main_process:
         for note in pf.notes:

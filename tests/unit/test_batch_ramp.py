@@ -4,6 +4,7 @@ in-process runs whose resume inside the ramp is exact (also under DeepSpeed ZeRO
 from __future__ import annotations
 
 import json
+import logging
 import math
 from types import SimpleNamespace
 
@@ -140,11 +141,18 @@ def ramp_run(tmp_path_factory):
     return SimpleNamespace(data=data, out=root / "whole", state=state)
 
 
-def test_a_resume_inside_the_ramp_is_exact(tmp_path, ramp_run):
+def test_a_resume_inside_the_ramp_is_exact(tmp_path, ramp_run, caplog):
     """3 steps and a resume at step 3 (inside the ramp) against the run in one go: the same losses; tokens,
-    throughput and the data position follow the sizes."""
-    train_tiny(tmp_path / "split", ramp_run.data, "train.max_steps=3")
-    train_tiny(tmp_path / "split", ramp_run.data, "train.max_steps=6")
+    throughput and the data position follow the sizes. The 3-step session warns at start-up that the ramp's last
+    point (step 4) is past its end; the 6-step one reaches it and says nothing."""
+    with caplog.at_level(logging.WARNING):
+        train_tiny(tmp_path / "split", ramp_run.data, "train.max_steps=3")
+    assert ("train.batch_ramp[2] (step 4, size 16) starts at or after train.max_steps=3 (the last optimizer step is "
+            "2), so it never takes effect: the run ends at 8 sequences per step") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train_tiny(tmp_path / "split", ramp_run.data, "train.max_steps=6")
+    assert "train.batch_ramp[" not in caplog.text
     assert losses(tmp_path / "split") == losses(ramp_run.out)
     assert ramp_run.state.tokens_seen == (4 + 4 + 8 + 8 + 16 + 16) * 32
     assert metric_rows(ramp_run.out, "tokens_seen") == {1: 128, 2: 256, 3: 512, 4: 768, 5: 1280, 6: 1792}

@@ -204,3 +204,21 @@ def test_a_world_size_that_is_no_number_of_processes_is_named(train_main, capsys
         assert "Unset it for one process" in err and not out_dir.exists()
     assert "dry run: 1 problem(s)" in run(train_main, capsys, "--dry-run", RECIPE, f"data.path={data}",
                                           f"out_dir={out_dir}")[1]
+
+
+def test_dry_run_notes_a_stage_and_a_ramp_point_past_the_last_step(train_main, capsys, data, tmp_path, monkeypatch):
+    """Valid (a short run of a long recipe), but neither ever takes effect: each note names the key, its step and
+    train.max_steps."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, out, _ = run(train_main, capsys, "--dry-run", RECIPE, f"out_dir={tmp_path / 'run'}", "train.max_steps=5",
+                       f"data.sources=[{{path: {data}, name: a}}, {{path: {data}, name: b}}]",
+                       "data.stages=[{start_step: 0, weights: {a: 1}}, {start_step: 5, weights: {b: 1}}]",
+                       "train.batch_ramp=[{step: 0, size: 8}, {step: 4, size: 16}]")
+    assert code == 0, out
+    assert ("note: data.stages[1] (start_step 5) starts at or after train.max_steps=5 (the last optimizer step is 4), "
+            "so it never takes effect") in out
+    assert "train.batch_ramp" not in out  # step 4 is the last step: the point is reached
+    code, out, _ = run(train_main, capsys, "--dry-run", RECIPE, f"data.path={data}", f"out_dir={tmp_path / 'run'}",
+                       "train.max_steps=4", "train.batch_ramp=[{step: 0, size: 8}, {step: 4, size: 16}]")
+    assert code == 0 and ("note: train.batch_ramp[1] (step 4, size 16) starts at or after train.max_steps=4 (the last "
+                          "optimizer step is 3), so it never takes effect: the run ends at 8 sequences per step") in out

@@ -241,6 +241,13 @@ def test_every_out_of_range_value_is_reported_in_one_message():
                                             "spike.min_history=1 must be at least 2"))
 
 
+def test_a_range_check_names_each_section_by_its_key_in_the_config():
+    from lmrecipe.config.sections.common import section_name
+
+    sections = [f for f in dataclasses.fields(Config) if f.name != "out_dir"]
+    assert [section_name(f.default_factory()) for f in sections] == [f.name for f in sections]
+
+
 def test_bad_yaml_names_the_file_line_and_column(tmp_path):
     recipe = _write(tmp_path / "bad.yaml", "optim:\n  lr: [1,\n  min_lr: 2\n")
     with pytest.raises(UserError, match="is not valid YAML") as err:

@@ -41,7 +41,7 @@ def dataclass_keys(cls: type = Config, prefix: str = "") -> list[str]:
 def test_the_checked_in_page_is_what_the_generator_writes():
     expected = render_markdown()
     actual = PAGE.read_text() if PAGE.is_file() else ""
-    assert actual == expected, (f"{PAGE.relative_to(ROOT)} is out of date with lmrecipe/config/sections.py; "
+    assert actual == expected, (f"{PAGE.relative_to(ROOT)} is out of date with lmrecipe/config/sections/; "
                                 f"regenerate it with: {REGENERATE}")
 
 

@@ -1,0 +1,100 @@
+"""The ``model`` section: the architecture and its initialisation, or the checkpoint to continue from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lmrecipe.config.sections.common import FIXED_ON_RESUME, fixed, non_negative, positive
+from lmrecipe.errors import fail
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""The mixture-of-experts architectures (``model.arch``) a recipe builds with ``model.num_experts`` > 0."""
+SHARED_EXPERT_ARCHS = {"qwen2_moe": 1}
+"""The MoE architectures with shared experts, and how many each layer has (the others have none)."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = fixed("llama")
+    """Hugging Face ``model_type`` for a model built from scratch (any ``AutoConfig`` architecture)."""
+    init_from: Optional[str] = None
+    """Local Hugging Face checkpoint folder to continue pretraining from; null builds from scratch."""
+    hidden_size: int = fixed(256)
+    """Width of the residual stream (features)."""
+    num_layers: int = fixed(4)
+    """Number of transformer blocks."""
+    num_heads: int = fixed(4)
+    """Attention heads (query heads)."""
+    num_kv_heads: Optional[int] = fixed(None)
+    """Key/value heads for grouped-query attention; null means equal to ``num_heads``."""
+    intermediate_size: Optional[int] = fixed(None)
+    """MLP hidden width (features); null means 8/3 of ``hidden_size`` rounded up to a multiple of 64."""
+    vocab_size: Optional[int] = fixed(None)
+    """Vocabulary size (tokens); null takes the data's ``meta.json`` vocab size."""
+    max_position_embeddings: Optional[int] = fixed(None)
+    """Longest position the model supports (tokens); null means ``data.seq_len``."""
+    rope_theta: float = fixed(10000.0)
+    """RoPE base frequency."""
+    tie_embeddings: bool = fixed(False)
+    """Share the input embedding and the output projection."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel passed to transformers: sdpa (any device), eager, or a flash kernel on a CUDA GPU where its
+    package is installed (flash_attention_2: flash-attn; flash_attention_3: flash-attn-3, Hopper GPUs), checked at
+    start-up."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    extra: dict = field(default_factory=dict, metadata=FIXED_ON_RESUME)
+    """Further keyword arguments for the architecture's ``AutoConfig`` (e.g. ``rms_norm_eps``)."""
+    num_experts: int = fixed(0)
+    """Routed experts in each mixture-of-experts layer (``model.arch`` qwen3_moe, qwen2_moe or mixtral,
+    ``docs/moe.md``); 0 = a dense model (any other architecture)."""
+    experts_per_token: int = fixed(2)
+    """Experts each token is routed to (top-k) in an MoE layer."""
+    expert_intermediate_size: Optional[int] = fixed(None)
+    """Hidden width of one expert's MLP (features); null means ``intermediate_size``'s value."""
+    shared_experts: int = fixed(0)
+    """Experts every token passes through besides its routed ones, of width ``expert_intermediate_size``: qwen2_moe
+    has 1 (set it), qwen3_moe and mixtral have none (0)."""
+    router_aux_loss_coef: float = 0.001
+    """Coefficient of the router's load-balancing loss (Switch Transformer's, as the model class computes it), added
+    to the training objective and logged as ``aux_loss`` apart from ``loss``; validation, perplexity and
+    ``eval.py`` report the language-model loss alone. 0 = off."""
+
+    def validate(self) -> None:
+        positive(self, "hidden_size", "num_layers", "num_heads")
+        kv = self.kv_heads()
+        if kv <= 0:
+            raise fail(f"model.num_kv_heads={kv} must be a positive divisor of model.num_heads={self.num_heads}.")
+        for key in ("intermediate_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise fail(f"model.{key}={value} must be positive (or null for the default).")
+        non_negative(self, "num_experts", "shared_experts")
+        if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
+            raise fail(f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be a finite number >= 0 "
+                       "(0.001 is Qwen's and Mixtral's value; 0 turns the router's auxiliary loss off).")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise fail(f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts="
+                       f"{self.num_experts}] (each token's routed experts are chosen among them).")
+        if self.expert_intermediate_size is not None and self.expert_intermediate_size <= 0:
+            raise fail(f"model.expert_intermediate_size={self.expert_intermediate_size} must be positive (or null "
+                       "for model.intermediate_size).")
+
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    def mlp_size(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers (``num_experts`` > 0)."""
+        return self.num_experts > 0
+
+    def expert_size(self) -> int:
+        """Hidden width of one expert's MLP (features)."""
+        return self.expert_intermediate_size if self.expert_intermediate_size is not None else self.mlp_size()
