@@ -533,7 +533,8 @@ def check_model_vocab(model_vocab_size: int | None, meta: dict, data_dir: str | 
                f"{data_vocab:,} tokens ({meta.get('tokenizer', 'its meta.json')}): the model is sized for another "
                f"tokenizer, and {model_vocab_size - data_vocab:,} of its embedding rows would never see a token. Set "
                "model.vocab_size=null to take the data's, or prepare the data with the model's tokenizer: `python "
-               "tools/prepare_data.py --input CORPUS --tokenizer TOKENIZER --output NEW_DATA`, then data.path=NEW_DATA.")
+               "tools/prepare_data.py --input CORPUS --tokenizer TOKENIZER --output NEW_DATA`, then data.path=NEW_DATA "
+               "(or set model.vocab_beyond_data=true to keep that shape on purpose, e.g. to measure its speed).")
 
 
 def open_data(data_dir: str | Path, seq_len: int, model_vocab_size: int | None,

@@ -161,7 +161,7 @@ def check_data(pf: Preflight) -> None:
     pf.meta = pf.meta or meta
     sources = local_sources(data)  # a run's staged copies (a dry run has only local folders here)
     pf.check(lambda: check_init_tokenizer(model, sources[0].path))
-    if pf.dry:
+    if not model.vocab_beyond_data:
         pf.check(lambda: check_model_vocab(model.vocab_size, meta, sources[0].path))
     vocab_size = model.vocab_size or int(meta["vocab_size"])
     for i, source in enumerate(sources):

@@ -34,6 +34,10 @@ class ModelConfig:
     """MLP hidden width (features); null means 8/3 of ``hidden_size`` rounded up to a multiple of 64."""
     vocab_size: Optional[int] = fixed(None)
     """Vocabulary size (tokens); null takes the data's ``meta.json`` vocab size."""
+    vocab_beyond_data: bool = False
+    """Accept a ``vocab_size`` above the data tokenizer's (rounded up to a multiple of 128): embedding rows that no
+    token reaches, e.g. to measure a model of another tokenizer's shape on any prepared data (the GPU kit does).
+    Off, such a run is refused at start-up: the model was sized for another tokenizer."""
     max_position_embeddings: Optional[int] = fixed(None)
     """Longest position the model supports (tokens); null means ``data.seq_len``."""
     rope_theta: float = fixed(10000.0)
