@@ -60,3 +60,12 @@ def test_notes_are_warnings_of_a_run_and_notes_of_its_dry_run(tmp_path, data, ca
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert all(sum(note in w for w in warned) == 1 for note in notes), warned
 
+
+
+def test_a_model_vocabulary_beyond_the_datas_is_refused_unless_kept_on_purpose(tmp_path, data):
+    for dry in (True, False):
+        found = preflight(config(tmp_path, data, "model.vocab_size=1024"), dry=dry)
+        assert len(found.problems) == 1 and "model.vocab_size=1,024 but" in found.problems[0]
+        assert "model.vocab_beyond_data=true" in found.problems[0]
+        kept = preflight(config(tmp_path, data, "model.vocab_size=1024", "model.vocab_beyond_data=true"), dry=dry)
+        assert kept.problems == [] and kept.hf_config.vocab_size == 1024
