@@ -17,6 +17,7 @@ from lmrecipe.config import Config, flatten_config, load_config
 from lmrecipe.errors import UserError
 from lmrecipe.fileio import write_json_atomic, write_text_atomic
 from lmrecipe.observe.doctor import diagnose, report_lines
+from lmrecipe.observe.goodput import report_lines as goodput_lines
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics, throughput
 from lmrecipe.observe.run_meta import record_outcome
 
@@ -181,6 +182,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         "",
         *task_table(rows),
         *sample_lines(rows),
+        *goodput_lines(out_dir),
         *report_lines(diagnose(rows, meta)),
         *(_plan_check(prediction, figures, meta, hardware.get("gpu")) if prediction else []),
         "## Environment",

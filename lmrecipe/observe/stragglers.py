@@ -100,14 +100,17 @@ class StragglerDetector:
         self.logged_steps = logged_steps
         self.hosts = hosts
         self.streaks = [0] * len(hosts)
+        self.warm = False
 
     def observe(self, step: int, seconds_per_step: list[float]) -> dict:
         """The row's figures for one logged step from every rank's compute seconds per step: the median, the slowest
-        rank and its time, and ``stragglers`` (the ranks slow for ``logged_steps`` logged steps in a row, or [])."""
+        rank and its time, and ``stragglers`` (the ranks slow for ``logged_steps`` logged steps in a row, or []).
+        The session's first logged step is not compared: its interval holds the warm-up (first calls, allocations)."""
         median = statistics.median(seconds_per_step)
         slowest = max(range(len(seconds_per_step)), key=seconds_per_step.__getitem__)
         named = []
-        for rank, seconds in enumerate(seconds_per_step):
+        warm, self.warm = self.warm, True
+        for rank, seconds in enumerate(seconds_per_step if warm else ()):
             slow = median > 0 and seconds > median * (1 + self.margin)
             self.streaks[rank] = self.streaks[rank] + 1 if slow else 0
             if self.streaks[rank] >= self.logged_steps:

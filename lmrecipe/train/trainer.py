@@ -28,6 +28,7 @@ from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
 from lmrecipe.train.callbacks.ema import WeightEMA
 from lmrecipe.train.callbacks.faults import FaultInjection
+from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.layer_stats import LayerStats
 from lmrecipe.train.callbacks.model_states import ModelStates
 from lmrecipe.train.callbacks.oom import OOMDiagnosis
@@ -249,6 +250,7 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         remote_resume,  # checkpoint.remote: a newer remote checkpoint downloaded before the resume
         Watchdog(cfg.distributed),  # every rank's phase; a rank stuck past its budget is named in hang.md (exit 3)
         StragglerClock() if cfg.distributed.stragglers else None,  # every forward timed; read at logged steps
+        GoodputLedger(),  # where the session's time goes (goodput.json); before the callbacks it times
         Checkpointing(),  # resume at the start; save at the save point; wait for a background write at the end
         SpikeGuard(cfg.spike),  # a loss spike rolls the run back to the checkpoint before it
         NonFiniteStop(cfg.train),  # too many non-finite updates in a row end the run (exit 2)
