@@ -114,8 +114,19 @@ def _repeated_by_resume(session: dict, resumed_at: int) -> float:
     return kept - saved[max(saved)] if saved else kept
 
 
-def report_lines(out_dir: Path) -> list[str]:
-    """The report's "Goodput" section; nothing when the run wrote no ``goodput.json``."""
+def slowest_rank_wait_s(rows: list[dict]) -> float | None:
+    """Seconds the logged intervals' steps spent on the slowest rank's forward beyond the median rank's (the
+    straggler instrument's ``compute_s_max`` - ``compute_s_median`` per step, times the interval's steps): time the
+    other ranks waited for it; None when no row carries the figures."""
+    timed = [r for r in rows if "compute_s_max" in r and "compute_s_median" in r]
+    if not timed:
+        return None
+    return sum((r["compute_s_max"] - r["compute_s_median"]) * (r.get("interval_steps") or 1) for r in timed)
+
+
+def report_lines(out_dir: Path, rows: list[dict]) -> list[str]:
+    """The report's "Goodput" section from ``goodput.json`` and the metrics ``rows``; nothing when the run wrote no
+    ``goodput.json``."""
     account = summarize(read_sessions(out_dir))
     if account is None:
         return []
@@ -126,6 +137,10 @@ def report_lines(out_dir: Path) -> list[str]:
              "| where the wall time went | seconds | share |", "| --- | --- | --- |"]
     lines += [f"| {name} | {account[key]:,.1f} | {_pct(account[key] / wall_s if wall_s > 0 else None)} |"
               for key, name in CATEGORIES]
+    waited = slowest_rank_wait_s(rows)
+    if waited is not None:
+        lines += ["", f"Inside the steps, the slowest rank's forward took {waited:,.1f} s more than the median rank's "
+                      "over the logged intervals: time the other ranks waited for it (`distributed.stragglers`)."]
     return lines + [""]
 
 

@@ -182,7 +182,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         "",
         *task_table(rows),
         *sample_lines(rows),
-        *goodput_lines(out_dir),
+        *goodput_lines(out_dir, rows),
         *report_lines(diagnose(rows, meta)),
         *(_plan_check(prediction, figures, meta, hardware.get("gpu")) if prediction else []),
         "## Environment",

@@ -61,9 +61,18 @@ def test_the_ledger_keeps_the_earlier_sessions_and_a_fresh_start_drops_them(tmp_
 
 
 def test_the_report_section_lists_every_category(tmp_path):
-    assert report_lines(tmp_path) == []  # no goodput.json
+    assert report_lines(tmp_path, []) == []  # no goodput.json
     ledger = SessionLedger(0, 0.0)
     ledger.step_done(1, 3.0, 0.5)
     ledger.write(tmp_path)
-    lines = report_lines(tmp_path)
+    lines = report_lines(tmp_path, [])
     assert lines[0] == "## Goodput" and sum(line.startswith("| ") for line in lines) == 2 + 8  # header, rule, the categories
+    assert not any("slowest rank" in line for line in lines)
+
+
+def test_the_wait_for_the_slowest_rank_counts_every_step_of_each_interval(tmp_path):
+    rows = [{"step": 1, "loss": 1.0, "compute_s_median": 1.0, "compute_s_max": 1.5, "interval_steps": 1},
+            {"step": 5, "loss": 1.0, "compute_s_median": 1.0, "compute_s_max": 2.0, "interval_steps": 4},
+            {"step": 5, "val_loss": 1.0}]
+    SessionLedger(0, 0.0).write(tmp_path)
+    assert any("took 4.5 s more than the median" in line for line in report_lines(tmp_path, rows))
