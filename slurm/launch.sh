@@ -28,7 +28,9 @@
 #
 # Exit status: the launcher reports any failed worker as 1 (after a ChildFailedError traceback). The training
 # processes record how they ended in $LMRECIPE_EXIT_FILE (lmrecipe/cli.py); this script exits with that code
-# (2: bad input, 124: preempted, 130: Ctrl-C) and repeats the error's paragraph as its last line.
+# (2: bad input, 3: a hang, 4: a lost peer, 124: preempted, 130: Ctrl-C) and repeats the error's paragraph as its
+# last line. With LMRECIPE_STATUS_DIR set (slurm/train.sbatch sets it), it also writes that code to
+# $LMRECIPE_STATUS_DIR/node<MACHINE_RANK>.
 set -euo pipefail
 
 EXIT_PREEMPTED=124  # lmrecipe.checkpoint.EXIT_PREEMPTED
@@ -162,6 +164,10 @@ fi
 rm -f "$LMRECIPE_EXIT_FILE"
 if [[ $stop_requested -eq 1 && $status -ne 0 ]]; then
     # The launcher reports a worker's exit 124 as a generic failure; restore the meaning.
-    exit "$EXIT_PREEMPTED"
+    status=$EXIT_PREEMPTED
+fi
+if [[ -n ${LMRECIPE_STATUS_DIR:-} ]]; then
+    # This node's outcome for slurm/train.sbatch, which reads every node's (srun reports only the highest code).
+    echo "$status" > "$LMRECIPE_STATUS_DIR/node$machine_rank" || true
 fi
 exit "$status"

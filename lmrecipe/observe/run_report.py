@@ -278,13 +278,23 @@ def _launches(launches: list[dict]) -> list[str]:
              "| --- | --- | --- | --- | --- | --- |"]
     for launch in launches:
         command = " ".join(launch["command"]).replace("|", "\\|") if launch.get("command") else "n/a (started from Python)"
-        events = "; ".join(f"rolled back to step {e['step']}" if e["kind"] == "rollback" else
-                           f"stopped after step {e['step']} (exit {e.get('exit_code')}"
-                           f"{', preempted' if e.get('preempted') else ''})" for e in launch.get("events", []))
+        events = "; ".join([*_restart(launch), *(
+            f"rolled back to step {e['step']}" if e["kind"] == "rollback" else
+            f"stopped after step {e['step']} (exit {e.get('exit_code')}{', preempted' if e.get('preempted') else ''})"
+            for e in launch.get("events", []))])
         lines.append(f"| {launch.get('started_at')} | {launch.get('start_step')} | "
                      f"{launch.get('resumed_from') or 'no (fresh start)'} | {launch.get('world_size')} | "
                      f"`{command}` | {events} |")
     return lines + [""]
+
+
+def _restart(launch: dict) -> list[str]:
+    """The session's note when ``slurm/train.sbatch`` ran the training step again in the same job."""
+    env = launch.get("launcher_env", {})
+    if not env.get("LMRECIPE_JOB_RESTART"):
+        return []
+    return [f"run again in the same job after {env.get('LMRECIPE_JOB_RESTART_REASON', 'a failure')} "
+            f"(restart {env['LMRECIPE_JOB_RESTART']})"]
 
 
 def _container(info: dict | None) -> str:
