@@ -232,10 +232,12 @@ def run_sbatch_steps(tmp_path, steps: list[str], **env_vars) -> tuple[int, str, 
 
 
 def test_sbatch_runs_the_step_again_after_a_hang_or_a_lost_peer(tmp_path):
-    """A hang on node 0 (node 1 stopped by srun: 124), then a lost peer with node 1 killed before it wrote anything."""
-    code, err, runs, scontrol = run_sbatch_steps(tmp_path, ["124 3 124", "137 4 -", "0 0 0"])
+    """A hang on node 0 (node 1 stopped by srun: 124), a lost peer with node 1 killed before it wrote anything, a hang
+    whose frozen rank was killed (node 1's processes ended without a record), then success."""
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path, ["124 3 124", "137 4 -", "1 3 killed", "0 0 0"],
+                                                 LMRECIPE_RESTARTS="3")
     assert code == 0 and scontrol == "", err
-    assert runs == ["0 ", "1 a hang", "2 a lost peer"]
+    assert runs == ["0 ", "1 a hang", "2 a lost peer", "3 a hang"]
     assert "ended after a hang (exit 124); running it again in this allocation" in err
 
 
@@ -244,6 +246,8 @@ def test_sbatch_never_runs_a_crash_or_a_bad_input_again(tmp_path):
     assert (code, runs, scontrol) == (1, ["0 "], ""), err
     code, err, runs, scontrol = run_sbatch_steps(tmp_path / "input", ["2 2 2"])
     assert (code, runs, scontrol) == (2, ["0 "], ""), err
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path / "unrecorded", ["1 killed killed"])  # no hang, no lost peer
+    assert (code, runs, scontrol) == (1, ["0 "], ""), err
 
 
 def test_sbatch_stops_after_its_restarts_and_still_requeues_a_preemption(tmp_path):
