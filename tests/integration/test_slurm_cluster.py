@@ -180,7 +180,7 @@ def test_a_hang_runs_the_step_again_in_the_allocation_and_resumes_exactly(slurm_
     finally:
         if frozen is not None and process_alive(frozen):
             os.kill(frozen, signal.SIGKILL)
-    assert "[sbatch] the training step ended after a hang" in log and "requeue" not in log, log[-6000:]
+    assert "[sbatch] the training step ended after a hang" in log and "requeueing" not in log, log[-6000:]
     assert "[sbatch] finished with exit code 0" in log
     launches = json.loads((out_dir / "run_meta.json").read_text())["launches"]
     assert len(launches) == 2 and launches[1]["resumed_from"], launches
