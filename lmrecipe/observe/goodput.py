@@ -11,7 +11,8 @@ to the last session's last record. A step is *repeated* when a later session res
 seconds: the session's step seconds after that checkpoint) or a rollback discarded it. A *restart* is the time from
 a session's last record to the next session's process start: the steps after the last record, the failure, its
 detection and the relaunch. *Productive* is the time in training steps that stand, less their data wait; the goodput
-is its share of the wall time. What no category holds (logging, the end's export and report) is *other*.
+is its share of the wall time. What no category holds (logging between steps, a rollback's reload) is *other*. The
+last record is written before the end's export and report, which the account leaves out.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CATEGORIES = (("productive_s", "productive steps (time in steps that stand, data
               ("checkpoint_s", "checkpoints"),
               ("eval_s", "evaluation"),
               ("data_wait_s", "waiting for data (inside steps)"),
-              ("other_s", "other (logging, the end's export and report)"))
+              ("other_s", "other (logging between steps, a rollback's reload)"))
 
 
 def process_start() -> float:
