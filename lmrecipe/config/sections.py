@@ -704,10 +704,11 @@ class DistributedConfig:
     steps only and compared across ranks in the logged step's reduction: ``compute_s_median``, ``compute_s_max``,
     ``compute_slowest_rank`` and ``stragglers`` in every ``metrics.jsonl`` row. false = not timed."""
     straggler_margin: float = 0.2
-    """A rank whose forward seconds per step exceed the median rank's by more than this fraction (0.2 = 20 %) ..."""
+    """A rank is named when its forward seconds per step exceed the median rank's by more than this fraction (0.2 =
+    20 %) at ``straggler_logged_steps`` logged steps in a row."""
     straggler_logged_steps: int = 3
-    """... at this many logged steps in a row is named with its host in the log, the row's ``stragglers``, the
-    doctor's findings and ``report.md``."""
+    """Logged steps in a row a rank must stay slower than the median by ``straggler_margin`` to be named with its host
+    (in the log, the row's ``stragglers``, the doctor's findings and ``report.md``)."""
 
     def validate(self) -> None:
         _positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size", "expert_parallel_size",
