@@ -162,7 +162,7 @@ RUN_POINTERS = ("latest", "best")
 RUN_RECORD_FILES = ("config.yaml", "metrics.jsonl")
 """A run folder (a run's ``out_dir``) holds both of these, or a ``checkpoints/`` with a checkpoint or a pointer."""
 RUN_FILES = frozenset({*RUN_RECORD_FILES, "run_meta.json", "final.json", "report.md", "spikes.jsonl", "training.png",
-                       "preempted.json", "run.lock", "wandb_run_id", "mlflow_run_id"})
+                       "preempted.json", "run.lock", "wandb_run_id", "mlflow_run_id", "goodput.json"})
 """The files a run writes at its top level: no tool writes over them, even with ``--overwrite``."""
 
 
