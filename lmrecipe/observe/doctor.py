@@ -586,21 +586,13 @@ def resume_jump(run: RunFigures) -> Finding | None:
 
 
 def straggler(run: RunFigures) -> Finding | None:
-    """A rank the straggler instrument named (``distributed.stragglers``: slower than the median rank by
-    ``distributed.straggler_margin`` at ``distributed.straggler_logged_steps`` logged steps in a row), each with its
-    host, the steps and its largest ratio to the median."""
+    """Each rank the straggler instrument named (``distributed.stragglers``), with its host, steps and largest ratio."""
     named: dict[tuple[int, str], list[tuple[int, float]]] = {}
-    for row in run.train:
-        for entry in row.get("stragglers") or ():
-            named.setdefault((entry["rank"], entry["host"]), []).append((row["step"], entry["ratio"]))
-    if not named:
-        return None
-    evidence = "; ".join(f"rank {rank} on {host}: up to {max(r for _, r in seen):.2f}x "
-                         f"the median rank's forward time, at {len(seen)} logged steps from step {seen[0][0]} to "
-                         f"{seen[-1][0]}" for (rank, host), seen in sorted(named.items()))
-    hosts = sorted({host for _, host in named})
-    return Finding("straggler", "a rank computes slower than the others", evidence,
-                   "a slow device or host: another job on its GPU or cores, a power or thermal limit, a degraded "
-                   "GPU or link; every rank waits for it at each gradient reduction",
-                   f"check {', '.join(hosts)} (nvidia-smi -q -d PERFORMANCE,CLOCK; top); to run without it, resume "
-                   f"elsewhere (sbatch --exclude={','.join(hosts)}; checkpoint.resume=auto)")
+    for row, entry in ((row, entry) for row in run.train for entry in row.get("stragglers") or ()):
+        named.setdefault((entry["rank"], entry["host"]), []).append((row["step"], entry["ratio"]))
+    hosts = ",".join(sorted({host for _, host in named}))
+    evidence = "; ".join(f"rank {rank} on {host}: up to {max(r for _, r in seen):.2f}x the median rank's forward time "
+                         f"(steps {seen[0][0]}-{seen[-1][0]})" for (rank, host), seen in sorted(named.items()))
+    cause = "a slow device or host (another job on its GPU or cores, a power or thermal limit); every rank waits for it"
+    fix = f"check {hosts} (nvidia-smi -q -d PERFORMANCE,CLOCK; top), or resume without it (sbatch --exclude={hosts})"
+    return Finding("straggler", "a rank computes slower than the others", evidence, cause, fix) if named else None

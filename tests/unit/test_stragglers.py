@@ -82,3 +82,14 @@ def test_a_margin_or_count_that_is_not_positive_is_refused(key):
 
     with pytest.raises(UserError, match=key.split("=")[0].split(".")[1]):
         load_config("recipes/tiny.yaml", [key])
+
+
+def test_the_doctor_names_each_straggler_with_its_host_and_steps():
+    from lmrecipe.observe.doctor import diagnose
+
+    named = [{"rank": 3, "host": "node-b", "ratio": 1.4}]
+    rows = [{"step": s, "loss": 2.0, "stragglers": named if s >= 30 else []} for s in range(10, 60, 10)]
+    [finding] = [f for f in diagnose(rows, {}) if f.name == "straggler"]
+    assert finding.evidence == "rank 3 on node-b: up to 1.40x the median rank's forward time (steps 30-50)"
+    assert "--exclude=node-b" in finding.fix
+    assert not [f for f in diagnose([{**r, "stragglers": []} for r in rows], {}) if f.name == "straggler"]
