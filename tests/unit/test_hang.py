@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -159,20 +158,18 @@ def watcher(store, rank: int, board: ProgressBoard, budgets: Budgets, out: Path,
     return HangWatcher(peer, board, budgets, out, client, prefix=f"t{id(store)}/", exit=exits.append)
 
 
-def test_a_frozen_rank_is_killed_only_by_its_own_launchers_ranks(tmp_path, store):
+def test_a_frozen_rank_is_killed_only_by_its_own_launchers_ranks(tmp_path, store, monkeypatch):
     """Two launchers on one host (two SLURM "nodes" on one machine): a rank of launcher 1 frozen is not killed by
     launcher 0's ranks, which would make its node's outcome a kill instead of the stop srun sends."""
-    frozen = subprocess.Popen(["sleep", "60"])
-    try:
-        records = {"1": {"host": "node0", "node": 1, "pid": frozen.pid}}
-        mine = watcher(store, 0, ProgressBoard(), Budgets(4.0, 4.0, 60.0, 60.0, 60.0, 120.0), tmp_path, [])
-        mine._kill_frozen_local_peers({"silent": [1], "records": records})
-        assert frozen.poll() is None
-        mine.peer = Peer(0, 2, "node0", 1000, watches=True, node=1)
-        mine._kill_frozen_local_peers({"silent": [1], "records": records})
-        assert frozen.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        frozen.kill()
+    killed = []
+    monkeypatch.setattr(hang.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    verdict = {"silent": [1], "records": {"1": {"host": "node0", "node": 1, "pid": 4321}}}
+    mine = watcher(store, 0, ProgressBoard(), Budgets(4.0, 4.0, 60.0, 60.0, 60.0, 120.0), tmp_path, [])
+    mine._kill_frozen_local_peers(verdict)
+    assert killed == []
+    mine.peer = Peer(0, 2, "node0", 1000, watches=True, node=1)
+    mine._kill_frozen_local_peers(verdict)
+    assert killed == [(4321, signal.SIGKILL)]
 
 
 def test_watchers_name_a_frozen_peer_and_end_within_the_budget(tmp_path, store, monkeypatch):
