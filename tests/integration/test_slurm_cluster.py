@@ -161,6 +161,7 @@ HANG_BUDGETS = ["distributed.timeout_s=120", "distributed.hang_step_floor_s=4", 
                 "distributed.hang_checkpoint_s=60", "distributed.hang_eval_s=60"]
 
 
+@pytest.mark.slow
 def test_a_hang_runs_the_step_again_in_the_allocation_and_resumes_exactly(slurm_cluster, tiny_data, tmp_path,
                                                                          reference_run):
     """Rank 1 (node n2) frozen with SIGSTOP mid-training: the watchdog ends the step (exit 3), train.sbatch runs it
