@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lmrecipe.errors import EXIT_INTERRUPTED, UserError, fail
+from lmrecipe.errors import EXIT_FAILURE, EXIT_INTERRUPTED, UserError, fail
 from lmrecipe.fileio import write_json_atomic
 from lmrecipe.observe.quiet import maybe_skip_torchao_extensions, quiet
 
@@ -74,6 +75,11 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
                 record_exit(rank, 1, str(err.code))
                 raise
             code = err.code or 0
+        except Exception as err:
+            # A crash: recorded before this process exits, so the lost peer the other ranks then see (exit 4) is not
+            # taken for the cause, and slurm/train.sbatch does not run a crash again.
+            record_exit(rank, EXIT_FAILURE, f"{type(err).__name__}: {err}", crash=True)
+            raise
         record_exit(rank, code, error)
         return code
 
@@ -106,15 +112,23 @@ def skip_autotuner_mlflow() -> None:
         sys.meta_path.insert(0, _AutotunerMlflowSkip())
 
 
-def record_exit(rank: int, code: int, error: str | None) -> None:
-    """Write ``{"exit_code", "error"}`` to ``$LMRECIPE_EXIT_FILE``: rank 0's, or the first failing rank's."""
+def record_exit(rank: int, code: int, error: str | None, crash: bool = False) -> None:
+    """Write ``{"exit_code", "error", "rank", "crash"}`` to ``$LMRECIPE_EXIT_FILE``: rank 0's, or the first failing
+    rank's; a crash's (an exception with its traceback) is kept over any later record: it is the cause."""
     path = os.environ.get(EXIT_FILE_ENV)
-    if not path or (rank != 0 and (code == 0 or Path(path).exists())):
+    if not path or (rank != 0 and not crash and (code == 0 or Path(path).exists())) or _crash_recorded(path):
         return
     try:
-        write_json_atomic(path, {"exit_code": code, "error": error, "rank": rank})
+        write_json_atomic(path, {"exit_code": code, "error": error, "rank": rank, "crash": crash})
     except OSError:
         pass  # the status file is a courtesy to the wrapper; the exit code itself still says it
+
+
+def _crash_recorded(path: str) -> bool:
+    try:
+        return bool(json.loads(Path(path).read_text()).get("crash"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_output_path(path: str | os.PathLike, option: str, folder: bool = True) -> Path:
@@ -149,7 +163,7 @@ RUN_POINTERS = ("latest", "best")
 RUN_RECORD_FILES = ("config.yaml", "metrics.jsonl")
 """A run folder (a run's ``out_dir``) holds both of these, or a ``checkpoints/`` with a checkpoint or a pointer."""
 RUN_FILES = frozenset({*RUN_RECORD_FILES, "run_meta.json", "final.json", "report.md", "spikes.jsonl", "training.png",
-                       "preempted.json", "run.lock", "wandb_run_id", "mlflow_run_id"})
+                       "preempted.json", "run.lock", "wandb_run_id", "mlflow_run_id", "goodput.json"})
 """The files a run writes at its top level: no tool writes over them, even with ``--overwrite``."""
 
 

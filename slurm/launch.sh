@@ -28,7 +28,10 @@
 #
 # Exit status: the launcher reports any failed worker as 1 (after a ChildFailedError traceback). The training
 # processes record how they ended in $LMRECIPE_EXIT_FILE (lmrecipe/cli.py); this script exits with that code
-# (2: bad input, 124: preempted, 130: Ctrl-C) and repeats the error's paragraph as its last line.
+# (2: bad input, 3: a hang, 4: a lost peer, 124: preempted, 130: Ctrl-C) and repeats the error's paragraph as its
+# last line; a stop it was asked for turns an unrecorded failure into 124. With LMRECIPE_STATUS_DIR set
+# (slurm/train.sbatch sets it), it also writes that code to $LMRECIPE_STATUS_DIR/node<MACHINE_RANK>, or `killed` when
+# the launcher failed and no training process recorded how it ended (killed by a signal, or before it could record).
 set -euo pipefail
 
 EXIT_PREEMPTED=124  # lmrecipe.checkpoint.EXIT_PREEMPTED
@@ -148,20 +151,32 @@ while [[ -z $status ]]; do
     kill -0 "$launcher_pid" 2>/dev/null || status=$rc
 done
 
+own=0
 if [[ $status -ne 0 && -f $LMRECIPE_EXIT_FILE ]]; then
     # The training processes' own exit status and last words, which the launcher replaced by 1 and a traceback.
     recorded=$("$python" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(d["exit_code"], d.get("error") or "")' \
         "$LMRECIPE_EXIT_FILE" 2>/dev/null || true)
     if [[ $recorded =~ ^[0-9]+ ]]; then
         status=${recorded%% *}
+        own=1
         words=${recorded#"$status"}
         words=${words# }
         echo "[launch] node $machine_rank: training exited $status${words:+: $words}" >&2
     fi
 fi
 rm -f "$LMRECIPE_EXIT_FILE"
-if [[ $stop_requested -eq 1 && $status -ne 0 ]]; then
-    # The launcher reports a worker's exit 124 as a generic failure; restore the meaning.
-    exit "$EXIT_PREEMPTED"
+outcome=$status
+if [[ $status -ne 0 && $own -eq 0 ]]; then
+    if [[ $stop_requested -eq 1 ]]; then
+        # The launcher reports a worker's exit 124 as a generic failure; restore the meaning.
+        status=$EXIT_PREEMPTED
+        outcome=$status
+    else
+        outcome=killed  # the training processes ended without a word: killed by a signal (or before they could say)
+    fi
+fi
+if [[ -n ${LMRECIPE_STATUS_DIR:-} ]]; then
+    # This node's outcome for slurm/train.sbatch, which reads every node's (srun reports only the highest code).
+    echo "$outcome" > "$LMRECIPE_STATUS_DIR/node$machine_rank" || true
 fi
 exit "$status"

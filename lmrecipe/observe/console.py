@@ -27,6 +27,7 @@ from lmrecipe.config import LoggingConfig, due_at
 from lmrecipe.observe import device as device_stats
 from lmrecipe.observe.metrics_log import MetricsLog, read_metrics, throughput
 from lmrecipe.observe.run_meta import read_run_meta, run_events, run_metadata, write_run_meta
+from lmrecipe.observe.stragglers import StragglerDetector
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class Reporter:
     def __init__(self, section: LoggingConfig, accelerator, out_dir: Path, *, precision: str, max_steps: int,
                  start_step: int, tokens_per_step: int | Callable[[int], int], flops_per_token: float, run_config: dict,
                  run_meta: dict,
-                 launch: dict | None = None, source_tokens: Callable[[int], dict[str, int]] | None = None):
+                 launch: dict | None = None, source_tokens: Callable[[int], dict[str, int]] | None = None,
+                 stragglers: StragglerDetector | None = None):
         """
         Args:
             section: the recipe's ``logging`` section (interval, trackers, progress bar, peak TFLOP/s).
@@ -65,7 +67,10 @@ class Reporter:
             run_meta: further facts for ``run_meta.json`` (parameters, topology, resume).
             launch: this session's entry of ``run_meta.json``'s ``launches`` (``run_meta.launch_record``).
             source_tokens: step -> ``{"tokens_seen/<name>": tokens}`` of a data mixture, added to every row.
+            stragglers: names a rank that stays slower than the others (``lmrecipe/observe/stragglers.py``); None: the
+                ranks' compute times are not compared.
         """
+        self.stragglers = stragglers
         self.section = section
         self.accelerator = accelerator
         self.out_dir = out_dir
@@ -103,14 +108,16 @@ class Reporter:
     def step_done(self, state, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | float,
                   step_time_s: float, data_time_s: float, z_loss: torch.Tensor | None = None,
                   figures: dict | None = None, aux_loss: torch.Tensor | None = None,
-                  expert_tokens: torch.Tensor | None = None) -> None:
+                  expert_tokens: torch.Tensor | None = None, rank_compute_s: torch.Tensor | None = None) -> None:
         """Count the step; at a log step read the loss and grad norm (their only host reads) and write a row.
 
         ``z_loss``, ``aux_loss``: this rank's z-loss and router load-balancing terms (averaged over ranks like the
         loss, logged apart from it; None: off). ``figures``: further figures by name, on the device and already
         combined over ranks (read together, in one host read). ``expert_tokens``: the tokens this rank routed to each
         expert of each MoE layer in the step, ``[layers, experts]``, summed over ranks into each layer's load balance
-        ``load_balance/layer{i}`` (the busiest expert's tokens over the mean; 1 = even).
+        ``load_balance/layer{i}`` (the busiest expert's tokens over the mean; 1 = even). ``rank_compute_s``: this
+        rank's forward seconds over the interval at its place of a ``[world_size]`` vector (the straggler instrument),
+        carried in the loss's reduction and read by the reporter's ``stragglers`` detector.
 
         The loop syncs ``state`` (skip counters) at every log step before calling this.
         """
@@ -125,15 +132,7 @@ class Reporter:
             return
         interval_skips = state.skipped_steps - self._skipped_at_interval_start
         grad_norm = float(grad_norm)
-        # One collective per log interval: the mean loss over all ranks (this is also a device sync point).
-        terms = {name: term for name, term in (("z_loss", z_loss), ("aux_loss", aux_loss)) if term is not None}
-        if not terms:
-            loss_value = self.accelerator.reduce(loss.detach().float(), reduction="mean").item()
-            extra = {}
-        else:
-            values = self.accelerator.reduce(torch.stack([t.detach().float() for t in (loss, *terms.values())]),
-                                             reduction="mean").tolist()
-            loss_value, extra = values[0], dict(zip(terms, values[1:]))
+        loss_value, extra = self._reduce(state.step, loss, z_loss, aux_loss, rank_compute_s)
         extra.update(read_figures(figures or {}))
         if expert_tokens is not None:
             extra.update(load_balance(self.accelerator.reduce(expert_tokens.float(), reduction="sum")))
@@ -169,9 +168,26 @@ class Reporter:
             )
         self._reset_interval()
 
+    def _reduce(self, step: int, loss: torch.Tensor, z_loss: torch.Tensor | None, aux_loss: torch.Tensor | None,
+                rank_compute_s: torch.Tensor | None) -> tuple[float, dict]:
+        """One collective per log interval (also a device sync point): the loss and its terms averaged over ranks, and
+        every rank's compute time (each rank fills its own place of the vector) with the straggler figures."""
+        terms = {name: term for name, term in (("z_loss", z_loss), ("aux_loss", aux_loss)) if term is not None}
+        parts = [t.detach().float().reshape(1) for t in (loss, *terms.values())]
+        if rank_compute_s is not None:  # a mean over ranks of one-hot vectors: times the world size, each rank's own
+            parts.append(rank_compute_s.to(loss.device, torch.float32) * self.accelerator.num_processes)
+        values = self.accelerator.reduce(torch.cat(parts), reduction="mean").tolist()
+        extra = dict(zip(terms, values[1:1 + len(terms)]))
+        if rank_compute_s is not None and self.stragglers is not None:
+            per_step = [seconds / self._interval_steps for seconds in values[1 + len(terms):]]
+            extra.update(self.stragglers.observe(step, per_step))
+        return values[0], extra
+
     def rewind(self, step: int) -> None:
         """The run went back to ``step`` (a rollback): drop later metrics rows and restart the interval averages."""
         self.tracker.rewind(step)
+        if self.stragglers is not None:
+            self.stragglers.reset()
         self.bar.n = step
         self.bar.refresh()
         self._reset_interval()

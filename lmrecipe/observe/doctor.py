@@ -216,7 +216,7 @@ def diagnose(rows: list[dict], meta: dict) -> list[Finding]:
     run = RunFigures(train=[r for r in rows if "loss" in r], val=[r for r in rows if "val_loss" in r],
                      config=meta.get("config", {}), meta=meta)
     checks = (non_finite, loss_diverging, loss_not_falling, grad_norm_rising, frequent_clipping, layer_outlier,
-              max_logit_growing, frequent_rollbacks, data_wait, val_rising, throughput_drop, resume_jump)
+              max_logit_growing, frequent_rollbacks, data_wait, val_rising, throughput_drop, resume_jump, straggler)
     findings = [finding for check in checks if (finding := check(run)) is not None]
     if any(f.name == "loss_not_falling" for f in findings):
         # A flat loss says the updates do not move the model: the clip (at the untrained model's gradient norm)
@@ -625,3 +625,16 @@ def resume_jump(run: RunFigures) -> Finding | None:
                            "checkpoint folder), not from weights alone (model.init_from); compare config.yaml of "
                            "the sessions")
     return None
+
+
+def straggler(run: RunFigures) -> Finding | None:
+    """Each rank the straggler instrument named (``distributed.stragglers``), with its host, steps and largest ratio."""
+    named: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    for row, entry in ((row, entry) for row in run.train for entry in row.get("stragglers") or ()):
+        named.setdefault((entry["rank"], entry["host"]), []).append((row["step"], entry["ratio"]))
+    hosts = ",".join(sorted({host for _, host in named}))
+    evidence = "; ".join(f"rank {rank} on {host}: up to {max(r for _, r in seen):.2f}x the median rank's forward time "
+                         f"(steps {seen[0][0]}-{seen[-1][0]})" for (rank, host), seen in sorted(named.items()))
+    cause = "a slow device or host (another job on its GPU or cores, a power or thermal limit); every rank waits for it"
+    fix = f"check {hosts} (nvidia-smi -q -d PERFORMANCE,CLOCK; top), or resume without it (sbatch --exclude={hosts})"
+    return Finding("straggler", "a rank computes slower than the others", evidence, cause, fix) if named else None

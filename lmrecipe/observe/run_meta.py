@@ -94,8 +94,9 @@ def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> 
 LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "LMRECIPE_PROCS_PER_NODE", "SLURM_JOB_ID",
                 "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_JOB_NODELIST",
-                "CUDA_VISIBLE_DEVICES")
-"""The launcher's variables a session records: its topology, as ``torchrun`` / ``accelerate launch`` and SLURM set it."""
+                "CUDA_VISIBLE_DEVICES", "LMRECIPE_JOB_RESTART", "LMRECIPE_JOB_RESTART_REASON")
+"""The launcher's variables a session records: its topology, as ``torchrun`` / ``accelerate launch`` and SLURM set it,
+and ``slurm/train.sbatch``'s run of the training step again in the same job (after a hang or a lost peer)."""
 
 
 def launch_record(command: Sequence[str] | None, world_size: int, start_step: int, resumed_from: str | None,

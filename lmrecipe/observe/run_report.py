@@ -17,6 +17,7 @@ from lmrecipe.config import Config, flatten_config, load_config
 from lmrecipe.errors import UserError
 from lmrecipe.fileio import write_json_atomic, write_text_atomic
 from lmrecipe.observe.doctor import diagnose, report_lines
+from lmrecipe.observe.goodput import report_lines as goodput_lines
 from lmrecipe.observe.metrics_log import METRICS_FILE, read_metrics, throughput
 from lmrecipe.observe.run_meta import record_outcome
 
@@ -181,6 +182,7 @@ def build_report(out_dir: Path, meta: dict, outcome: dict, cost_per_device_hour:
         "",
         *task_table(rows),
         *sample_lines(rows),
+        *goodput_lines(out_dir, rows),
         *report_lines(diagnose(rows, meta)),
         *(_plan_check(prediction, figures, meta, hardware.get("gpu")) if prediction else []),
         "## Environment",
@@ -276,13 +278,23 @@ def _launches(launches: list[dict]) -> list[str]:
              "| --- | --- | --- | --- | --- | --- |"]
     for launch in launches:
         command = " ".join(launch["command"]).replace("|", "\\|") if launch.get("command") else "n/a (started from Python)"
-        events = "; ".join(f"rolled back to step {e['step']}" if e["kind"] == "rollback" else
-                           f"stopped after step {e['step']} (exit {e.get('exit_code')}"
-                           f"{', preempted' if e.get('preempted') else ''})" for e in launch.get("events", []))
+        events = "; ".join([*_restart(launch), *(
+            f"rolled back to step {e['step']}" if e["kind"] == "rollback" else
+            f"stopped after step {e['step']} (exit {e.get('exit_code')}{', preempted' if e.get('preempted') else ''})"
+            for e in launch.get("events", []))])
         lines.append(f"| {launch.get('started_at')} | {launch.get('start_step')} | "
                      f"{launch.get('resumed_from') or 'no (fresh start)'} | {launch.get('world_size')} | "
                      f"`{command}` | {events} |")
     return lines + [""]
+
+
+def _restart(launch: dict) -> list[str]:
+    """The session's note when ``slurm/train.sbatch`` ran the training step again in the same job."""
+    env = launch.get("launcher_env", {})
+    if not env.get("LMRECIPE_JOB_RESTART"):
+        return []
+    return [f"run again in the same job after {env.get('LMRECIPE_JOB_RESTART_REASON', 'a failure')} "
+            f"(restart {env['LMRECIPE_JOB_RESTART']})"]
 
 
 def _container(info: dict | None) -> str:

@@ -81,12 +81,15 @@ def build_eval_accelerator():
 def _build_accelerator(world_size: int, precision: str, accum_steps: int, plugin, timeout_s: int,
                        parallelism=None):
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # Without an accelerator, Accelerate must be told the backend or every rank believes it is rank 0.
     distributed = world_size > 1 or plugin is not None
     backend = "gloo" if distributed and not torch.cuda.is_available() else None
-    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=timeout_s))] if distributed else []
+    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=timeout_s)),
+                # The models' buffers (rotary frequencies) are computed alike on every rank: DDP's broadcast of them
+                # before each forward is a collective per micro-batch in which every rank waits for rank 0.
+                DistributedDataParallelKwargs(broadcast_buffers=False)] if distributed else []
     if precision == "fp8":
         handlers.append(fp8_recipe())
     accelerator = Accelerator(

@@ -228,11 +228,14 @@ class Peer:
     pid: int
     watches: bool
     """Whether this rank reads every record (local ranks 0 and 1)."""
+    node: int = 0
+    """Its launcher's rank among the launchers (torchrun's ``GROUP_RANK``): two launchers may share a host."""
 
 
 def this_peer(rank: int, world_size: int, environ=os.environ) -> Peer:
     local_rank = int(environ.get("LOCAL_RANK", "0"))
-    return Peer(rank, world_size, socket.gethostname(), os.getpid(), watches=local_rank < 2)
+    return Peer(rank, world_size, socket.gethostname(), os.getpid(), watches=local_rank < 2,
+                node=int(environ.get("GROUP_RANK", "0")))
 
 
 def launcher_store(timeout_s: float, environ=os.environ):
@@ -298,8 +301,8 @@ class HangWatcher:
     def record(self) -> dict:
         step, phase, changes, since = self.board.mark
         budget = self.budgets.of_phase(step, phase, self.board.first_step, self.board.step_times_s)
-        return {"beat": self._beat, "host": self.peer.host, "pid": self.peer.pid, "step": step, "phase": phase,
-                "changes": changes, "in_phase_s": round(time.monotonic() - since, 3), "budget_s": budget}
+        return {"beat": self._beat, "host": self.peer.host, "node": self.peer.node, "pid": self.peer.pid, "step": step,
+                "phase": phase, "changes": changes, "in_phase_s": round(time.monotonic() - since, 3), "budget_s": budget}
 
     def _publish(self) -> None:
         self._beat += 1
@@ -434,11 +437,12 @@ class HangWatcher:
             time.sleep(0.1)
 
     def _kill_frozen_local_peers(self, verdict: dict) -> None:
-        """SIGKILL the silent ranks on this node: a stopped process would otherwise hold the launcher for its grace
-        period (about 30 s under torchrun)."""
+        """SIGKILL the silent ranks on this node (this host, this launcher): a stopped process would otherwise hold the
+        launcher for its grace period (about 30 s under torchrun). Another launcher's ranks are its node's to end."""
         for rank in verdict["silent"]:
             record = verdict["records"].get(str(rank)) or verdict["records"].get(rank)
-            if record and record["host"] == self.peer.host and record["pid"] != self.peer.pid:
+            if record and record["host"] == self.peer.host and record.get("node", 0) == self.peer.node \
+                    and record["pid"] != self.peer.pid:
                 try:
                     os.kill(record["pid"], signal.SIGKILL)
                 except OSError:

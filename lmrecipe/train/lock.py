@@ -6,7 +6,7 @@ time every ``HEARTBEAT_S`` seconds. Another run refuses to start while the lock 
 when the holder is provably gone:
 
 - same host, and the process no longer exists (a ``kill -9``, a crash, a reboot);
-- the same SLURM job id (a requeued job continuing its own run, on whichever node);
+- the same SLURM job id (a requeued job, or its training step run again, continuing its own run, on whichever node);
 - any host, and no heartbeat for ``STALE_AFTER_S`` seconds (a dead or unreachable host).
 
 The lock is removed when the run ends, including by a preemption stop or a user error.
@@ -56,7 +56,7 @@ class RunLock:
         """Why the lock ``holder`` no longer runs, or None if it may still be running."""
         mine = self._payload()
         if holder.get("slurm_job_id") and holder.get("slurm_job_id") == mine["slurm_job_id"]:
-            return f"it belongs to this SLURM job ({mine['slurm_job_id']}), requeued"
+            return f"it belongs to this SLURM job ({mine['slurm_job_id']}), requeued or run again"
         if holder.get("host") == mine["host"] and not _pid_alive(int(holder.get("pid", -1))):
             return f"process {holder.get('pid')} on this host no longer exists"
         try:

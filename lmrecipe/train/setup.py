@@ -28,6 +28,7 @@ from lmrecipe.model.build import (
     param_counts,
     set_moe_leaf_modules,
 )
+from lmrecipe.observe.stragglers import ComputeClock
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.parallel.accelerator import Runtime, build_runtime
@@ -58,6 +59,8 @@ class Run:
     n_active_params: int | None = None
     """Parameters one token passes through (an MoE model's routed experts counted ``experts_per_token`` times out of
     ``num_experts``); None: a dense model, all of ``n_params``."""
+    compute_clock: ComputeClock | None = None
+    """Times each micro-batch's forward (``lmrecipe/observe/stragglers.py``); None: not timed."""
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:

@@ -48,6 +48,9 @@ class StepResult:
     auxiliary loss); None: a dense model or off."""
     expert_tokens: torch.Tensor | None = None
     """Tokens this rank routed to each expert of each MoE layer over the step, ``[layers, experts]``; None: dense."""
+    rank_compute_s: torch.Tensor | None = None
+    """At a logged step: this rank's forward seconds over the log interval at its place of a ``[world_size]`` vector
+    of zeros (``lmrecipe/observe/stragglers.py``), summed over ranks in the step's reduction; None: not timed."""
     figures: dict = field(default_factory=dict)
     """Further figures of a logged step by name, on the device and already combined over ranks (the per-layer
     instruments' ``grad_norm/<part>``, ...: ``lmrecipe/train/callbacks/layer_stats.py``), written with the step's row."""
@@ -68,12 +71,17 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
     accelerator, model = run.accelerator, run.model
     with accelerator.accumulate(model):
         start = time.perf_counter()
+        clock = run.compute_clock
         with region("forward"):
+            if clock is not None:
+                clock.start()
             moe = run.cfg.model
             terms = training_loss(model, inputs, targets, run.cfg.train.z_loss, model_kwargs,
                                   moe.router_aux_loss_coef if moe.is_moe() else 0.0,
                                   moe.experts_per_token if moe.is_moe() else 0)
             objective = terms.objective()
+            if clock is not None:
+                clock.stop()
         forward_done = time.perf_counter()
         with region("backward"):
             # Sequence parallelism: scaled to how DeepSpeed reduces the group's gradients (SequenceParallel).

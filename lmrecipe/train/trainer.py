@@ -28,6 +28,7 @@ from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
 from lmrecipe.train.callbacks.ema import WeightEMA
 from lmrecipe.train.callbacks.faults import FaultInjection
+from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.layer_stats import LayerStats
 from lmrecipe.train.callbacks.model_states import ModelStates
 from lmrecipe.train.callbacks.oom import OOMDiagnosis
@@ -37,6 +38,7 @@ from lmrecipe.train.callbacks.remote import build_remote_callbacks
 from lmrecipe.train.callbacks.reporting import Reporting
 from lmrecipe.train.callbacks.spikes import SpikeGuard
 from lmrecipe.train.callbacks.stopping import EarlyStopping, NonFiniteStop
+from lmrecipe.train.callbacks.stragglers import StragglerClock
 from lmrecipe.train.callbacks.tasks import TaskEval
 from lmrecipe.train.callbacks.watchdog import Watchdog
 from lmrecipe.train.lock import RunLock
@@ -247,6 +249,8 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         Preemption(signal),  # a signal stops the run after this step's checkpoint; a lost peer is named
         remote_resume,  # checkpoint.remote: a newer remote checkpoint downloaded before the resume
         Watchdog(cfg.distributed),  # every rank's phase; a rank stuck past its budget is named in hang.md (exit 3)
+        StragglerClock() if cfg.distributed.stragglers else None,  # every forward timed; read at logged steps
+        GoodputLedger(),  # where the session's time goes (goodput.json); before the callbacks it times
         Checkpointing(),  # resume at the start; save at the save point; wait for a background write at the end
         SpikeGuard(cfg.spike),  # a loss spike rolls the run back to the checkpoint before it
         NonFiniteStop(cfg.train),  # too many non-finite updates in a row end the run (exit 2)

@@ -18,6 +18,7 @@ import pytest
 from helpers import ROOT, TINY_OVERRIDES, launch_cmd, rank_pid, run_script, run_train, subprocess_env
 
 from lmrecipe.checkpoint.storage import LATEST, PREEMPTED_MARKER, step_dir_name
+from lmrecipe.errors import EXIT_LOST_PEER
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.train.lock import LOCK_FILE
 
@@ -357,8 +358,9 @@ def test_a_killed_rank_is_named_by_the_survivor(tmp_path, tiny_data):
     out = tmp_path / "run"
     args = ["train.py", "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
             "train.max_steps=100000", "checkpoint.every_steps=5", "train.eval_every_steps=0"]
-    launcher = subprocess.Popen(launch_cmd(2) + args, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    exit_file = tmp_path / "exit.json"
+    launcher = subprocess.Popen(launch_cmd(2) + args, cwd=ROOT, env={**subprocess_env(), "LMRECIPE_EXIT_FILE": str(exit_file)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (out / "checkpoints" / LATEST).is_file():
@@ -373,6 +375,7 @@ def test_a_killed_rank_is_named_by_the_survivor(tmp_path, tiny_data):
     assert len(errors) == 1, stderr[-4000:]
     assert f"rank 1 (pid {rank1}) on {socket.gethostname()} died" in errors[0]
     assert "The last checkpoint is" in errors[0] and "checkpoint.resume=auto" in errors[0]
+    assert json.loads(exit_file.read_text())["exit_code"] == EXIT_LOST_PEER  # slurm/train.sbatch may run it again
 
 
 FAKE_LAUNCH_PYTHON = """#!/usr/bin/env bash
@@ -391,10 +394,13 @@ def test_launch_sh_exits_with_the_training_processes_own_status(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_LAUNCH_PYTHON)
     fake.chmod(0o755)
+    (tmp_path / "status").mkdir()
     env = {**subprocess_env(), "PYTHON": str(fake), "REAL_PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1",
-           "LMRECIPE_PROCS_PER_NODE": "2", "TMPDIR": str(tmp_path)}
+           "LMRECIPE_PROCS_PER_NODE": "2", "TMPDIR": str(tmp_path), "LMRECIPE_STATUS_DIR": str(tmp_path / "status"),
+           "MACHINE_RANK": "1"}
     proc = subprocess.run(["bash", "slurm/launch.sh", "recipes/tiny.yaml"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("training exited 2: data.path is wrong. Fix it.")
     assert not list(tmp_path.glob("lmrecipe-exit.*"))  # the status file is removed
+    assert (tmp_path / "status" / "node1").read_text() == "2\n"  # the node's outcome, for slurm/train.sbatch

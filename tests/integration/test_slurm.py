@@ -146,7 +146,7 @@ def run_sbatch(tmp_path, srun_exit=None, signal_after_start=False, signal_before
                         scontrol='echo "$@" >> "$FAKE_LOG/scontrol"',
                         scancel='echo "$@" >> "$FAKE_LOG/scancel"; kill -USR1 "$(cat "$FAKE_LOG/srun_pid")"')
     env.update(FAKE_LOG=str(log), SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(ROOT),
-               SLURM_GPUS_ON_NODE="8")
+               SLURM_GPUS_ON_NODE="8", LMRECIPE_STATUS_DIR=str(tmp_path / "status"))
     env.pop("SLURM_CPUS_PER_TASK", None)
     if cpus_per_task:
         env["SLURM_CPUS_PER_TASK"] = cpus_per_task
@@ -197,6 +197,67 @@ def test_sbatch_requeues_on_exit_124_but_not_on_a_crash(tmp_path):
     assert code == 1 and scontrol == ""
     code, _, _, scontrol, _ = run_sbatch(tmp_path / "finished", srun_exit=0)
     assert code == 0 and scontrol == ""
+
+
+# A stand-in srun for the runs of the training step: its Nth run takes line N of $FAKE_STEPS, "SRUN_EXIT CODE0
+# CODE1" (each node's outcome, as slurm/launch.sh writes it; "-": the node wrote none), and logs the restart it was
+# given.
+FAKE_SRUN_STEPS = """
+echo "${LMRECIPE_JOB_RESTART:-0} ${LMRECIPE_JOB_RESTART_REASON:-}" >> "$FAKE_LOG/runs"
+read -r code nodes <<< "$(sed -n "$(wc -l < "$FAKE_LOG/runs")p" "$FAKE_STEPS")"
+i=0
+for node in $nodes; do
+    [[ $node == - ]] || echo "$node" > "$LMRECIPE_STATUS_DIR/node$i"
+    i=$((i + 1))
+done
+exit "$code"
+"""
+
+
+def run_sbatch_steps(tmp_path, steps: list[str], **env_vars) -> tuple[int, str, list[str], str]:
+    """slurm/train.sbatch over the stand-in runs ``steps``: its exit code, stderr, each run's restart, scontrol's log."""
+    log = tmp_path / "log"
+    log.mkdir(parents=True)
+    (tmp_path / "steps").write_text("\n".join(steps) + "\n")
+    env = fake_commands(tmp_path / "bin", srun=FAKE_SRUN_STEPS, scontrol='echo "$@" >> "$FAKE_LOG/scontrol"')
+    env.update(FAKE_LOG=str(log), FAKE_STEPS=str(tmp_path / "steps"), SLURM_JOB_ID="4242", SLURM_NNODES="2",
+               SLURM_SUBMIT_DIR=str(ROOT), SLURM_CPUS_PER_TASK="2", LMRECIPE_STATUS_DIR=str(tmp_path / "status"),
+               **env_vars)
+    proc = subprocess.run(["bash", "slurm/train.sbatch", "recipes/tiny.yaml", "out_dir=runs/x"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    runs = (log / "runs").read_text().splitlines() if (log / "runs").exists() else []
+    scontrol = (log / "scontrol").read_text() if (log / "scontrol").exists() else ""
+    assert not (tmp_path / "status").exists()  # removed when the script ends
+    return proc.returncode, proc.stderr, runs, scontrol
+
+
+def test_sbatch_runs_the_step_again_after_a_hang_or_a_lost_peer(tmp_path):
+    """A hang on node 0 (node 1 stopped by srun: 124), a lost peer with node 1 killed before it wrote anything, a hang
+    whose frozen rank was killed (node 1's processes ended without a record), then success."""
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path, ["124 3 124", "137 4 -", "1 3 killed", "0 0 0"],
+                                                 LMRECIPE_RESTARTS="3")
+    assert code == 0 and scontrol == "", err
+    assert runs == ["0 ", "1 a hang", "2 a lost peer", "3 a hang"]
+    assert "ended after a hang (exit 124); running it again in this allocation" in err
+
+
+def test_sbatch_never_runs_a_crash_or_a_bad_input_again(tmp_path):
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path / "crash", ["124 1 4"])  # node 0 crashed, node 1 lost it
+    assert (code, runs, scontrol) == (1, ["0 "], ""), err
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path / "input", ["2 2 2"])
+    assert (code, runs, scontrol) == (2, ["0 "], ""), err
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path / "unrecorded", ["1 killed killed"])  # no hang, no lost peer
+    assert (code, runs, scontrol) == (1, ["0 "], ""), err
+
+
+def test_sbatch_stops_after_its_restarts_and_still_requeues_a_preemption(tmp_path):
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path / "out", ["4 4 4"] * 3, LMRECIPE_RESTARTS="1")
+    assert (code, runs, scontrol) == (4, ["0 ", "1 a lost peer"], ""), err
+    assert "LMRECIPE_RESTARTS=1 runs used" in err
+    code, err, runs, scontrol = run_sbatch_steps(tmp_path / "preempted", ["124 124 124"])
+    assert (code, runs, scontrol.split()) == (0, ["0 "], ["requeue", "4242"]), err
+    code, err, runs, _ = run_sbatch_steps(tmp_path / "bad", ["0 0 0"], LMRECIPE_RESTARTS="two")
+    assert code == 2 and runs == [] and "LMRECIPE_RESTARTS=two must be a whole number" in err
 
 
 # Stand-ins for the launch of training: `python tools/launch_flags.py` (slow when FAKE_FLAGS_DELAY is set) and

@@ -1,20 +1,26 @@
 """slurm/ on a real two-node SLURM cluster (tests/slurm_cluster.py): train.sbatch on 2 nodes x 1 CPU process
 to completion; a stop during start-up that is not lost, then a SIGUSR1 preemption -> checkpoint -> requeue ->
-exact resume; compare_zero.sbatch (which is also the test of tools/compare_zero.py's comparison). One cluster and
+exact resume; a frozen rank -> the hang watchdog's exit 3 -> the step run again in the same allocation -> exact
+resume; compare_zero.sbatch (which is also the test of tools/compare_zero.py's comparison). One cluster and
 one uninterrupted reference run serve every test. The reference run first prepares its data with prepare.sbatch, a
 3-task array job writing a shard set, and trains on that set; the other runs read the one-folder preparation of the
 same corpus, so their equal losses show that a shard set trains exactly like the folder."""
 
 import csv
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_OVERRIDES, subprocess_env
+from helpers import ROOT, TINY_OVERRIDES, rank_pid, subprocess_env
+
+from lmrecipe.observe.goodput import read_sessions, summarize
+from lmrecipe.train.callbacks.preemption import process_alive
 
 MAX_STEPS = 300  # about 10 s of training: long enough to preempt in the middle
 OVERRIDES = [*TINY_OVERRIDES, f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=0"]
@@ -146,6 +152,45 @@ def test_stops_during_start_up_and_mid_training_requeue_and_resume_exactly(slurm
     assert f"Resumed from {out_dir / 'checkpoints' / f'step_{stopped_at:08d}'} at step {stopped_at}" in log
     assert [c["JobState"] for c in slurm_cluster.completions() if c.get("JobId") == job_id][-1] == "COMPLETED"
 
+    expected, got = losses(reference_run[1]), losses(out_dir)
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+HANG_BUDGETS = ["distributed.timeout_s=120", "distributed.hang_step_floor_s=4", "distributed.hang_first_step_s=60",
+                "distributed.hang_checkpoint_s=60", "distributed.hang_eval_s=60"]
+
+
+@pytest.mark.slow
+def test_a_hang_runs_the_step_again_in_the_allocation_and_resumes_exactly(slurm_cluster, tiny_data, tmp_path,
+                                                                         reference_run):
+    """Rank 1 (node n2) frozen with SIGSTOP mid-training: the watchdog ends the step (exit 3), train.sbatch runs it
+    again in the same allocation (no requeue), the run resumes from its newest checkpoint, its losses equal the
+    uninterrupted run's, and run_meta.json, the report and goodput.json record the restart."""
+    out_dir, output = tmp_path / "run", tmp_path / "slurm.out"
+    metrics = out_dir / "metrics.jsonl"
+    args = [*train_args(out_dir, tiny_data), "checkpoint.every_steps=20", *HANG_BUDGETS]
+    proc, job_id = submit(slurm_cluster, "slurm/train.sbatch", args, output, ["-N2"])
+    frozen = None
+    try:
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 30, "training steps", proc=proc,
+                 output=output)
+        frozen = rank_pid(out_dir, 1)
+        os.kill(frozen, signal.SIGSTOP)
+        log = finish(slurm_cluster, proc, output)
+    finally:
+        if frozen is not None and process_alive(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    assert "[sbatch] the training step ended after a hang" in log and "requeueing" not in log, log[-6000:]
+    assert "[sbatch] finished with exit code 0" in log
+    launches = json.loads((out_dir / "run_meta.json").read_text())["launches"]
+    assert len(launches) == 2 and launches[1]["resumed_from"], launches
+    assert {k: launches[1]["launcher_env"].get(k) for k in ("LMRECIPE_JOB_RESTART", "LMRECIPE_JOB_RESTART_REASON",
+                                                            "SLURM_JOB_ID")} == {
+        "LMRECIPE_JOB_RESTART": "1", "LMRECIPE_JOB_RESTART_REASON": "a hang", "SLURM_JOB_ID": job_id}
+    assert "run again in the same job after a hang (restart 1)" in (out_dir / "report.md").read_text()
+    account = summarize(read_sessions(out_dir))
+    assert account["sessions"] == 2 and account["restart_s"] > 0
     expected, got = losses(reference_run[1]), losses(out_dir)
     assert sorted(got) == list(range(1, MAX_STEPS + 1))
     assert got == pytest.approx(expected, abs=1e-5)

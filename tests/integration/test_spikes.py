@@ -17,6 +17,7 @@ from helpers import run_train
 from lmrecipe.checkpoint.storage import read_checkpoint, step_dir_name
 from lmrecipe.data.format import TokenWindows
 from lmrecipe.data.order import SampleOrder
+from lmrecipe.observe.goodput import read_sessions, summarize
 from lmrecipe.observe.metrics_log import read_metrics
 from lmrecipe.train.callbacks.faults import SPIKE_FAULT_ENV as FAULT_ENV
 from lmrecipe.train.callbacks.spikes import read_spikes
@@ -64,6 +65,8 @@ def test_spike_is_rolled_back_and_its_samples_never_trained_again(runs, tiny_dat
     assert saved["extras"]["spikes"]["skipped_batches"] == [SPIKE_STEP - 1] and saved["extras"]["spikes"]["rollbacks"] == 1
     assert saved["data"]["next_sample"] == 13 * 8  # 12 steps trained, one data step skipped
     assert json.loads((out / "final.json").read_text())["rollbacks"] == 1
+    [session] = read_sessions(out)  # the goodput ledger: steps 5-7 ran twice (step 8 was discarded at its sync point)
+    assert 0 < session["rolled_back_s"] < session["steps_s"] and summarize([session])["repeated_s"] == session["rolled_back_s"]
 
 
 def test_metrics_keep_one_history_that_forks_at_the_spike(runs):

@@ -29,7 +29,7 @@ from lmrecipe.cli import EXIT_FILE_ENV, check_output_path, cli_main
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout, Prefetcher, TrainBatches
 from lmrecipe.data.format import TokenWindows, load_meta, sample_blocks
-from lmrecipe.errors import EXIT_INTERRUPTED, UserError, fail
+from lmrecipe.errors import EXIT_INTERRUPTED, EXIT_LOST_PEER, UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.train.callbacks.preemption import PreemptionSignal, started_by_launcher
 
@@ -53,12 +53,35 @@ def test_cli_main_exits_130_on_ctrl_c_and_records_how_each_script_ended(tmp_path
         raise fail("out_dir is wrong. Choose another.")
 
     assert cli_main(bad_input)() == 2
-    assert json.loads(exit_file.read_text()) == {"exit_code": 2, "error": "out_dir is wrong. Choose another.", "rank": 0}
+    assert json.loads(exit_file.read_text()) == {"exit_code": 2, "error": "out_dir is wrong. Choose another.", "rank": 0,
+                                                 "crash": False}
 
     def preempted():
         raise SystemExit(124)
 
     assert cli_main(preempted)() == 124 and json.loads(exit_file.read_text())["exit_code"] == 124
+
+
+def test_a_crash_is_recorded_and_kept_over_the_lost_peer_it_causes(tmp_path, monkeypatch):
+    """Rank 1 crashes; rank 0 then loses its peer (exit 4) and, although rank 0's record usually wins, the crash
+    stays: slurm/train.sbatch must not run a crash again."""
+    exit_file = tmp_path / "exit.json"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(exit_file))
+
+    def crash():
+        raise ValueError("a bug")
+
+    def lost_peer():
+        raise fail("Training stopped: rank 1 (pid 7) on vm died.", exit_code=EXIT_LOST_PEER)
+
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError):
+        cli_main(crash)()
+    monkeypatch.setenv("RANK", "0")
+    assert cli_main(lost_peer)() == EXIT_LOST_PEER == 4
+    assert json.loads(exit_file.read_text()) == {"exit_code": 1, "error": "ValueError: a bug", "rank": 1, "crash": True}
+    exit_file.unlink()
+    assert cli_main(lost_peer)() == 4 and json.loads(exit_file.read_text())["exit_code"] == 4
 
 
 @pytest.mark.parametrize("case", ["file", "under_a_file"])

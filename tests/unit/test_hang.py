@@ -4,6 +4,7 @@ watcher threads on a real store naming a frozen peer, and every process group's 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -155,6 +156,20 @@ def watcher(store, rank: int, board: ProgressBoard, budgets: Budgets, out: Path,
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
     peer = Peer(rank, 2, "node0", 1000 + rank, watches=True)  # pids of no process: nothing to kill
     return HangWatcher(peer, board, budgets, out, client, prefix=f"t{id(store)}/", exit=exits.append)
+
+
+def test_a_frozen_rank_is_killed_only_by_its_own_launchers_ranks(tmp_path, store, monkeypatch):
+    """Two launchers on one host (two SLURM "nodes" on one machine): a rank of launcher 1 frozen is not killed by
+    launcher 0's ranks, which would make its node's outcome a kill instead of the stop srun sends."""
+    killed = []
+    monkeypatch.setattr(hang.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    verdict = {"silent": [1], "records": {"1": {"host": "node0", "node": 1, "pid": 4321}}}
+    mine = watcher(store, 0, ProgressBoard(), Budgets(4.0, 4.0, 60.0, 60.0, 60.0, 120.0), tmp_path, [])
+    mine._kill_frozen_local_peers(verdict)
+    assert killed == []
+    mine.peer = Peer(0, 2, "node0", 1000, watches=True, node=1)
+    mine._kill_frozen_local_peers(verdict)
+    assert killed == [(4321, signal.SIGKILL)]
 
 
 def test_watchers_name_a_frozen_peer_and_end_within_the_budget(tmp_path, store, monkeypatch):

@@ -153,6 +153,7 @@ def test_compare_zero_never_replaces_a_training_run(run, tmp_path, monkeypatch, 
 
 def test_the_guard_knows_the_run_files_by_the_names_their_writers_use():
     from lmrecipe.checkpoint.storage import BEST, PREEMPTED_MARKER
+    from lmrecipe.observe.goodput import GOODPUT_FILE
     from lmrecipe.observe.metrics_log import METRICS_FILE
     from lmrecipe.observe.run_meta import RUN_META_FILE
     from lmrecipe.observe.run_report import FINAL_FILE, REPORT_FILE
@@ -163,7 +164,7 @@ def test_the_guard_knows_the_run_files_by_the_names_their_writers_use():
     assert CHECKPOINT_STATE_FILE == STATE_FILE and RUN_POINTERS == (LATEST, BEST)
     assert METRICS_FILE in RUN_RECORD_FILES and "config.yaml" in RUN_RECORD_FILES
     assert {METRICS_FILE, RUN_META_FILE, FINAL_FILE, REPORT_FILE, SPIKES_FILE, PREEMPTED_MARKER, LOCK_FILE,
-            WANDB_ID_FILE, MLFLOW_ID_FILE} <= RUN_FILES
+            WANDB_ID_FILE, MLFLOW_ID_FILE, GOODPUT_FILE} <= RUN_FILES
 
 
 def test_a_new_path_inside_a_run_folder_and_a_fresh_folder_are_accepted(run, tmp_path):

@@ -61,9 +61,22 @@ class DistributedConfig:
     hang_eval_s: float = 900.0
     """Budget (seconds) of an evaluation (validation loss, tasks, samples)."""
 
+    # Stragglers (docs/hangs.md, "Stragglers"; lmrecipe/observe/stragglers.py)
+    stragglers: bool = True
+    """Time each micro-batch's forward on every rank (CUDA events on a GPU, the host's clock on a CPU), read at logged
+    steps only and compared across ranks in the logged step's reduction: ``compute_s_median``, ``compute_s_max``,
+    ``compute_slowest_rank`` and ``stragglers`` in every ``metrics.jsonl`` row. false = not timed."""
+    straggler_margin: float = 0.2
+    """A rank is named when its forward seconds per step exceed the median rank's by more than this fraction (0.2 =
+    20 %) at ``straggler_logged_steps`` logged steps in a row."""
+    straggler_logged_steps: int = 3
+    """Logged steps in a row a rank must stay slower than the median by ``straggler_margin`` to be named with its host
+    (in the log, the row's ``stragglers``, the doctor's findings and ``report.md``)."""
+
     def validate(self) -> None:
         positive(self, "timeout_s", "sequence_parallel_size", "tensor_parallel_size", "expert_parallel_size",
-                  "hang_step_floor_s", "hang_first_step_s", "hang_checkpoint_s", "hang_eval_s")
+                  "hang_step_floor_s", "hang_first_step_s", "hang_checkpoint_s", "hang_eval_s", "straggler_margin",
+                  "straggler_logged_steps")
         self.fixed_hang_step_s()
         if self.hang_watchdog:
             self._check_hang_budgets()

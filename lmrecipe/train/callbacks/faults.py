@@ -5,6 +5,9 @@
 - ``LMRECIPE_FAULT_SPIKE_STEPS=N[,M...]``: the logits are multiplied by 1000 whenever the model's input is one of
   those steps' micro-batches (in the order without skips), so the fault follows the samples, as bad data does,
   wherever a rollback moves them; it logs each time it fires.
+- ``LMRECIPE_FAULT_SLOW_RANK=R:SECONDS[:STEP]``: rank R sleeps SECONDS before each forward of the model (from
+  optimizer step STEP on, 1-based; from the start without it), a rank whose device computes slower than the others'
+  (the straggler instrument names it: ``docs/hangs.md``).
 
 Production code knows nothing of them: the :class:`FaultInjection` callback, present only when one of them is set,
 is the only entry point.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Callable
 
 import torch
@@ -24,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 OOM_FAULT_ENV = "LMRECIPE_FAULT_OOM_AT_STEP"
 SPIKE_FAULT_ENV = "LMRECIPE_FAULT_SPIKE_STEPS"
+SLOW_RANK_FAULT_ENV = "LMRECIPE_FAULT_SLOW_RANK"
 _SPIKE_LOGIT_SCALE = 1000.0
 
 
@@ -33,13 +38,15 @@ class FaultInjection(Callback):
     @classmethod
     def from_environment(cls) -> FaultInjection | None:
         """The callback when a fault variable is set, else None."""
-        if not any(os.environ.get(name, "").strip() for name in (OOM_FAULT_ENV, SPIKE_FAULT_ENV)):
+        if not any(os.environ.get(name, "").strip() for name in (OOM_FAULT_ENV, SPIKE_FAULT_ENV, SLOW_RANK_FAULT_ENV)):
             return None
         return cls()
 
     def on_start(self, trainer) -> None:
         run = trainer.run
-        maybe_install_faults(run.accelerator.unwrap_model(run.model), run.train_batches, lambda: trainer.running_step)
+        model = run.accelerator.unwrap_model(run.model)
+        maybe_install_faults(model, run.train_batches, lambda: trainer.running_step)
+        maybe_slow_rank(model, run.accelerator.process_index, lambda: trainer.running_step)
 
 
 def maybe_install_faults(model: torch.nn.Module, batches, current_step: Callable[[], int | None]) -> None:
@@ -55,6 +62,25 @@ def maybe_install_faults(model: torch.nn.Module, batches, current_step: Callable
     if spike_steps:
         faulted = [inputs for step in spike_steps for inputs in batches.data_step_inputs(step - 1)]
         _attach_spike(model, faulted)
+
+
+def maybe_slow_rank(model: torch.nn.Module, rank: int, current_step: Callable[[], int | None]) -> None:
+    """``LMRECIPE_FAULT_SLOW_RANK=R:SECONDS[:STEP]``: on rank R, every forward of ``model`` in optimizer step STEP
+    (1-based) or later starts SECONDS late."""
+    value = os.environ.get(SLOW_RANK_FAULT_ENV, "").strip()
+    if not value:
+        return
+    slow_rank, seconds, from_step = (value.split(":") + ["1"])[:3]
+    if int(slow_rank) != rank:
+        return
+    logger.warning("Slowing every forward of rank %d by %s s from step %s (%s)", rank, seconds, from_step,
+                   SLOW_RANK_FAULT_ENV)
+
+    def before(module, args):
+        if (current_step() or 0) >= int(from_step):
+            time.sleep(float(seconds))
+
+    model.register_forward_pre_hook(before)
 
 
 def _attach_oom(model: torch.nn.Module, step: int, current_step: Callable[[], int | None]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.checkpoint.storage import EXIT_PREEMPTED
-from lmrecipe.errors import EXIT_FAILURE, EXIT_INTERRUPTED, UserError, fail
+from lmrecipe.errors import EXIT_INTERRUPTED, EXIT_LOST_PEER, UserError, fail
 from lmrecipe.train.callback import Callback, Stop
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ def peer_processes(accelerator) -> list[tuple[str, int]]:
 
 
 def lost_peer_error(err: BaseException, peers: list[tuple[str, int]], checkpoints: Path) -> UserError | None:
-    """A UserError (exit 1) naming the rank(s) that died if ``err`` is a collective broken by a lost peer, else None."""
+    """A UserError (exit :data:`EXIT_LOST_PEER`) naming the rank(s) that died if ``err`` is a collective broken by a lost
+    peer, else None."""
     if not peers or not isinstance(err, RuntimeError):
         return None
     text = str(err)
@@ -155,7 +156,7 @@ def lost_peer_error(err: BaseException, peers: list[tuple[str, int]], checkpoint
     first_line = text.strip().splitlines()[0].split(". ")[0][:200] if text.strip() else type(err).__name__
     return fail(f"Training stopped: {what}, which broke a collective operation ({first_line}). Its own log says "
                 f"why (a kill -9, out of host memory, a crash). {kept} Resume with checkpoint.resume=auto.",
-                exit_code=EXIT_FAILURE)
+                exit_code=EXIT_LOST_PEER)
 
 
 def _dead_local_peers(peers: list[tuple[str, int]], host: str, wait_s: float = _EXIT_WAIT_S) -> list[int]:

@@ -17,6 +17,7 @@ from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.device import cpu_threads_line
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
+from lmrecipe.observe.stragglers import StragglerDetector, rank_hosts
 from lmrecipe.parallel.topology import startup_line
 from lmrecipe.planning.prediction import predict_run
 from lmrecipe.train.callback import Callback, EvalResult, Stop
@@ -61,7 +62,7 @@ class Reporting(Callback):
             logger.info("Step 1 took %.1f s, torch.compile's compilation included", trainer.step_time_s)
         self.reporter.step_done(trainer.state, result.loss, result.lr, result.grad_norm, trainer.step_time_s,
                                 result.data_time_s, result.z_loss, result.figures, result.aux_loss,
-                                result.expert_tokens)
+                                result.expert_tokens, result.rank_compute_s)
 
     def after_eval(self, trainer, result: EvalResult) -> None:
         figures = dict(result.figures)
@@ -106,7 +107,17 @@ def build_reporter(run: Run, out_dir: Path, start_step: int, run_meta: dict, lau
                         "n_params": run.n_params, "flops_per_token": run.flops_per_token,
                         "accum_steps": runtime.batch.accum_steps, "deepspeed_config": runtime.ds_config,
                         "n_train_windows": run.data.n_train_windows,
-                        **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta})
+                        **({"data_mixture": run.data.mixture_signature()} if run.data.is_mixture else {}), **run_meta},
+                    stragglers=build_straggler_detector(run))
+
+
+def build_straggler_detector(run: Run) -> StragglerDetector | None:
+    """The detector of ``distributed.stragglers``, with every rank's host (a collective: every rank calls it)."""
+    section = run.cfg.distributed
+    if not section.stragglers:
+        return None
+    return StragglerDetector(section.straggler_margin, section.straggler_logged_steps,
+                             rank_hosts(run.accelerator.num_processes))
 
 
 def log_start(run: Run) -> None:
