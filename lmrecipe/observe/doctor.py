@@ -18,14 +18,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 from lmrecipe.errors import fail
+from lmrecipe.observe.findings import METRICS_FILE, RUN_META_FILE, Finding, RunFigures, finite, read_rows
 from lmrecipe.observe.smoothing import SMOOTH_ROWS, loss_scatter, smoothed
-
-METRICS_FILE = "metrics.jsonl"
-RUN_META_FILE = "run_meta.json"
 
 RATE_TOO_HIGH = ("frequent_clipping", "grad_norm_rising")
 """Findings whose fix is a lower rate, left out when the loss does not fall at all."""
@@ -111,84 +108,6 @@ SKIPPED_SHARE = 0.5
 did not move, and a higher rate is not the fix."""
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One symptom: ``name`` (a stable identifier), what is seen, the evidence, the likely cause and the fix."""
-
-    name: str
-    symptom: str
-    evidence: str
-    cause: str
-    fix: str
-
-    def lines(self) -> list[str]:
-        return [f"[{self.name}] {self.symptom}", f"  evidence: {self.evidence}", f"  cause: {self.cause}",
-                f"  fix: {self.fix}"]
-
-
-@dataclass(frozen=True)
-class RunFigures:
-    """What the checks read: the training and validation rows, the configuration and the sessions."""
-
-    train: list[dict]
-    val: list[dict]
-    config: dict
-    meta: dict
-
-    def key(self, dotted: str, default=None):
-        section, _, name = dotted.partition(".")
-        return self.config.get(section, {}).get(name, default)
-
-    @property
-    def warmup_steps(self) -> int:
-        return int(self.key("schedule.warmup_steps", 0) or 0)
-
-    def after_warmup(self) -> list[dict]:
-        return [r for r in self.train if r["step"] >= self.warmup_steps]
-
-    def epochs(self, step: int) -> float | None:
-        """Passes over the training windows by ``step``, from the tokens seen by then (a batch-size ramp
-        included); None when the run does not say how many windows there are."""
-        windows, seq_len = self.meta.get("n_train_windows"), self.key("data.seq_len")
-        seen = max((r["tokens_seen"] for r in self.train if r["step"] <= step and _finite(r.get("tokens_seen"))),
-                   default=None)
-        if not isinstance(windows, int) or not windows:
-            return None
-        if seen is not None and seq_len:
-            return seen / (windows * seq_len)
-        batch = self.key("train.global_batch_size")
-        return step * batch / windows if batch else None
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; a last line that is not (yet) valid JSON is left out: the run is writing it.
-    UserError for an earlier line that is not, a line that is not a JSON object, and a training or validation row
-    without its integer ``step``."""
-    if not path.is_file():
-        return []
-    damaged = "The file was edited or damaged; restore it, or delete the line to read the rest."
-    lines = path.read_bytes().splitlines()
-    rows = []
-    for number, raw in enumerate(lines, 1):
-        try:
-            line = raw.decode("utf-8")
-            row = json.loads(line) if line.strip() else None
-        except ValueError:  # UnicodeDecodeError included
-            if number < len(lines):
-                raise fail(f"{path}, line {number}, is not a JSON object: {raw[:80]!r}. {damaged}") from None
-            continue
-        if row is None:
-            continue
-        if not isinstance(row, dict):
-            raise fail(f"{path}, line {number}, is not a JSON object: {line[:80]!r}. {damaged}")
-        step = row.get("step")
-        if ("loss" in row or "val_loss" in row) and (not isinstance(step, int) or isinstance(step, bool)):
-            raise fail(f"{path}, line {number}, is a metrics row without an integer \"step\" ({line[:80]!r}). "
-                       f"{damaged}")
-        rows.append(row)
-    return rows
-
-
 def is_run_folder(path: Path) -> bool:
     return (path / METRICS_FILE).is_file() or (path / RUN_META_FILE).is_file()
 
@@ -240,10 +159,6 @@ def report_lines(findings: list[Finding]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- the checks
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _median(values) -> float:
     return statistics.median(values)
 
@@ -262,14 +177,14 @@ def _longer_warmup(run: RunFigures) -> str:
 
 def _lower_rate(run: RunFigures, factor: float) -> str:
     lr = run.key("optim.lr")
-    return f"optim.lr={_g(lr / factor)}" if _finite(lr) else "a lower optim.lr"
+    return f"optim.lr={_g(lr / factor)}" if finite(lr) else "a lower optim.lr"
 
 
 def non_finite(run: RunFigures) -> Finding | None:
     """Steps skipped for a non-finite loss or gradient norm, or a non-finite loss logged; blamed on the z-loss when
     its coefficient is large (:func:`_z_loss_overflow`)."""
     skipped = [r for r in run.train if (r.get("skipped_steps") or 0) > 0]
-    bad = [r for r in run.train if not _finite(r.get("loss")) or ("grad_norm" in r and not _finite(r["grad_norm"]))]
+    bad = [r for r in run.train if not finite(r.get("loss")) or ("grad_norm" in r and not finite(r["grad_norm"]))]
     if not skipped and not bad:
         return None
     first = min([r["step"] for r in skipped + bad])
@@ -291,14 +206,14 @@ def _z_loss_overflow(run: RunFigures) -> tuple[str, str] | None:
     """(evidence, cause) when ``train.z_loss`` is above :data:`Z_LOSS_LARGE`, or the logged z-loss is not finite or
     outweighs the loss itself; else None."""
     weight = run.key("train.z_loss")
-    logged = next((r for r in run.train if "z_loss" in r and (not _finite(r["z_loss"]) or (
-        _finite(r.get("loss")) and r["z_loss"] > r["loss"]))), None)
-    if not (_finite(weight) and weight > Z_LOSS_LARGE) and logged is None:
+    logged = next((r for r in run.train if "z_loss" in r and (not finite(r["z_loss"]) or (
+        finite(r.get("loss")) and r["z_loss"] > r["loss"]))), None)
+    if not (finite(weight) and weight > Z_LOSS_LARGE) and logged is None:
         return None
     evidence = f"; z_loss {_g(logged['z_loss'])} at step {logged['step']}" if logged is not None else ""
-    if logged is not None and _finite(logged.get("loss")):
+    if logged is not None and finite(logged.get("loss")):
         evidence += f" (the loss {logged['loss']:.4f})"
-    named = f"train.z_loss={_g(weight)}" if _finite(weight) else "the z-loss (train.z_loss)"
+    named = f"train.z_loss={_g(weight)}" if finite(weight) else "the z-loss (train.z_loss)"
     return evidence, (f"{named} is too large: z_loss * logsumexp(logits)^2 added to the loss overflows, whatever "
                       "the rate")
 
@@ -315,8 +230,8 @@ def _significant(rise: float, scatter: float, *counts: int) -> bool:
 def at_floor(run: RunFigures, rows: list[dict]) -> bool:
     """Whether the rows' logged learning rate (their median) is at the schedule's floor (:data:`LR_FLOOR_SHARE`)."""
     peak, floor = run.key("optim.lr"), run.key("optim.min_lr")
-    lrs = [r["lr"] for r in rows if _finite(r.get("lr"))]
-    if not (_finite(peak) and _finite(floor) and peak > floor and lrs):
+    lrs = [r["lr"] for r in rows if finite(r.get("lr"))]
+    if not (finite(peak) and finite(floor) and peak > floor and lrs):
         return False
     return _median(lrs) - floor <= LR_FLOOR_SHARE * (peak - floor)
 
@@ -324,7 +239,7 @@ def at_floor(run: RunFigures, rows: list[dict]) -> bool:
 def loss_diverging(run: RunFigures) -> Finding | None:
     """A logged loss climbs above the untrained model's (the first logged row), or the smoothed loss ends well
     above its lowest earlier point (:func:`smoothed`, :data:`LOSS_DIVERGE_NATS`, :data:`NOISE_Z`)."""
-    rows = [r for r in run.train if _finite(r["loss"])]
+    rows = [r for r in run.train if finite(r["loss"])]
     if len(rows) < MIN_ROWS:
         return None
     first, peak = rows[0], max(rows[1:], key=lambda r: r["loss"])
@@ -365,7 +280,7 @@ def loss_not_falling(run: RunFigures) -> Finding | None:
     first point by :data:`LOSS_FALL_MIN`, and neither because the updates were skipped (:data:`SKIPPED_SHARE`: that
     is :func:`non_finite`'s finding) nor because it climbs (:func:`loss_diverging`'s): their fixes are the opposite of
     a higher rate."""
-    rows = [r for r in run.after_warmup() if _finite(r["loss"])]
+    rows = [r for r in run.after_warmup() if finite(r["loss"])]
     if len(rows) < TREND_POINTS * SMOOTH_ROWS or _mostly_skipped(rows) or loss_diverging(run) is not None:
         return None
     points = smoothed(rows, from_end=False)
@@ -375,14 +290,14 @@ def loss_not_falling(run: RunFigures) -> Finding | None:
     last = rows[-1]
     evidence = (f"mean loss {start.loss:.4f} over {start.span()} (end of warmup), lowest {best.loss:.4f} "
                 f"over {best.span()}, {last['loss']:.4f} at step {last['step']}")
-    rates = [f"learning rate {_g(last['lr'])}" if _finite(last.get("lr")) else "",
-             f"peak optim.lr={_g(run.key('optim.lr'))}" if _finite(run.key("optim.lr")) else ""]
+    rates = [f"learning rate {_g(last['lr'])}" if finite(last.get("lr")) else "",
+             f"peak optim.lr={_g(run.key('optim.lr'))}" if finite(run.key("optim.lr")) else ""]
     if any(rates):  # a run folder without run_meta.json has no configuration to quote
         evidence += "; " + (f"{rates[0]} ({rates[1]})" if all(rates) else rates[0] or rates[1])
     epochs = run.epochs(last["step"])
     cause = "the learning rate is too low, or the schedule never reaches it"
     lr = run.key("optim.lr")
-    raised = (f"optim.lr={_g(10 * lr)} (ten times the peak)" if _finite(lr) and 10 * lr >= LR_FLOOR else
+    raised = (f"optim.lr={_g(10 * lr)} (ten times the peak)" if finite(lr) and 10 * lr >= LR_FLOOR else
               f"optim.lr={_g(LR_FLOOR)} (the default peak)")
     fix = raised + "; check schedule.warmup_steps and schedule.decay against train.max_steps"
     if epochs is not None and epochs > 1:
@@ -403,7 +318,7 @@ def _mostly_skipped(rows: list[dict]) -> bool:
 def grad_norm_rising(run: RunFigures) -> Finding | None:
     """The gradient norm of the last third of the run over that of the first third exceeds :data:`GRAD_NORM_RISE`,
     and the last third is not at the schedule's floor (:func:`at_floor`)."""
-    rows = [r for r in run.train[1:] if _finite(r.get("grad_norm"))]
+    rows = [r for r in run.train[1:] if finite(r.get("grad_norm"))]
     if len(rows) < 3 * 2:
         return None
     third = len(rows) // 3
@@ -423,7 +338,7 @@ def grad_norm_rising(run: RunFigures) -> Finding | None:
 def frequent_clipping(run: RunFigures) -> Finding | None:
     """``grad_norm`` above ``optim.grad_clip`` in more than :data:`CLIP_FRACTION` of the logged steps after warmup."""
     clip = run.key("optim.grad_clip", 0.0)
-    rows = [r for r in run.after_warmup() if _finite(r.get("grad_norm"))]
+    rows = [r for r in run.after_warmup() if finite(r.get("grad_norm"))]
     if not clip or len(rows) < MIN_ROWS:
         return None
     clipped = [r for r in rows if r["grad_norm"] > clip]
@@ -447,7 +362,7 @@ def _parts(rows: list[dict], prefix: str) -> dict[str, float]:
     values: dict[str, list[float]] = {}
     for r in rows:
         for key, value in r.items():
-            if key.startswith(prefix + "/") and _finite(value):
+            if key.startswith(prefix + "/") and finite(value):
                 values.setdefault(key[len(prefix) + 1:], []).append(value)
     return {part: _median(v) for part, v in values.items()}
 
@@ -487,15 +402,15 @@ def _logit_fix(run: RunFigures) -> str:
 def max_logit_growing(run: RunFigures) -> Finding | None:
     """The largest logit (``max_abs_logit``, or ``max_logit``) grew :data:`MAX_LOGIT_GROWTH` times after warmup and
     ended above :data:`MAX_LOGIT_FLOOR`."""
-    key = next((k for k in LOGIT_KEYS if any(_finite(r.get(k)) for r in run.train)), None)
-    rows = [r for r in run.after_warmup() if key and _finite(r.get(key))]
+    key = next((k for k in LOGIT_KEYS if any(finite(r.get(k)) for r in run.train)), None)
+    rows = [r for r in run.after_warmup() if key and finite(r.get(key))]
     if len(rows) < MIN_ROWS:
         return None
     first, last = rows[0][key], _median(r[key] for r in rows[-TAIL_ROWS:])
     if last < MAX_LOGIT_FLOOR or first <= 0 or last / first < MAX_LOGIT_GROWTH:
         return None
     evidence = f"{key} {first:.3g} at step {rows[0]['step']}, {last:.3g} at the end (step {rows[-1]['step']})"
-    z = [r["z_loss"] for r in rows if _finite(r.get("z_loss"))]
+    z = [r["z_loss"] for r in rows if finite(r.get("z_loss"))]
     if z:
         evidence += f"; z_loss {z[0]:.3g} -> {z[-1]:.3g}"
     return Finding("max_logit_growing", "largest logit growing", evidence,
@@ -519,7 +434,7 @@ def frequent_rollbacks(run: RunFigures) -> Finding | None:
 
 def data_wait(run: RunFigures) -> Finding | None:
     """Data wait above :data:`DATA_WAIT_FRACTION` of the time in training steps (the first interval left out)."""
-    rows = [r for r in run.train[1:] if _finite(r.get("data_time_s")) and _finite(r.get("interval_time_s"))]
+    rows = [r for r in run.train[1:] if finite(r.get("data_time_s")) and finite(r.get("interval_time_s"))]
     total = sum(r["interval_time_s"] for r in rows)
     if not rows or total < DATA_WAIT_MIN_SECONDS:
         return None
@@ -543,7 +458,7 @@ def val_rising(run: RunFigures) -> Finding | None:
     best, last = min(run.val, key=lambda r: r["val_loss"]), run.val[-1]
     if last is best or last["val_loss"] < best["val_loss"] * (1 + VAL_RISE_FRACTION):
         return None
-    train_at = {r["step"]: r["loss"] for r in run.train if _finite(r["loss"])}
+    train_at = {r["step"]: r["loss"] for r in run.train if finite(r["loss"])}
     before, after = _loss_near(train_at, best["step"]), _loss_near(train_at, last["step"])
     if before is None or after is None or after >= before:
         return None
@@ -556,7 +471,7 @@ def val_rising(run: RunFigures) -> Finding | None:
         ", which it has seen more than once" if epochs is not None and epochs > 1 else "")
     weight_decay = run.key("optim.weight_decay")
     fix = (f"more training data (data.path, data.sources); a stronger optim.weight_decay="
-           f"{_g(2 * weight_decay) if _finite(weight_decay) and weight_decay else 0.1}; or stop at the best "
+           f"{_g(2 * weight_decay) if finite(weight_decay) and weight_decay else 0.1}; or stop at the best "
            f"evaluation (train.max_steps={best['step']}, or train.early_stopping_patience=2)")
     return Finding("val_rising", "validation loss rising while training loss falls", evidence, cause, fix)
 
@@ -570,7 +485,7 @@ def _loss_near(train_at: dict[int, float], step: int) -> float | None:
 def throughput_drop(run: RunFigures) -> Finding | None:
     """A run of slow intervals (:data:`THROUGHPUT_DROP` of the median before them), sustained as
     :data:`THROUGHPUT_MIN_ROWS` and :data:`THROUGHPUT_MIN_SECONDS` say."""
-    rows = [r for r in run.train[1:] if _finite(r.get("tokens_per_sec")) and r["tokens_per_sec"] > 0]
+    rows = [r for r in run.train[1:] if finite(r.get("tokens_per_sec")) and r["tokens_per_sec"] > 0]
     streak: list[dict] = []
     for i in range(THROUGHPUT_MIN_ROWS, len(rows)):
         baseline = _median(r["tokens_per_sec"] for r in rows[:i - len(streak)])
@@ -589,7 +504,7 @@ def _drop_finding(streak: list[dict], baseline: float, rows: list[dict], end: in
         end += 1
         streak.append(rows[end])
     slow = _median(r["tokens_per_sec"] for r in streak)
-    share = [r["data_time_s"] / r["step_time_s"] for r in streak if _finite(r.get("data_time_s")) and r.get("step_time_s")]
+    share = [r["data_time_s"] / r["step_time_s"] for r in streak if finite(r.get("data_time_s")) and r.get("step_time_s")]
     evidence = (f"{baseline:,.0f} tokens/s before step {streak[0]['step']}, then {slow:,.0f} (median) over steps "
                 f"{streak[0]['step']}-{streak[-1]['step']}")
     cause = "the input pipeline falls behind" if share and _median(share) > DATA_WAIT_FRACTION else \
@@ -608,13 +523,13 @@ def resume_jump(run: RunFigures) -> Finding | None:
         start = launch.get("start_step")
         if not launch.get("resumed_from") or start is None:
             continue
-        before = [r for r in run.train if r["step"] <= start and _finite(r["loss"])][-TAIL_ROWS:]
+        before = [r for r in run.train if r["step"] <= start and finite(r["loss"])][-TAIL_ROWS:]
         after = next((r for r in run.train if r["step"] > start), None)
-        if not before or after is None or not _finite(after["loss"]):
+        if not before or after is None or not finite(after["loss"]):
             continue
         highest = max(r["loss"] for r in before)
         if after["loss"] > highest * (1 + RESUME_JUMP_FRACTION) and \
-                _significant(after["loss"] - highest, loss_scatter([r for r in run.train if _finite(r["loss"])]), 1):
+                _significant(after["loss"] - highest, loss_scatter([r for r in run.train if finite(r["loss"])]), 1):
             evidence = (f"loss {highest:.4f} at most over steps {before[0]['step']}-{before[-1]['step']}, "
                         f"{after['loss']:.4f} at step {after['step']}, after the resume at step {start} from "
                         f"{launch['resumed_from']}")
