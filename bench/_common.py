@@ -364,3 +364,20 @@ def timed_block(loop, n_steps: int, device) -> Timing:
     return Timing(time.perf_counter() - start, time.process_time() - cpu_start)
 
 
+
+
+def add_wide_model_options(parser) -> None:
+    """The options of the cases that train a wider model of the recipe between saves."""
+    parser.add_argument("--hidden-size", type=int, default=512, help="model width (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--steps-between", type=int, default=3, help="training steps after each save (default: %(default)s)")
+    parser.add_argument("--tmp", default=None, help="folder for the run and its checkpoints (default: system temp)")
+
+
+def build_wide_run(args, out_dir: Path, overrides: list[str]):
+    """``build_run`` of ``args.recipe`` at ``--hidden-size`` x ``--layers``, saving every step it is asked to."""
+    from lmrecipe.train.setup import build_run
+
+    cfg = bench_config(args.recipe, [*wide_overrides(args.hidden_size, args.layers), "checkpoint.every_steps=1",
+                                     *overrides], str(out_dir), args.data)
+    return build_run(cfg, out_dir)
