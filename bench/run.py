@@ -45,8 +45,9 @@ def listing() -> str:
 def build_parser(name: str, case) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"bench/run.py {name}", description=case.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=getattr(case, "PAIRS", 3),
-                        help="interleaved rounds of the sides (default: %(default)s)")
+    if getattr(case, "PAIRS", 3) is not None:  # None: a case without rounds
+        parser.add_argument("--pairs", type=int, default=getattr(case, "PAIRS", 3),
+                            help="interleaved rounds of the sides (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--output", default=None, help="folder for the .txt/.json results (default: bench/results)")
     if getattr(case, "DATA", "data/stdlib"):
