@@ -78,7 +78,7 @@ def run_case(name: str, argv: list[str]) -> int:
         if result is not None:
             C.print_result(result)
         return 0
-    if getattr(args, "data", None) and getattr(case, "CHECK_DATA", True):
+    if getattr(args, "data", None):
         C.check_data(args.data)
     if hasattr(case, "check"):
         case.check(args)

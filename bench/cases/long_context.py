@@ -39,7 +39,8 @@ HEADER = ("| configuration | processes | peak per rank (GiB) | vs baseline | est
 def options(parser) -> None:
     parser.add_argument("what", choices=("loss", "sp"))
     parser.add_argument("--out", type=Path, help="worker: the folder for its rank's result")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="worker: a recipe override")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override of every configuration, after its own (e.g. data.seq_len=256: a quick check)")
 
 
 def name(args) -> str:
@@ -82,6 +83,7 @@ def worker(args) -> None:
 def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
     """One configuration in fresh processes: per-rank peaks and step times, and the estimate of the same run."""
     with tempfile.TemporaryDirectory() as tmp:
+        overrides = [*overrides, *args.set]
         cmd = C.worker_command(args, "measure", "--out", tmp, *(f"--set={o}" for o in overrides))
         if nproc > 1:
             cmd[:1] = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
