@@ -258,7 +258,7 @@ class OursLoop:
         self.run_ = build_run(cfg, out_dir)
         if self.run_.runtime.topology.zero.deepspeed:
             raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
-                             "(bench/mfu.py --device cuda does)")
+                             "(the GPU kit, bench/gpu/run.py, does)")
         self.accelerator = self.run_.accelerator
         self.precision = self.run_.runtime.precision
         self.layout = self.run_.runtime.batch

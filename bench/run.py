@@ -60,7 +60,8 @@ def build_parser(name: str, case) -> argparse.ArgumentParser:
                             help="cpu, or cuda on a GPU machine (precision auto = bf16 there)")
     if hasattr(case, "worker"):
         parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    case.options(parser)
+    if hasattr(case, "options"):
+        case.options(parser)
     return parser
 
 

@@ -22,10 +22,6 @@ DATA = None
 BLOCKS = 7
 
 
-def options(parser) -> None:
-    pass
-
-
 def hooks_us_per_step(section) -> float:
     from lmrecipe.train.callbacks.watchdog import Watchdog
 

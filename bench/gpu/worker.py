@@ -137,7 +137,7 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
 
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
-    """Loop time blocked by one save of each kind (``bench/checkpoint_stall.py``'s round, once per side)."""
+    """Loop time blocked by one save of each kind (``bench/run.py checkpoint_stall``'s round, once per side)."""
     from lmrecipe.train.callbacks.checkpointing import build_checkpointer
     from lmrecipe.train.state import TrainState
     from lmrecipe.train.step import train_step
