@@ -381,3 +381,34 @@ def build_wide_run(args, out_dir: Path, overrides: list[str]):
     cfg = bench_config(args.recipe, [*wide_overrides(args.hidden_size, args.layers), "checkpoint.every_steps=1",
                                      *overrides], str(out_dir), args.data)
     return build_run(cfg, out_dir)
+
+
+def side_checkpointer(run, folder: Path, background: bool):
+    """The trainer's own checkpointer of ``run``, saving at every step it is asked to, into ``folder``."""
+    import dataclasses
+
+    from lmrecipe.train.callbacks.checkpointing import build_checkpointer
+
+    section = dataclasses.replace(run.cfg.checkpoint, every_steps=1, keep_last=1, background_save=background)
+    return build_checkpointer(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, checkpoint=section)), folder)
+
+
+def save_round(run, checkpointer, state, steps_between: int) -> dict:
+    """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
+    from lmrecipe.train.step import train_step
+
+    device = run.accelerator.device
+    sync(device)
+    start = time.perf_counter()
+    checkpointer.maybe_save(run.model, state)
+    save_s, steps_s = time.perf_counter() - start, []
+    for _ in range(steps_between):
+        step_start = time.perf_counter()
+        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+        steps_s.append(time.perf_counter() - step_start)
+    sync(device)
+    start = time.perf_counter()
+    checkpointer.wait()
+    wait_s = time.perf_counter() - start
+    return {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s, "steps_s": sum(steps_s),
+            "step_s": statistics.median(steps_s) if steps_s else 0.0}

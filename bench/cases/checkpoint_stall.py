@@ -10,10 +10,7 @@ background of it, and of the whole round. Files go to --tmp through the page cac
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import _common as C
@@ -34,39 +31,21 @@ def name(args) -> str:
 def run(args, report) -> None:
     import logging
 
-    from lmrecipe.train.callbacks.checkpointing import build_checkpointer
     from lmrecipe.train.state import TrainState
     from lmrecipe.train.step import train_step
 
     logging.disable(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
-        run = C.build_wide_run(args, Path(tmp) / "run", ["checkpoint.keep_last=1",
-                                                         f"distributed.deepspeed_config={args.deepspeed or 'null'}"])
-        checkpointers = {side: build_checkpointer(dataclasses.replace(run, cfg=dataclasses.replace(
-            run.cfg, checkpoint=dataclasses.replace(run.cfg.checkpoint, background_save=side == "background"))),
-            Path(tmp) / side) for side in SIDES}
+        run = C.build_wide_run(args, Path(tmp) / "run", [f"distributed.deepspeed_config={args.deepspeed or 'null'}"])
+        checkpointers = {side: C.side_checkpointer(run, Path(tmp) / side, side == "background") for side in SIDES}
         state = TrainState()
         report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.topology.zero.describe()}, "
                     f"{run.tokens_per_step} tokens per step, {args.steps_between} steps between saves, "
                     f"threads {args.threads or 'default'}, files in {tmp}")
 
-        def one_round(side: str) -> dict:
-            start = time.perf_counter()
-            checkpointers[side].maybe_save(run.model, state)
-            save_s, steps_s = time.perf_counter() - start, []
-            for _ in range(args.steps_between):
-                step_start = time.perf_counter()
-                state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
-                steps_s.append(time.perf_counter() - step_start)
-            start = time.perf_counter()
-            checkpointers[side].wait()
-            wait_s = time.perf_counter() - start
-            return {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s, "steps_s": sum(steps_s),
-                    "step_s": statistics.median(steps_s)}
-
         def quiet_round(side: str) -> dict:
             with C.quiet_stdout():
-                return one_round(side)
+                return C.save_round(run, checkpointers[side], state, args.steps_between)
 
         for _ in range(2):  # warm-up: the first steps, and one save of each side
             state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
