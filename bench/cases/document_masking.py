@@ -1,15 +1,10 @@
 """What document masking costs and what it changes: step time, the SDPA mask's memory, the validation loss.
 
-    bench/run.py document_masking step          # train_step with and without masking, interleaved blocks
-    bench/run.py document_masking mask-memory   # bytes of the SDPA mask at seq_len 2k / 8k / 32k
-    bench/run.py document_masking val-loss      # recipes/tiny.yaml 300 steps with and without, then eval.py
+    bench/run.py document_masking step          # train_step masked and plain, tiny and 34M models, interleaved blocks
+    bench/run.py document_masking mask-memory   # bytes of the SDPA, eager and flash masks at seq_len 2k / 8k / 32k
+    bench/run.py document_masking val-loss      # recipes/tiny.yaml --steps steps masked and plain, then eval.py both ways
 
-step: the tiny recipe's model and a 34M one (--hidden-size 640 --layers 10), two runs each built in this process
-(``data.document_masking`` true and false, same seed and data); ``train_step`` timed in interleaved blocks.
-mask-memory: the block-causal boolean mask of the SDPA path (``rows x seq_len^2`` bytes per forward), eager's additive
-float mask (4 bytes per element) and the flash path's offsets, built at each length and their bytes read back.
-val-loss: ``train.py`` twice (masking on, off) for --steps steps, then ``eval.py`` on both exports with masking and
-without.
+Method: docs/benchmarks/10-document-masking.md.
 """
 
 from __future__ import annotations

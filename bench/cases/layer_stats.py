@@ -4,7 +4,7 @@ against off.
 Two trainers of the same recipe (``_common.OursLoop``), ``logging.layer_stats`` false and true, in alternating blocks
 of ``logging.log_every_steps`` (--log-every) steps, so every block holds one logged step. Per round: the ratio on /
 off of the logged step's CPU seconds and of the mean unlogged step's (wall too). The CPU seconds inside the
-instrument itself (its ``before_step``, gradient probe and ``after_step``) are reported per step as well: on a loaded
+instrument itself (its ``before_step``, ``pre_optim_step`` gradient probe and ``after_step``) are reported per step as well: on a loaded
 machine the whole-step ratios scatter widely.
 """
 
@@ -71,7 +71,7 @@ def run(args, report) -> None:
                     f"{args.log_every} steps")
         own_cpu_s: dict[str, float] = {}
         instrument = next(c for c in loops["on"].trainer.callbacks if type(c).__name__ == "LayerStats")
-        for name in ("before_step", "_read_gradients", "after_step"):
+        for name in ("before_step", "pre_optim_step", "after_step"):
             setattr(instrument, name, cpu_counted(instrument, getattr(instrument, name), own_cpu_s))
         for loop in loops.values():  # step 1 (logged, first-call costs) and the rest of its block, untimed
             timed_steps(loop, args.log_every, device)

@@ -1,15 +1,12 @@
 """Peak memory and time of converting a ZeRO-2 checkpoint to its topology-free form: the code before against this one.
 
-    bench/run.py portable_memory --pairs 2                                             # a 322M-parameter Llama
+    bench/run.py portable_memory --pairs 2                                                  # a 322M-parameter Llama
     bench/run.py portable_memory --hidden-size 256 --layers 2 --vocab-size 8192 --pairs 1   # quick
 
-The checkpoint: 2 processes (``torch.distributed.run``, gloo) build a Llama from a config in fp32, wrap it in DeepSpeed
-ZeRO-2 with two AdamW groups, take one step and save as ``accelerator.save_state`` does. Then rounds, each side in
-fresh processes: *before*, ``lmrecipe/checkpoint/portable.py`` at --baseline (``git show``), one process
-consolidating each whole state; *after*, this tree's conversion as a resume on 2 processes runs it (``plan_shards``,
-``write_share`` per rank, then ``finish``). Each worker samples ``RssAnon`` and ``RssFile`` every 10 ms and reports
-``VmHWM`` and its floor (the imports); two times per side (converting; the whole side). The forms are compared tensor
-by tensor each round.
+A 2-process ZeRO-2 checkpoint (one AdamW step), then rounds in fresh processes: *before*, ``portable.py`` at
+--baseline (``git show``) consolidating in one process; *after*, this tree's ``plan_shards`` / ``write_share`` on 2
+processes, then ``finish``. Each worker samples its RSS every 10 ms and reports ``VmHWM`` over its floor; the two forms
+are compared tensor by tensor each round. Method: docs/benchmarks/09-checkpoint-stall.md.
 """
 
 from __future__ import annotations

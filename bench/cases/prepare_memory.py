@@ -1,16 +1,12 @@
 """Preparation memory: peak resident memory of tools/prepare_data.py on 1x, 4x and 16x copies of one corpus.
 
-    bench/run.py prepare_memory                                       # 1x 4x 16x, given tokenizer and trained BPE
     bench/run.py prepare_memory --base-files 250                      # 1x = the first 250 files (4 MB): quicker
-    bench/run.py prepare_memory --copies 1 4 --modes given --format jsonl
-    bench/run.py prepare_memory --copies 1 --modes given --pairs 3 --compare-repo /tmp/before
+    bench/run.py prepare_memory --copies 1 --modes given --pairs 3 --compare-repo /tmp/before   # before/after
     bench/run.py prepare_memory --repo /tmp/before --tag _before      # the scaling, run by another checkout
 
-The corpora: the embedded corpus copied N times under distinct names (hard links where possible), or N jsonl files
-with --format jsonl. Each run is a fresh ``tools/prepare_data.py --input <folder>``; a sampler reads the RSS of it
-and of its tokenizer workers every 20 ms: the peak of their sum and of the main process alone. *given*: ``--tokenizer
-DIR``; *trained*: the default BPE training. Target: peak RSS at 16x <= 1.15x the peak at 1x. --compare-repo DIR
-prepares the 1x corpus with DIR's tools/prepare_data.py too, interleaved: wall, CPU seconds and peak RSS, before/after.
+Each run is a fresh ``tools/prepare_data.py --input <corpus>`` (the embedded corpus copied N times, or N jsonl files);
+the RSS of it and its tokenizer workers is sampled every 20 ms. Modes: *given* (``--tokenizer DIR``) and *trained*
+(the default BPE). Target: peak RSS at 16x <= 1.15x the peak at 1x. Method: docs/benchmarks/07-data-at-scale.md.
 """
 
 from __future__ import annotations

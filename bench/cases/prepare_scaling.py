@@ -1,15 +1,12 @@
 """Preparation: tokens/s of tools/prepare_data.py's tokenization on 1 and 2 processes, and a datasets.map baseline.
 
-    bench/run.py prepare_scaling                                     # first 300 documents of the embedded corpus
     bench/run.py prepare_scaling --max-documents 0 --pairs 3         # the whole corpus
     bench/run.py prepare_scaling --tokenizers-parallelism false      # no Rust threads inside a process
 
-Each trial is a fresh process, the three sides in rotated order per round: *p1*, *p2*: ``prepare(tokenizer=DIR,
-num_proc=1 or 2)``, what ``tools/prepare_data.py --tokenizer DIR --num-proc N`` runs; the figure is meta.json's
-``timing.tokens_per_sec`` (worker start-up, reading, encoding, the writes; not the tokenizer load). With
-``--prepare-tokenizer trained`` prepare trains its BPE instead (not timed). *map*: ``datasets.Dataset.map`` of the
-same tokenizer over the same documents in one process. Last, in this process: prepare's encoder through
-transformers' ``__call__`` against the tokenizers library on the same tokenizer.json, interleaved, bytes checked equal.
+Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(tokenizer=DIR, num_proc=1 or 2)``, meta.json's
+``timing.tokens_per_sec``; ``--prepare-tokenizer trained``: prepare trains its BPE, not timed) and *map*
+(``datasets.Dataset.map``, same tokenizer and documents). Last, in this process: prepare's encoder through
+transformers' ``__call__`` against the tokenizers library, bytes checked equal. Method: docs/benchmarks/04-preparation.md.
 """
 
 from __future__ import annotations
