@@ -4,8 +4,8 @@ against off.
 Two trainers of the same recipe (``_common.OursLoop``), ``logging.layer_stats`` false and true, in alternating blocks
 of ``logging.log_every_steps`` (--log-every) steps, so every block holds one logged step. Per round: the ratio on /
 off of the logged step's CPU seconds and of the mean unlogged step's (wall too). The CPU seconds inside the
-instrument itself (its ``before_step``, ``pre_optim_step`` gradient probe and ``after_step``) are reported per step as well: on a loaded
-machine the whole-step ratios scatter widely.
+instrument itself (its ``before_step``, the gradient probe of ``pre_optim_step`` and ``after_step``) are reported
+per step as well: on a loaded machine the whole-step ratios scatter widely.
 """
 
 from __future__ import annotations
