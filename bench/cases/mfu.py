@@ -103,7 +103,7 @@ def worker(args) -> dict:
 def run(args, report) -> None:
     for name in args.models:
         r = C.run_worker(C.worker_command(args, "cpu", "--models", name), name,
-                         {**os.environ, "ACCELERATE_DISABLE_RICH": "1"})
+                         {**os.environ, "ACCELERATE_DISABLE_RICH": "1", "CUDA_VISIBLE_DEVICES": ""})  # CPU figures
         report.figures[name] = r
         report.line(r["desc"])
         for i in range(len(r["achieved_tflops"])):
