@@ -153,11 +153,12 @@ def scaling(args, report, workdir: Path) -> None:
         corpus = build_corpus(workdir, copies, args.format, args.base_files)
         size_mb = sum(p.stat().st_size for p in corpus.rglob("*") if p.is_file()) / 1e6
         report.line(f"corpus {copies}x: {corpus.name}, {size_mb:.0f} MB")
+    repo = Path(args.repo).resolve() if args.repo else C.ROOT
     for mode in args.modes:
         for i in range(args.pairs):
-            order = args.copies if i % 2 == 0 else args.copies[::-1]
-            for copies in order:
-                got = run_prepare(Path(args.repo).resolve() if args.repo else C.ROOT, [*mode_args(mode, args), "--input", str(build_corpus(workdir, copies, args.format, args.base_files))])
+            for copies in args.copies if i % 2 == 0 else args.copies[::-1]:
+                corpus = build_corpus(workdir, copies, args.format, args.base_files)
+                got = run_prepare(repo, [*mode_args(mode, args), "--input", str(corpus)])
                 runs.setdefault(mode, {}).setdefault(copies, []).append(got)
                 report.line(f"{mode:7s} {copies:2d}x: {got['tokens']:>11,} tokens, {got['documents']:>6,} documents | peak RSS "
                             f"{got['peak_total_mb']:6.0f} MB (main {got['peak_main_mb']:4.0f} MB, largest worker "
@@ -172,7 +173,8 @@ def scaling(args, report, workdir: Path) -> None:
         for copies in sorted(peak):
             if copies == base:
                 continue
-            ratios[f"{mode} {copies}x/{base}x"] = {"total": peak[copies] / peak[base], "main": main_peak[copies] / main_peak[base]}
+            ratios[f"{mode} {copies}x/{base}x"] = {"total": peak[copies] / peak[base],
+                                                   "main": main_peak[copies] / main_peak[base]}
             report.line(f"{mode}: peak RSS {copies}x / {base}x = {peak[copies] / peak[base]:.3f} ({peak[copies]:.0f} / "
                         f"{peak[base]:.0f} MB); main process alone {main_peak[copies] / main_peak[base]:.3f} "
                         f"({main_peak[copies]:.0f} / {main_peak[base]:.0f} MB)")
