@@ -185,6 +185,62 @@ def compare(args, report, workdir: Path) -> None:
     corpus = build_corpus(workdir, 1, args.format, args.base_files)
     repos = {"before": Path(args.compare_repo).resolve(), "after": C.ROOT}
     report.line(f"before: {repos['before']}; after: {repos['after']}; corpus {corpus.name}")
+    runs, stats = {}, {}
+    for mode in args.modes:
+        report.line(f"{mode}:")
+        runs[mode], ratios = C.interleave(
+            report, args.pairs, ("before", "after"),
+            lambda side: run_prepare(repos[side], [*mode_args(mode, args), "--input", str(corpus)]),
+            {f"{key} after/before": (lambda k: lambda g: g["after"][k] / g["before"][k])(key)
+             for key in ("wall_s", "cpu_s", "peak_total_mb")},
+            lambda g: " | ".join(f"{side} {r['wall_s']:5.1f} s wall, {r['cpu_s']:5.1f} CPU-s, peak RSS "
+                                 f"{r['peak_total_mb']:4.0f} MB, {r['tokens']:,} tokens" for side, r in g.items()))
+        stats[mode] = {key.split()[0]: value for key, value in ratios.items()}
+    report.line()
+    for mode, ratio in stats.items():
+        report.line(f"{mode}: after / before: wall {C.fmt_ratio(ratio['wall_s'])}; CPU seconds "
+                    f"{C.fmt_ratio(ratio['cpu_s'])}; peak RSS {C.fmt_ratio(ratio['peak_total_mb'])}")
+    report.figures = {"runs": runs, "ratios": stats}
+
+
+def scaling(args, report, workdir: Path) -> None:
+    runs = {}
+    for copies in args.copies:
+        corpus = build_corpus(workdir, copies, args.format, args.base_files)
+        size_mb = sum(p.stat().st_size for p in corpus.rglob("*") if p.is_file()) / 1e6
+        report.line(f"corpus {copies}x: {corpus.name}, {size_mb:.0f} MB")
+    repo = Path(args.repo).resolve() if args.repo else C.ROOT
+    for mode in args.modes:
+        for i in range(args.pairs):
+            for copies in args.copies if i % 2 == 0 else args.copies[::-1]:
+                corpus = build_corpus(workdir, copies, args.format, args.base_files)
+                got = run_prepare(repo, [*mode_args(mode, args), "--input", str(corpus)])
+                runs.setdefault(mode, {}).setdefault(copies, []).append(got)
+                report.line(f"{mode:7s} {copies:2d}x: {got['tokens']:>11,} tokens, {got['documents']:>6,} documents | peak RSS "
+                            f"{got['peak_total_mb']:6.0f} MB (main {got['peak_main_mb']:4.0f} MB, largest worker "
+                            f"{got['peak_worker_mb']:4.0f} MB) | {got['wall_s']:6.1f} s wall, {got['cpu_s']:6.1f} CPU-s, "
+                            f"{got['tokens'] / got['wall_s']:,.0f} tokens/s over the whole run")
+    report.line()
+    ratios = {}
+    base = min(args.copies)
+    for mode, by_copies in runs.items():
+        peak = {copies: statistics.median(r["peak_total_mb"] for r in rs) for copies, rs in by_copies.items()}
+        main_peak = {copies: statistics.median(r["peak_main_mb"] for r in rs) for copies, rs in by_copies.items()}
+        for copies in sorted(peak):
+            if copies == base:
+                continue
+            ratios[f"{mode} {copies}x/{base}x"] = {"total": peak[copies] / peak[base],
+                                                   "main": main_peak[copies] / main_peak[base]}
+            report.line(f"{mode}: peak RSS {copies}x / {base}x = {peak[copies] / peak[base]:.3f} ({peak[copies]:.0f} / "
+                        f"{peak[base]:.0f} MB); main process alone {main_peak[copies] / main_peak[base]:.3f} "
+                        f"({main_peak[copies]:.0f} / {main_peak[base]:.0f} MB)")
+    report.figures = {"runs": runs, "ratios": ratios, "format": args.format}
+
+
+def compare(args, report, workdir: Path) -> None:
+    corpus = build_corpus(workdir, 1, args.format, args.base_files)
+    repos = {"before": Path(args.compare_repo).resolve(), "after": C.ROOT}
+    report.line(f"before: {repos['before']}; after: {repos['after']}; corpus {corpus.name}")
     runs = {}
     for mode in args.modes:
         for order in C.pair_orders(args.pairs, ("before", "after")):
