@@ -25,7 +25,7 @@ BLOCKS = 7
 def hooks_us_per_step(section) -> float:
     from lmrecipe.train.callbacks.watchdog import Watchdog
 
-    watchdog = Watchdog(section, SimpleNamespace(process_index=0, num_processes=1), Path("unused"))
+    watchdog = Watchdog(section)  # the hooks timed here need no attach (only on_start reads the rank)
     trainer = SimpleNamespace(running_step=0, state=SimpleNamespace(step=0), step_time_s=0.1, stop=None,
                               checkpointer=SimpleNamespace(due=lambda step: False))
 
