@@ -2,7 +2,7 @@
 
     bench/run.py mid_training --steps 300
     bench/run.py mid_training --steps 20 --average 2 --set model.hidden_size=64 --set model.num_layers=2 \
-        --set data.seq_len=32 --set model.intermediate_size=128     # a quick check
+        --set data.seq_len=32 --set model.intermediate_size=128 --set schedule.warmup_steps=2   # a quick check
 
 Four runs in this process, one after the other, validated every --steps/10 steps: **cosine** (the recipe's
 schedule); **wsd-90** (``schedule.decay_fraction=0.1``, every checkpoint kept: the stable trunk); **wsd-80** (a
