@@ -1,8 +1,9 @@
-"""Shared pieces of the benchmarks: the machine description, interleaved timing, ratio statistics, and the two
-training loops that bench/loop_overhead.py, bench/data_path.py and bench/mfu.py drive in blocks of steps.
+"""The benchmarks' shared pieces, owned by ``bench/run.py``: the machine description, the report (printed, then
+written to ``bench/results/<name>.txt`` and ``.json`` with the command that reproduces it), the interleaved rounds
+and their median-of-ratios statistics, worker processes, and the two training loops the in-process cases drive.
 
-Every benchmark measures its two sides in one run, interleaved (A B B A A B ...), and reports the median of the
-per-pair ratios with their min and max: drift of a shared machine then hits both sides of a pair alike.
+Every case measures its sides in one run, interleaved (A B, B A, ...), and reports the median of the per-round
+ratios with their min and max: drift of a shared machine then hits both sides of a round alike.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 import os
 import platform
 import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import time
 import typing
@@ -20,44 +23,55 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+RUNNER = ROOT / "bench" / "run.py"
 
-
-#: Line prefix a worker process prints before its JSON result (benchmarks that need fresh processes).
+#: Line prefix a worker process prints before its JSON result.
 RESULT_PREFIX = "BENCH_RESULT "
+
+
+class Refusal(Exception):
+    """Bad input: ``bench/run.py`` prints the message and exits 2, before anything is measured or written."""
 
 
 def print_result(result: dict) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def run_worker(cmd: list[str], side: str, env: dict | None = None) -> dict:
-    """Run a worker process from the repo root and return the JSON result it printed last."""
-    import subprocess
+def worker_command(args, kind: str, *extra: str) -> list[str]:
+    """This case's own command line run as worker ``kind``; ``extra`` options override the parent's."""
+    return [sys.executable, str(RUNNER), args.case, *args.argv, "--worker", kind, *extra]
 
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+
+def run_worker(cmd: list[str], side: str, env: dict | None = None, cwd: Path = ROOT) -> dict:
+    """Run a worker process and return the JSON result it printed last."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
+def run_checked(cmd: list[str], env: dict | None = None) -> str:
+    """Run a command from the repository root; its stdout, or exit naming it with the end of its stderr."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
 def command_line() -> str:
     """The command that reproduces this run, from the repository root."""
     script = Path(sys.argv[0]).resolve()
-    try:
+    with contextlib.suppress(ValueError):
         script = script.relative_to(ROOT)
-    except ValueError:
-        pass
     return " ".join([".venv/bin/python", shlex.quote(str(script)), *map(shlex.quote, sys.argv[1:])])
 
 
 def _cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown"
 
 
@@ -132,6 +146,27 @@ def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [tuple(sides[(i + j) % k] for j in range(k)) for i in range(n_pairs)]
 
 
+def interleave(report: Report, pairs: int, sides: tuple[str, ...], measure: typing.Callable[[str], typing.Any],
+               ratios: dict[str, typing.Callable[[dict], float]], describe=lambda got: "") -> tuple[dict, dict]:
+    """``measure(side)`` for every side, in rotated order, ``pairs`` rounds; a line per round (``describe(got)`` and
+    each ratio). Returns each side's results in round order and ``ratio_stats`` of each named ratio of a round."""
+    results: dict[str, list] = {side: [] for side in sides}
+    values: dict[str, list[float]] = {name: [] for name in ratios}
+    for i, order in enumerate(pair_orders(pairs, sides), start=1):
+        got = {side: measure(side) for side in order}
+        for side in sides:
+            results[side].append(got[side])
+        for name, ratio in ratios.items():
+            values[name].append(ratio(got))
+        report.line(f"round {i} ({' '.join(order)}): {describe(got)}"
+                    + "".join(f"; {name} {v[-1]:.3f}" for name, v in values.items()))
+    return results, {name: ratio_stats(v) for name, v in values.items()}
+
+
+def median_of(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
 def set_threads(threads: int | None) -> None:
     import torch
 
@@ -153,6 +188,20 @@ def quiet_stdout():
         yield
 
 
+def status_kb(field: str, pid: int | str = "self") -> int:
+    """A field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``, ...) in KiB; 0 if absent."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str | None = None):
     """A recipe without what a timed block must not do: evaluate, checkpoint, export, stop at max_steps, sync a tracker."""
     from lmrecipe.config import load_config
@@ -164,12 +213,21 @@ def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str
     return load_config(recipe, [*fixed, *overrides])
 
 
+def wide_overrides(hidden_size: int, layers: int) -> list[str]:
+    """A Llama of ``hidden_size`` x ``layers`` (MLP width 8/3 of it, rounded to 64) over the recipe's model."""
+    return [f"model.hidden_size={hidden_size}", f"model.num_layers={layers}",
+            f"model.intermediate_size={(8 * hidden_size // 3 + 63) // 64 * 64}"]
+
+
+def folder_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 1e6
+
+
 def check_data(path: str) -> None:
     if not (Path(path) / "meta.json").is_file():
-        raise SystemExit(f"no prepared data at {path}: run "
-                         f".venv/bin/python tools/prepare_data.py --output {path} --vocab-size 8192")
-
-
+        raise Refusal(f"no prepared data at {path} (no meta.json there): prepare it with "
+                      f".venv/bin/python tools/prepare_data.py --output {path} --vocab-size 8192, or pass --data "
+                      "a folder tools/prepare_data.py wrote.")
 class Sections:
     """Seconds spent per named section, summed over the steps of a block."""
 
@@ -200,7 +258,7 @@ class OursLoop:
         self.run_ = build_run(cfg, out_dir)
         if self.run_.runtime.topology.zero.deepspeed:
             raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
-                             "(bench/mfu.py --device cuda does)")
+                             "(the GPU kit, bench/gpu/run.py, does)")
         self.accelerator = self.run_.accelerator
         self.precision = self.run_.runtime.precision
         self.layout = self.run_.runtime.batch
@@ -306,10 +364,51 @@ def timed_block(loop, n_steps: int, device) -> Timing:
     return Timing(time.perf_counter() - start, time.process_time() - cpu_start)
 
 
-def add_common_args(parser, pairs: int, device: bool = True) -> None:
-    parser.add_argument("--pairs", type=int, default=pairs, help="interleaved rounds of both sides (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default, one per core)")
-    if device:
-        parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                            help="cpu, or cuda on a GPU machine (precision auto = bf16 there)")
-    parser.add_argument("--output", default=None, help="folder for the .txt/.json results (default: bench/results)")
+
+
+def add_wide_model_options(parser) -> None:
+    """The options of the cases that train a wider model of the recipe between saves."""
+    parser.add_argument("--hidden-size", type=int, default=512, help="model width (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--steps-between", type=int, default=3, help="training steps after each save (default: %(default)s)")
+    parser.add_argument("--tmp", default=None, help="folder for the run and its checkpoints (default: system temp)")
+
+
+def build_wide_run(args, out_dir: Path, overrides: list[str]):
+    """``build_run`` of ``args.recipe`` at ``--hidden-size`` x ``--layers``, saving every step it is asked to."""
+    from lmrecipe.train.setup import build_run
+
+    cfg = bench_config(args.recipe, [*wide_overrides(args.hidden_size, args.layers), "checkpoint.every_steps=1",
+                                     *overrides], str(out_dir), args.data)
+    return build_run(cfg, out_dir)
+
+
+def side_checkpointer(run, folder: Path, background: bool):
+    """The trainer's own checkpointer of ``run``, saving at every step it is asked to, into ``folder``."""
+    import dataclasses
+
+    from lmrecipe.train.callbacks.checkpointing import build_checkpointer
+
+    section = dataclasses.replace(run.cfg.checkpoint, every_steps=1, keep_last=1, background_save=background)
+    return build_checkpointer(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, checkpoint=section)), folder)
+
+
+def save_round(run, checkpointer, state, steps_between: int) -> dict:
+    """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
+    from lmrecipe.train.step import train_step
+
+    device = run.accelerator.device
+    sync(device)
+    start = time.perf_counter()
+    checkpointer.maybe_save(run.model, state)
+    save_s, steps_s = time.perf_counter() - start, []
+    for _ in range(steps_between):
+        step_start = time.perf_counter()
+        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+        steps_s.append(time.perf_counter() - step_start)
+    sync(device)
+    start = time.perf_counter()
+    checkpointer.wait()
+    wait_s = time.perf_counter() - start
+    return {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s, "steps_s": sum(steps_s),
+            "step_s": statistics.median(steps_s) if steps_s else 0.0}

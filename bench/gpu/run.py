@@ -1,22 +1,12 @@
 """The GPU kit: one command on a GPU node that prepares data and measures every GPU figure of the recipe, writing
-them as it goes; on an offline node it first installs what the node lacks from a pack.
+them as it goes; on an offline node it first installs what the node lacks from a pack (``bench/gpu/README.md``).
 
     python3 bench/gpu/run.py --out runs/gpu_kit                  # on the GPU node: the default stages
-    python3 bench/gpu/run.py --out runs/gpu_kit --stages zero_stages,flash,document_masking,compile,checkpoint_stall
     .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # on a CPU: every stage, tiny recipe, 2 steps
 
-1. install: the packed folder (``bench/gpu/pack.sh``), where there is one, into ``--work``/site with no network
-   (``install.py``); without one the environment's packages are measured as they are;
-2. data: the embedded corpus prepared by ``tools/prepare_data.py`` (BPE of 8,192 ids), trained with
-   ``model.vocab_size=128256`` so that the model keeps the Llama-3 vocabulary's shape and cost;
-3. the stages (``stages.py``), each a set of sides; each side is measured in a fresh process (``worker.py``: the
-   trainer's own ``build_run`` and ``train_step``) on ``recipes/llama_1b.yaml`` at global batch 16 (accumulation 2);
-4. after every stage: ``gpu_kit.json`` (every figure, the device, versions, commit) and ``gpu_kit.md`` (one row per
-   stage) under ``--out``, so a run cut short keeps what it measured.
-
-``--dry-run``: no GPU; the same stages and sides on ``recipes/tiny.yaml`` for 2 steps in one worker process, with the
-install checked (not done) and TorchDynamo off (compiling takes minutes on a CPU); figures are CPU figures and say
-so. Exit status: 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
+Steps: install the pack (``install.py``), prepare the data, measure each stage's sides (``stages.py``) in fresh
+processes (``worker.py``), and rewrite ``gpu_kit.json`` and ``gpu_kit.md`` under ``--out`` after every stage. Exit
+status: 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
 """
 
 from __future__ import annotations

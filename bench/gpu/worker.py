@@ -1,30 +1,15 @@
 """One side of a GPU-kit stage, measured in this process: ``build_run`` and ``train_step`` of ``lmrecipe.train``.
 
-The side's configuration is the kit's base recipe with the side's overrides (``bench/gpu/stages.py``). After
-``warmup_steps`` steps (allocation, autotuning, compilation), ``steps`` steps run back to back with one device sync
-before and one after, so the time is the loop's as it trains (``train_step`` itself makes no host sync without
-DeepSpeed). Figures:
-
-- tokens/s = steps x ``Run.tokens_per_step`` / seconds, and MFU from ``lmrecipe.observe.device`` (the bf16 peak
-  of the device's table for bf16 and fp8, as ``train.py`` reports it);
-- the step peak: the largest ``torch.cuda.max_memory_allocated`` over the measured steps less what was allocated
-  before them (what a step adds to the weights and optimizer states);
-- data wait: ``StepResult.data_time_s`` per step (waiting for prefetched batches and their copy to the device);
-- host syncs (``count_syncs``): ``lmrecipe.observe.host_syncs.HostSyncCounter`` (the counter of the CPU test) and
-  the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (every synchronising CUDA call, C++ ones included);
-- the checkpoint stall (``checkpoint_stall``): ``Checkpointer.maybe_save`` + ``wait`` of the trainer's own
-  ``build_checkpointer``, once synchronous and once in the background, with steps in between;
-- the profile (``profile``): one more step under ``torch.profiler``, the share of its wall time the GPU was busy
-  (the union of its kernels and copies) and the kernels that took the most time;
-- the planner's prediction at this configuration (``lmrecipe.planning.prediction.predict_run``).
-
-The result so far is written after the timed steps and after each slow measurement, so a worker stopped by the
-kit's ``--budget-s`` still gives its timed figures.
+After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs, so the time is the loop's as
+it trains. Figures: tokens/s and MFU (``lmrecipe.observe.device``); the step peak (``max_memory_allocated`` less what
+was allocated before); data wait (``StepResult.data_time_s``); host syncs (``HostSyncCounter`` and
+``torch.cuda.set_sync_debug_mode("warn")``); the checkpoint stall (``_common.save_round``, sync and background); one
+profiled step (GPU busy share, top kernels); the planner's prediction. The result so far is written after the timed
+steps and after each slow measurement, so a worker stopped by the kit's ``--budget-s`` keeps its timed figures.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -36,19 +21,13 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+import _common as C  # noqa: E402 - bench/, on the PYTHONPATH run.py gives the workers
 
 GIB = 1024**3
 SYNC_STEPS = 5
 """Steps whose host syncs are counted (after the timed ones: counting slows every tensor call)."""
 PROFILE_TOP = 15
 """Kernels (operators on a CPU) kept from a profiled step, by time."""
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _count_syncs(run, first_step: int, steps: int) -> dict:
@@ -66,7 +45,7 @@ def _count_syncs(run, first_step: int, steps: int) -> dict:
         stack = "" if len(caught) >= 8 else "".join(traceback.format_stack(limit=16)[:-1])
         caught.append((f"{Path(filename).name}:{lineno}: {str(message)[:200]}", stack))
 
-    _sync(device)
+    C.sync(device)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = keep  # restored by catch_warnings
@@ -100,7 +79,6 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
     """One step under ``torch.profiler``: the step's wall time, the share of it the GPU was busy (the union of its
     kernels and copies), and the kernels (on a CPU: the operators) that took the most time, by name."""
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,11 +86,11 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
 
     device = run.accelerator.device
     cuda = device.type == "cuda"
-    _sync(device)
+    C.sync(device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start = time.perf_counter()
         train_step(run, step)
-        _sync(device)
+        C.sync(device)
         wall_s = time.perf_counter() - start
     by_name: dict[str, float] = {}
     if cuda:
@@ -137,34 +115,15 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
 
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
-    """Loop time blocked by one save of each kind (``bench/checkpoint_stall.py``'s round, once per side)."""
-    from lmrecipe.train.callbacks.checkpointing import build_checkpointer
+    """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall``, once per side)."""
     from lmrecipe.train.state import TrainState
-    from lmrecipe.train.step import train_step
 
-    state = TrainState(step=first_step)
-    device = run.accelerator.device
-    result = {}
+    state, result = TrainState(step=first_step), {"steps_between": steps_between}
     for kind in ("sync", "background"):
-        cfg = dataclasses.replace(run.cfg, checkpoint=dataclasses.replace(
-            run.cfg.checkpoint, every_steps=1, keep_last=1, background_save=kind == "background"))
-        checkpointer = build_checkpointer(dataclasses.replace(run, cfg=cfg), out_dir / kind)
-        _sync(device)
-        start = time.perf_counter()
-        checkpointer.maybe_save(run.model, state)
-        save_s = time.perf_counter() - start
-        for _ in range(steps_between):
-            step_result = train_step(run, state.step)
-            state.record_step(step_result.skipped, run.tokens_per_step)
-        _sync(device)
-        start = time.perf_counter()
-        checkpointer.wait()
-        wait_s = time.perf_counter() - start
-        result[kind] = {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s}
+        result[kind] = C.save_round(run, C.side_checkpointer(run, out_dir / kind, kind == "background"), state, steps_between)
         # A 1B checkpoint with its optimizer state is 15-20 GB: one at a time on the node's disk.
-        result["checkpoint_gb"] = sum(p.stat().st_size for p in (out_dir / kind).rglob("*") if p.is_file()) / 1e9
+        result["checkpoint_gb"] = C.folder_mb(out_dir / kind) / 1e3
         shutil.rmtree(out_dir / kind)
-    result["steps_between"] = steps_between
     return result
 
 
@@ -201,7 +160,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
     try:
         for step in range(warmup_steps):
             train_step(run, step)
-        _sync(device)
+        C.sync(device)
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -211,7 +170,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         for step in range(warmup_steps, warmup_steps + steps):
             last = train_step(run, step)
             data_s += last.data_time_s
-        _sync(device)
+        C.sync(device)
         seconds = time.perf_counter() - start
         peak_tflops, peak_source = device_peak_tflops(device, run.runtime.precision, None)
         tokens_per_sec = steps * run.tokens_per_step / seconds
@@ -273,8 +232,6 @@ def _forget_run() -> None:
 def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
     job = json.loads(Path(argv[0]).read_text())
-    import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
-
     import install
 
     logging.basicConfig(level=logging.WARNING)

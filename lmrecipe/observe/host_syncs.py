@@ -1,4 +1,4 @@
-"""A counter of the tensor calls that make the host wait for the device (tests and ``bench/host_syncs.py``).
+"""A counter of the tensor calls that make the host wait for the device (tests and ``bench/run.py host_syncs``).
 
 Imports torch only, so a benchmark can load this file from another tree of the project.
 """

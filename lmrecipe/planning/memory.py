@@ -53,7 +53,7 @@ layer saves for its backward pass (no dropout)::
 SiLU(gate) and their product), the same terms as Korthikanti et al. 2022, eq. 2, without
 dropout masks and with the MLP of this architecture. The output layer adds b * s * (2h e + V (e + 8)) (final
 norm and head inputs; logits, the fp32 log-probabilities the loss keeps for its backward, and their fp32 gradient
-while it forms: three logits-sized tensors at the peak, as ``bench/long_context.py`` measures). With the chunked
+while it forms: three logits-sized tensors at the peak, as ``bench/run.py long_context`` measures). With the chunked
 loss (``train.loss_chunk_tokens`` = c) it keeps b * s * (2h e + 4) (the inputs and each token's log-sum-exp) and
 one chunk of fp32 logits at a time, min(c, b * s) * V * 4 (computed in place), plus below fp32 the chunk's copy in
 the model's dtype (min(c, b * s) * V * e). Both paths count the output weight's gradient, which forms at that peak

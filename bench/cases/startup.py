@@ -1,30 +1,18 @@
 """Start-up: time from launching train.py to the end of its first optimizer step, on a small and a large data folder.
 
-    .venv/bin/python bench/startup.py                                   # data/stdlib (3M tokens) against 1B tokens
-    .venv/bin/python bench/startup.py --large-tokens 300000000 --pairs 3
-    .venv/bin/python bench/startup.py --sparse --large-tokens 100000000000   # 100B tokens, without writing 200 GB
+    bench/run.py startup                                                   # data/stdlib (3M tokens) against 1B
+    bench/run.py startup --sparse --large-tokens 100000000000 --pairs 3    # 100B tokens, without writing 200 GB
 
-The large folder is made cheaply from the small one (default data/stdlib, prepared by tools/prepare_data.py): its
-train.bin and val.bin are written N times over, the document indexes shifted to match, and meta.json updated
-(token and document counts, max_token_id unchanged). It is a valid data folder of the current format. With
-``--sparse`` its train.bin is the small one's followed by a sparse tail of zeros up to ``--large-tokens`` (one more
-document in the index; the file takes the disk space of the small one), so 100B tokens cost no disk.
-
-Each round launches ``train.py recipes/tiny.yaml`` on each folder (a fresh process, order rotated per round) with
-``logging.log_every_steps=1`` and no tracker, and polls the run's metrics.jsonl: the figure is the wall time from
-the launch to the first row (optimizer step 1 done), with the process's peak resident memory then (``VmHWM``).
-The process is then killed. Per round, large / small is
-reported; the target is 1.0 within the spread of the rounds.
-
-Then, in this process, the pieces that could grow with the data: ``open_data`` (meta.json, file sizes, the
-sampled check), the first epoch's permutation of window indices (``SampleOrder``, built at the first step), and
-for reference the full scan of train.bin that start-up used to run before meta.json held max_token_id (page cache
-warm, so a cold start on a network filesystem is slower).
+The large folder is made from the small one (--data): its train.bin and val.bin written N times over, the document
+indexes shifted and meta.json updated; with --sparse, train.bin is the small one's followed by a sparse tail of zeros
+(one more document; no disk). Each round launches ``train.py`` on each folder (fresh processes, rotated order) and
+polls its metrics.jsonl: the figure is the wall time from the launch to the first row, with the process's peak
+resident memory then (``VmHWM``); large / small per round, target 1.0 within the spread. Then, in this process:
+``open_data``, the first epoch's order (``SampleOrder``) and, for reference, the full scan start-up once ran.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import signal
@@ -35,10 +23,63 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common as C  # noqa: E402
+import _common as C
 
+PAIRS = 5
 OVERRIDES = ["logging.log_every_steps=1", "logging.progress_bar=false", "logging.trackers=[]", "train.eval_every_steps=0",
              "checkpoint.every_steps=0", "checkpoint.resume=none", "checkpoint.export_at_end=false"]
+
+
+def options(parser) -> None:
+    parser.add_argument("--large-tokens", type=int, default=1_000_000_000, help="train tokens of the large folder")
+    parser.add_argument("--workdir", default=None, help="where to build the large folder (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for one run's first step")
+    parser.add_argument("--sparse", action="store_true", help="build the large folder with a sparse train.bin tail")
+
+
+def name(args) -> str:
+    return "startup_sparse" if args.sparse else "startup"
+
+
+def run(args, report) -> None:
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_startup_"))
+    try:
+        measure(args, report, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(args, report, workdir: Path) -> None:
+    from lmrecipe.config import load_config
+
+    start, small = time.perf_counter(), Path(args.data).resolve()
+    folders = {"small": small, "large": (build_sparse if args.sparse else build_large)(small, workdir / "large",
+                                                                                      args.large_tokens)}
+    size_gb = sum(p.stat().st_size for p in folders["large"].iterdir()) / 1e9
+    report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
+                f"tokens), built in {time.perf_counter() - start:.1f} s")
+    rounds = iter(range(10**9))
+    got, stats = C.interleave(
+        report, args.pairs, ("small", "large"),
+        lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe, args.timeout),
+        {"large/small": lambda g: g["large"][0] / g["small"][0]},
+        lambda g: "launch to first step: " + ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)"
+                                                       for side, (s, rss) in g.items()))
+    runs = {side: [s for s, _ in rows] for side, rows in got.items()}
+    rss = {side: [r for _, r in rows] for side, rows in got.items()}
+    report.line()
+    report.line("median launch to first step: " + ", ".join(
+        f"{side} {statistics.median(v):.2f} s (min {min(v):.2f}, max {max(v):.2f})" for side, v in runs.items()))
+    report.line(f"large / small: {C.fmt_ratio(stats['large/small'])}")
+    rss_gain = statistics.median(rss["large"]) - statistics.median(rss["small"])
+    report.line(f"peak RSS at the first step, median: small {statistics.median(rss['small']) / 1e9:.3f} GB, large "
+                f"{statistics.median(rss['large']) / 1e9:.3f} GB ({rss_gain / 1e9:+.3f} GB)")
+    report.line()
+    cfg = load_config(args.recipe, [])
+    vocab = cfg.model.vocab_size or int(json.loads((small / "meta.json").read_text())["vocab_size"])
+    report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats["large/small"], "large_gb": size_gb,
+                      "in_process": in_process(folders, cfg.data.seq_len, vocab, report)}
 
 
 def build_sparse(small: Path, dest: Path, tokens: int) -> Path:
@@ -94,13 +135,6 @@ def build_large(small: Path, dest: Path, tokens: int) -> Path:
     return dest
 
 
-def peak_rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -> tuple[float, int]:
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "train.py", recipe, f"out_dir={run_dir}", f"data.path={data}", *OVERRIDES]
@@ -109,7 +143,7 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
     try:
         while True:
             if metrics.is_file() and any('"step"' in line for line in metrics.read_text().splitlines()):
-                return time.perf_counter() - start, peak_rss_bytes(proc.pid)
+                return time.perf_counter() - start, C.status_kb("VmHWM", proc.pid) * 1024
             if proc.poll() is not None:
                 raise SystemExit(f"train.py exited {proc.returncode} before its first step:\n{proc.stderr.read()[-4000:]}")
             if time.perf_counter() - start > timeout:
@@ -123,7 +157,7 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
 
 
 def in_process(folders: dict[str, Path], seq_len: int, vocab: int, report) -> dict:
-
+    """``open_data``, the order's first windows and the old full scan, in this process (page cache warm)."""
     from lmrecipe.data.format import open_data
     from lmrecipe.data.order import SampleOrder
 
@@ -156,64 +190,3 @@ def in_process(folders: dict[str, Path], seq_len: int, vocab: int, report) -> di
         report.line(f"reference: a full scan of the large train.bin for its largest id ({top}), as start-up did "
                     f"before format 2: {scan:.2f} s (page cache warm), per process and per split")
     return figures
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="data/stdlib", help="the small folder (default: %(default)s)")
-    parser.add_argument("--large-tokens", type=int, default=1_000_000_000, help="train tokens of the large folder")
-    parser.add_argument("--recipe", default="recipes/tiny.yaml")
-    parser.add_argument("--workdir", default=None, help="where to build the large folder (default: a temporary folder)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for one run's first step")
-    parser.add_argument("--sparse", action="store_true", help="build the large folder with a sparse train.bin tail")
-    C.add_common_args(parser, pairs=5, device=False)
-    args = parser.parse_args()
-    C.check_data(args.data)
-    report = C.Report("startup", "cpu", args.output)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_startup_"))
-    try:
-        start = time.perf_counter()
-        build = build_sparse if args.sparse else build_large
-        folders = {"small": Path(args.data).resolve(), "large": build(Path(args.data).resolve(), workdir / "large",
-                                                                    args.large_tokens)}
-        size_gb = sum(p.stat().st_size for p in folders["large"].iterdir()) / 1e9
-        report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}"
-                    f"{args.large_tokens:,} train tokens), built in {time.perf_counter() - start:.1f} s")
-        runs = {"small": [], "large": []}
-        rss = {"small": [], "large": []}
-        ratios = []
-        for i, order in enumerate(C.pair_orders(args.pairs, ("small", "large"))):
-            got = {side: time_to_first_step(folders[side], workdir / f"run_{i}_{side}", args.recipe, args.timeout)
-                   for side in order}
-            for side in order:
-                runs[side].append(got[side][0])
-                rss[side].append(got[side][1])
-            ratios.append(got["large"][0] / got["small"][0])
-            report.line(f"round {i + 1} ({' '.join(order)}): launch to first step: small {got['small'][0]:.2f} s, "
-                        f"large {got['large'][0]:.2f} s; peak RSS small {got['small'][1] / 1e9:.3f} GB, large "
-                        f"{got['large'][1] / 1e9:.3f} GB")
-        report.line()
-        stats = C.ratio_stats(ratios)
-        report.line(f"median launch to first step: small {statistics.median(runs['small']):.2f} s "
-                    f"(min {min(runs['small']):.2f}, max {max(runs['small']):.2f}), large "
-                    f"{statistics.median(runs['large']):.2f} s (min {min(runs['large']):.2f}, max {max(runs['large']):.2f})")
-        report.line(f"large / small: {C.fmt_ratio(stats)}")
-        rss_gain = statistics.median(rss["large"]) - statistics.median(rss["small"])
-        report.line(f"peak RSS at the first step, median: small {statistics.median(rss['small']) / 1e9:.3f} GB, large "
-                    f"{statistics.median(rss['large']) / 1e9:.3f} GB ({rss_gain / 1e9:+.3f} GB)")
-        report.line()
-        from lmrecipe.config import load_config
-
-        cfg = load_config(args.recipe, [])
-        vocab = cfg.model.vocab_size or int(json.loads((folders["small"] / "meta.json").read_text())["vocab_size"])
-        report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats, "large_gb": size_gb,
-                          "in_process": in_process(folders, cfg.data.seq_len, vocab, report)}
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-    report.save()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,33 +1,17 @@
-"""Peak memory and time of converting a ZeRO-2 checkpoint to its topology-free form: before against after.
+"""Peak memory and time of converting a ZeRO-2 checkpoint to its topology-free form: the code before against this one.
 
-    .venv/bin/python bench/portable_memory.py --pairs 2                       # a 322M-parameter Llama, 2 ranks
-    .venv/bin/python bench/portable_memory.py --hidden-size 256 --layers 2 --vocab-size 8192 --pairs 1   # quick
+    bench/run.py portable_memory --pairs 2                                                  # a 322M-parameter Llama
+    bench/run.py portable_memory --hidden-size 256 --layers 2 --vocab-size 8192 --pairs 1   # quick
 
-1. The checkpoint: 2 processes (``torch.distributed.run``, gloo) build a Llama from a config (no download) in
-   fp32, wrap it in DeepSpeed ZeRO-2 with the recipe's two AdamW groups, take one optimizer step on random
-   tokens (so the moments are real) and save it as ``accelerator.save_state`` does (``engine.save_checkpoint(DIR,
-   tag="pytorch_model")``).
-2. Rounds, sides in rotated order, each in fresh processes:
-
-   - **before**: the conversion as the code at ``--baseline`` does it (``lmrecipe/checkpoint/portable.py`` read
-     with ``git show``): the main process alone consolidates each whole state and writes one file per state.
-   - **after**: this tree's conversion as a resume on 2 processes runs it (``lmrecipe/checkpoint/resume.py``): two
-     processes each open the shards, plan the same split (``plan_shards``) and stream their share
-     (``write_share``); then the indexes and ``portable.json`` (``finish``).
-
-Each worker samples its own resident memory (``RssAnon``, ``RssFile`` in ``/proc/self/status``, every 10 ms) and
-reports ``VmHWM`` (the kernel's peak of the resident set) and its resident set just before the conversion (the
-imports: the floor). Two times per side: from the first process starting to convert (imports done, as in a
-resuming run) to the form complete, indexes included; and the whole side, processes started to the form complete.
-At the end of each round the two forms are compared tensor by tensor.
+A 2-process ZeRO-2 checkpoint (one AdamW step), then rounds in fresh processes: *before*, ``portable.py`` at
+--baseline (``git show``) consolidating in one process; *after*, this tree's ``plan_shards`` / ``write_share`` on 2
+processes, then ``finish``. Each worker samples its RSS every 10 ms and reports ``VmHWM`` over its floor; the two forms
+are compared tensor by tensor each round. Method: docs/benchmarks/09-checkpoint-stall.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -35,20 +19,32 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import _common as C  # noqa: E402
+import _common as C
 
+PAIRS = 2
+DATA = None
+RECIPE = None
 SIDES = ("before", "after")
-SCRIPT = str(Path(__file__).resolve())
 WORLD = 2
 
 
-def status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
+def options(parser) -> None:
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--baseline", default="7f4a06f", help="the commit of the code before (default: %(default)s)")
+    parser.add_argument("--tmp", default=None, help="folder for the checkpoint and the forms (default: system temp)")
+    parser.add_argument("--side", choices=SIDES, help="worker: the side")
+    parser.add_argument("--rank", type=int, default=0, help="worker: the rank of an after side")
+    parser.add_argument("--checkpoint", type=Path, help="worker: the checkpoint folder")
+    parser.add_argument("--out", help="worker: the form's folder")
+
+
+def worker(args) -> dict | None:
+    return worker_save(args) if args.worker == "save" else worker_convert(args)
 
 
 class Sampler:
@@ -63,7 +59,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(0.01):
             for field in self.peak:
-                self.peak[field] = max(self.peak[field], status_kb(field))
+                self.peak[field] = max(self.peak[field], C.status_kb(field))
 
     def stop(self) -> dict:
         self._stop.set()
@@ -71,10 +67,7 @@ class Sampler:
         return {f"peak_{k}_mb": v / 1024 for k, v in self.peak.items()}
 
 
-# ---------------------------------------------------------------------------------------------- workers
-
-
-def worker_save(args) -> None:
+def worker_save(args) -> dict | None:
     """One rank of the 2-process run that writes the ZeRO-2 checkpoint."""
     import deepspeed
     import torch
@@ -98,8 +91,8 @@ def worker_save(args) -> None:
     engine.step()
     engine.save_checkpoint(args.checkpoint, tag="pytorch_model")
     if engine.global_rank == 0:
-        C.print_result({"params": sum(p.numel() for p in model.parameters()),
-                        "largest_tensor_mb": max(p.numel() for p in model.parameters()) * 4 / 1e6})
+        return {"params": sum(p.numel() for p in model.parameters()),
+                "largest_tensor_mb": max(p.numel() for p in model.parameters()) * 4 / 1e6}
 
 
 def baseline_module(rev: str):
@@ -117,7 +110,7 @@ def baseline_module(rev: str):
     return module
 
 
-def worker_convert(args) -> None:
+def worker_convert(args) -> dict:
     """One process of a side: ``before`` converts everything; ``after`` writes rank ``--rank``'s share."""
     from lmrecipe.checkpoint import portable, readers
     from lmrecipe.parallel.topology import Topology, ZeroSetup
@@ -126,7 +119,7 @@ def worker_convert(args) -> None:
     from deepspeed.utils import zero_to_fp32  # noqa: F401  (imported by both sides; part of the floor)
 
     ds_dir = Path(args.checkpoint) / "pytorch_model"
-    floor_mb = status_kb("VmRSS") / 1024
+    floor_mb = C.status_kb("VmRSS") / 1024
     sampler = Sampler()
     started_at = time.time()
     start = time.perf_counter()
@@ -139,12 +132,9 @@ def worker_convert(args) -> None:
         portable.write_share(source, plan, Path(args.out), args.rank)
         source.close()
     seconds = time.perf_counter() - start
-    peak_mb = status_kb("VmHWM") / 1024
-    C.print_result({"seconds": seconds, "started_at": started_at, "ended_at": time.time(), "floor_mb": floor_mb,
-                    "VmHWM_mb": peak_mb, "growth_mb": peak_mb - floor_mb, **sampler.stop()})
-
-
-# ---------------------------------------------------------------------------------------------- driver
+    peak_mb = C.status_kb("VmHWM") / 1024
+    return {"seconds": seconds, "started_at": started_at, "ended_at": time.time(), "floor_mb": floor_mb,
+                    "VmHWM_mb": peak_mb, "growth_mb": peak_mb - floor_mb, **sampler.stop()}
 
 
 def run_side(side: str, args, out: Path) -> dict:
@@ -152,22 +142,13 @@ def run_side(side: str, args, out: Path) -> dict:
     from lmrecipe.checkpoint import portable, readers
     from lmrecipe.parallel.topology import Topology, ZeroSetup
 
-    base = [sys.executable, SCRIPT, "--worker", "convert", "--side", side, "--checkpoint", str(args.checkpoint),
-            "--baseline", args.baseline, "--out", str(out)]
+    base = C.worker_command(args, "convert", "--side", side, "--checkpoint", str(args.checkpoint), "--out", str(out))
     start = time.perf_counter()
-    if side == "before":
-        results = [C.run_worker(base, side)]
-    else:
+    if side == "after":
         out.mkdir()
-        procs = [subprocess.Popen([*base, "--rank", str(rank)], cwd=C.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for rank in range(WORLD)]
-        results = []
-        for rank, proc in enumerate(procs):
-            stdout, stderr = proc.communicate()
-            lines = [line for line in stdout.splitlines() if line.startswith(C.RESULT_PREFIX)]
-            if not lines:
-                raise SystemExit(f"after rank {rank} failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
-            results.append(json.loads(lines[-1][len(C.RESULT_PREFIX):]))
+    ranks = range(WORLD if side == "after" else 1)
+    with ThreadPoolExecutor(len(ranks)) as pool:  # the after side's ranks run at once
+        results = list(pool.map(lambda rank: C.run_worker([*base, "--rank", str(rank)], f"{side} rank {rank}"), ranks))
     wall, finish_s = time.perf_counter() - start, 0.0
     if side == "after":  # rank 0 writes the indexes once both ranks are done (its source is open: not timed here)
         source = readers.open_source(args.checkpoint, deepspeed_dir=args.checkpoint / "pytorch_model", param_names=[])
@@ -201,59 +182,31 @@ def same_content(a: Path, b: Path) -> bool:
     return True
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--baseline", default="7f4a06f", help="the commit of the code before (default: %(default)s)")
-    parser.add_argument("--pairs", type=int, default=2, help="rounds of (before, after) (default: %(default)s)")
-    parser.add_argument("--tmp", default=None, help="folder for the checkpoint and the forms (default: system temp)")
-    parser.add_argument("--output", default=None, help="results folder (default: bench/results)")
-    parser.add_argument("--worker", choices=("save", "convert"), help=argparse.SUPPRESS)
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker == "save":
-        worker_save(args)
-        return 0
-    if args.worker == "convert":
-        worker_convert(args)
-        return 0
-
-    report = C.Report("portable_memory", "cpu", args.output)
+def run(args, report) -> None:
     from deepspeed.utils import zero_to_fp32  # noqa: F401  (the driver's own imports stay out of the timed sides)
 
-    from lmrecipe.checkpoint import portable, readers  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="bench_portable_", dir=args.tmp) as tmp:
         args.checkpoint = Path(tmp) / "checkpoint"
         start = time.perf_counter()
-        saved = C.run_worker([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-                              "--master_port", str(29500 + os.getpid() % 1000), SCRIPT, "--worker", "save",
-                              "--checkpoint", str(args.checkpoint), "--hidden-size", str(args.hidden_size),
-                              "--layers", str(args.layers), "--vocab-size", str(args.vocab_size)], "save")
+        cmd = C.worker_command(args, "save", "--checkpoint", str(args.checkpoint))
+        cmd[:1] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+                   "--master_port", str(C.free_port())]
+        saved = C.run_worker(cmd, "save")
         state_mb = saved["params"] * 12 / 1e6
-        shards_mb = sum(f.stat().st_size for f in (args.checkpoint / "pytorch_model").iterdir()) / 1e6
         report.line(f"checkpoint: ZeRO-2 on {WORLD} processes, {saved['params']:,} parameters, fp32; full state "
                     f"(weights + 2 moments) {state_mb:,.0f} MB; largest tensor {saved['largest_tensor_mb']:,.1f} MB; "
-                    f"shards on disk {shards_mb:,.0f} MB (written in {time.perf_counter() - start:.0f} s)")
+                    f"shards on disk {C.folder_mb(args.checkpoint / 'pytorch_model'):,.0f} MB (written in "
+                    f"{time.perf_counter() - start:.0f} s)")
         report.figures.update(params=saved["params"], state_mb=state_mb, largest_tensor_mb=saved["largest_tensor_mb"])
         rounds = []
         for order in C.pair_orders(args.pairs, SIDES):
-            result = {}
-            for side in order:
-                out = Path(tmp) / side
-                result[side] = run_side(side, args, out)
+            result = {side: run_side(side, args, Path(tmp) / side) for side in order}
             result["identical"] = same_content(Path(tmp) / "before", Path(tmp) / "after")
             for side in SIDES:
                 shutil.rmtree(Path(tmp) / side)
             rounds.append(result)
             report.line(f"round {len(rounds)} ({' '.join(order)}): " + json.dumps(result))
         summarize(report, rounds, saved)
-    report.save()
-    return 0
 
 
 def summarize(report, rounds: list[dict], saved: dict) -> None:
@@ -286,7 +239,3 @@ def summarize(report, rounds: list[dict], saved: dict) -> None:
                 f"full state ({full_mb:,.0f} MB)")
     report.line(f"same tensors in both forms (every parameter and state, bit for bit): {all(r['identical'] for r in rounds)}")
     report.figures.update(rounds=rounds, cells=cells)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

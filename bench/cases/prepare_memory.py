@@ -1,32 +1,16 @@
 """Preparation memory: peak resident memory of tools/prepare_data.py on 1x, 4x and 16x copies of one corpus.
 
-    .venv/bin/python bench/prepare_memory.py                            # 1x 4x 16x, given tokenizer and trained BPE
-    .venv/bin/python bench/prepare_memory.py --base-files 250           # 1x = the first 250 files (4 MB): quicker
-    .venv/bin/python bench/prepare_memory.py --copies 1 4 --modes given --format jsonl
-    .venv/bin/python bench/prepare_memory.py --copies 1 --modes given --pairs 3 --compare-repo /tmp/before
-    .venv/bin/python bench/prepare_memory.py --repo /tmp/before --tag _before   # the scaling, run by another checkout
+    bench/run.py prepare_memory --base-files 250                      # 1x = the first 250 files (4 MB): quicker
+    bench/run.py prepare_memory --copies 1 --modes given --pairs 3 --compare-repo /tmp/before   # before/after
+    bench/run.py prepare_memory --repo /tmp/before --tag _before      # the scaling, run by another checkout
 
-The corpora are the embedded corpus (the running Python's standard library, as tools/prepare_data.py reads it by
-default) copied N times into a temporary folder under distinct names (``copy00/<path>``, ``copy01/<path>``, ...;
-hard links where possible), or written as N jsonl files of one record per document with ``--format jsonl``. Each
-run is a fresh ``tools/prepare_data.py --input <folder>`` process. A sampler reads the resident memory (RSS) of
-that process and of its tokenizer workers every 20 ms; the figures are the peak of their sum (shared pages count
-once per process, so this overstates what the machine needs) and the peak of the main process alone.
-
-- given: ``--tokenizer DIR`` (default data/stdlib), encoded through transformers in the workers;
-- trained: the default, a byte-level BPE trained on the first ``--tokenizer-sample-mb`` MB of train documents
-  (default 256: all of 16x here), then encoded with the tokenizers library.
-
-Target: peak RSS at 16x <= 1.15x the peak at 1x.
-
-With ``--compare-repo DIR`` (another checkout, e.g. ``git worktree add /tmp/before <commit>``), the 1x corpus is
-also prepared by DIR's tools/prepare_data.py, interleaved with this checkout's for --pairs rounds: wall time, CPU
-seconds (the process and its workers) and peak RSS of the whole tool run, before against after.
+Each run is a fresh ``tools/prepare_data.py --input <corpus>`` (the embedded corpus copied N times, or N jsonl files);
+the RSS of it and its tokenizer workers is sampled every 20 ms. Modes: *given* (``--tokenizer DIR``) and *trained*
+(the default BPE). Target: peak RSS at 16x <= 1.15x the peak at 1x. Method: docs/benchmarks/07-data-at-scale.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -38,9 +22,50 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common as C  # noqa: E402
+import _common as C
 
+PAIRS = 1
+DATA = None
+RECIPE = None
 SAMPLE_SECONDS = 0.02
+
+
+def options(parser) -> None:
+    parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16], help="corpus sizes, in copies (default: 1 4 16)")
+    parser.add_argument("--modes", nargs="+", choices=["given", "trained"], default=["given", "trained"])
+    parser.add_argument("--base-files", type=int, default=0,
+                        help="1x = the first N files of the embedded corpus, sorted by path; 0 = all (default)")
+    parser.add_argument("--format", choices=["files", "jsonl"], default="files", help="corpus as text files or jsonl")
+    parser.add_argument("--tokenizer", default="data/stdlib", help="tokenizer folder of the given mode (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="trained mode's BPE size (default: %(default)s)")
+    parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: prepare_data's, all cores)")
+    parser.add_argument("--compare-repo", default=None, metavar="DIR",
+                        help="another checkout to compare with on the 1x corpus, interleaved (before/after a change)")
+    parser.add_argument("--repo", default=None, metavar="DIR",
+                        help="run DIR's tools/prepare_data.py instead of this checkout's (e.g. the code before a change)")
+    parser.add_argument("--tag", default="", help="suffix of the result files' name, e.g. _before")
+    parser.add_argument("--workdir", default=None, help="where to build the corpora (default: a temporary folder)")
+
+
+def check(args) -> None:
+    if "given" in args.modes and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        raise C.Refusal(f"no tokenizer at {args.tokenizer} (no tokenizer.json) for the given mode: prepare data/stdlib "
+                        "with .venv/bin/python tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass "
+                        "--tokenizer a tokenizer folder, or --modes trained.")
+
+
+def name(args) -> str:
+    return ("prepare_memory" + ("" if args.format == "files" else f"_{args.format}")
+            + ("_compare" if args.compare_repo else "") + args.tag)
+
+
+def run(args, report) -> None:
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_corpora_"))
+    try:
+        (compare if args.compare_repo else scaling)(args, report, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def build_corpus(root: Path, copies: int, fmt: str, base_files: int) -> Path:
@@ -122,53 +147,18 @@ def mode_args(mode: str, args) -> list[str]:
     return ["--vocab-size", str(args.vocab_size), *common]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--copies", type=int, nargs="+", default=[1, 4, 16], help="corpus sizes, in copies (default: 1 4 16)")
-    parser.add_argument("--modes", nargs="+", choices=["given", "trained"], default=["given", "trained"])
-    parser.add_argument("--base-files", type=int, default=0,
-                        help="1x = the first N files of the embedded corpus, sorted by path; 0 = all (default)")
-    parser.add_argument("--format", choices=["files", "jsonl"], default="files", help="corpus as text files or jsonl")
-    parser.add_argument("--tokenizer", default="data/stdlib", help="tokenizer folder for the given mode (default: %(default)s)")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="trained mode's BPE size (default: %(default)s)")
-    parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: prepare_data's, all cores)")
-    parser.add_argument("--compare-repo", default=None, metavar="DIR",
-                        help="another checkout to compare with on the 1x corpus, interleaved (before/after a change)")
-    parser.add_argument("--repo", default=None, metavar="DIR",
-                        help="run DIR's tools/prepare_data.py instead of this checkout's (e.g. the code before a change)")
-    parser.add_argument("--tag", default="", help="suffix of the result files' name, e.g. _before")
-    parser.add_argument("--workdir", default=None, help="where to build the corpora (default: a temporary folder)")
-    C.add_common_args(parser, pairs=1, device=False)
-    args = parser.parse_args()
-    if "given" in args.modes and not (Path(args.tokenizer) / "tokenizer.json").is_file():
-        raise SystemExit(f"no tokenizer at {args.tokenizer}: run "
-                         ".venv/bin/python tools/prepare_data.py --output data/stdlib --vocab-size 8192")
-    variant = "" if args.format == "files" else f"_{args.format}"
-    report = C.Report("prepare_memory" + variant + ("_compare" if args.compare_repo else "") + args.tag, "cpu", args.output)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_corpora_"))
-    try:
-        if args.compare_repo:
-            compare(args, report, workdir)
-        else:
-            scaling(args, report, workdir)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-    report.save()
-    return 0
-
-
 def scaling(args, report, workdir: Path) -> None:
     runs = {}
     for copies in args.copies:
         corpus = build_corpus(workdir, copies, args.format, args.base_files)
         size_mb = sum(p.stat().st_size for p in corpus.rglob("*") if p.is_file()) / 1e6
         report.line(f"corpus {copies}x: {corpus.name}, {size_mb:.0f} MB")
+    repo = Path(args.repo).resolve() if args.repo else C.ROOT
     for mode in args.modes:
         for i in range(args.pairs):
-            order = args.copies if i % 2 == 0 else args.copies[::-1]
-            for copies in order:
-                got = run_prepare(Path(args.repo).resolve() if args.repo else C.ROOT, [*mode_args(mode, args), "--input", str(build_corpus(workdir, copies, args.format, args.base_files))])
+            for copies in args.copies if i % 2 == 0 else args.copies[::-1]:
+                corpus = build_corpus(workdir, copies, args.format, args.base_files)
+                got = run_prepare(repo, [*mode_args(mode, args), "--input", str(corpus)])
                 runs.setdefault(mode, {}).setdefault(copies, []).append(got)
                 report.line(f"{mode:7s} {copies:2d}x: {got['tokens']:>11,} tokens, {got['documents']:>6,} documents | peak RSS "
                             f"{got['peak_total_mb']:6.0f} MB (main {got['peak_main_mb']:4.0f} MB, largest worker "
@@ -183,7 +173,8 @@ def scaling(args, report, workdir: Path) -> None:
         for copies in sorted(peak):
             if copies == base:
                 continue
-            ratios[f"{mode} {copies}x/{base}x"] = {"total": peak[copies] / peak[base], "main": main_peak[copies] / main_peak[base]}
+            ratios[f"{mode} {copies}x/{base}x"] = {"total": peak[copies] / peak[base],
+                                                   "main": main_peak[copies] / main_peak[base]}
             report.line(f"{mode}: peak RSS {copies}x / {base}x = {peak[copies] / peak[base]:.3f} ({peak[copies]:.0f} / "
                         f"{peak[base]:.0f} MB); main process alone {main_peak[copies] / main_peak[base]:.3f} "
                         f"({main_peak[copies]:.0f} / {main_peak[base]:.0f} MB)")
@@ -194,24 +185,19 @@ def compare(args, report, workdir: Path) -> None:
     corpus = build_corpus(workdir, 1, args.format, args.base_files)
     repos = {"before": Path(args.compare_repo).resolve(), "after": C.ROOT}
     report.line(f"before: {repos['before']}; after: {repos['after']}; corpus {corpus.name}")
-    runs = {}
+    runs, stats = {}, {}
     for mode in args.modes:
-        for order in C.pair_orders(args.pairs, ("before", "after")):
-            got = {side: run_prepare(repos[side], [*mode_args(mode, args), "--input", str(corpus)]) for side in order}
-            for side in order:
-                runs.setdefault(mode, {}).setdefault(side, []).append(got[side])
-            report.line(f"{mode:7s} ({' '.join(order)}): " + " | ".join(
-                f"{side} {got[side]['wall_s']:5.1f} s wall, {got[side]['cpu_s']:5.1f} CPU-s, peak RSS "
-                f"{got[side]['peak_total_mb']:4.0f} MB, {got[side]['tokens']:,} tokens" for side in ("before", "after")))
+        report.line(f"{mode}:")
+        runs[mode], ratios = C.interleave(
+            report, args.pairs, ("before", "after"),
+            lambda side: run_prepare(repos[side], [*mode_args(mode, args), "--input", str(corpus)]),
+            {f"{key} after/before": (lambda k: lambda g: g["after"][k] / g["before"][k])(key)
+             for key in ("wall_s", "cpu_s", "peak_total_mb")},
+            lambda g: " | ".join(f"{side} {r['wall_s']:5.1f} s wall, {r['cpu_s']:5.1f} CPU-s, peak RSS "
+                                 f"{r['peak_total_mb']:4.0f} MB, {r['tokens']:,} tokens" for side, r in g.items()))
+        stats[mode] = {key.split()[0]: value for key, value in ratios.items()}
     report.line()
-    stats = {}
-    for mode, sides in runs.items():
-        stats[mode] = {key: C.ratio_stats([a[key] / b[key] for a, b in zip(sides["after"], sides["before"])])
-                       for key in ("wall_s", "cpu_s", "peak_total_mb")}
-        report.line(f"{mode}: after / before: wall {C.fmt_ratio(stats[mode]['wall_s'])}; CPU seconds "
-                    f"{C.fmt_ratio(stats[mode]['cpu_s'])}; peak RSS {C.fmt_ratio(stats[mode]['peak_total_mb'])}")
+    for mode, ratio in stats.items():
+        report.line(f"{mode}: after / before: wall {C.fmt_ratio(ratio['wall_s'])}; CPU seconds "
+                    f"{C.fmt_ratio(ratio['cpu_s'])}; peak RSS {C.fmt_ratio(ratio['peak_total_mb'])}")
     report.figures = {"runs": runs, "ratios": stats}
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,34 +1,32 @@
 """Against transformers.Trainer: train.py's loop and Trainer on the same model, data, batch, accumulation, clipping,
-optimizer and learning-rate schedule.
+optimizer and learning-rate schedule, tokens/s.
 
-    .venv/bin/python bench/vs_trainer.py                            # tiny recipe, 3 pairs of 40-step runs
-    .venv/bin/python bench/vs_trainer.py --pairs 6 --steps 80
-    .venv/bin/python bench/vs_trainer.py --device cuda --recipe recipes/llama_125m.yaml --overrides data.path=data/stdlib
-
-Each side is a fresh process (Trainer and our loop each build an Accelerator, whose state is a per-process
-singleton), run in alternating order (ours trainer, trainer ours, ...):
-
-- ours: lmrecipe.train(cfg) itself, as train.py calls it (no eval, checkpoint or export inside the window);
-- trainer: transformers.Trainer with the same initial weights, a torch Dataset over the same memmap windows
-  (input_ids = labels = the window's first seq_len tokens: the model's own shifted loss), per-device batch =
-  micro-batch, the same accumulation and max_grad_norm, our AdamW (same groups) and our lr_at schedule as a
-  LambdaLR, report_to=[], no eval, no saving, logging every logging.log_every_steps, use_cpu on a CPU.
-
-Throughput is timed the same way on both sides: wall time from the end of optimizer step --warmup-steps to the end
-of the last step, over the tokens of those steps. Inside that window, timers split each side's time into
-forward+loss, backward, clip, optimizer.step and the rest ("outside": data, logging, callbacks, bookkeeping).
-Target: ours >= 1.0x Trainer's tokens/s.
+Each side is a fresh process (each builds an Accelerator, a per-process singleton), in alternating order: *ours* is
+``lmrecipe.train(cfg)`` as train.py calls it; *trainer* is ``transformers.Trainer`` with the same initial weights, a
+Dataset over the same memmap windows, our optimizer and our schedule as a LambdaLR. Both log every --log-every
+steps. The figure is tokens/s from the end of step --warmup-steps to the last step; timers split each side's step
+into forward+loss, backward, clip, optimizer.step and the rest. Target: ours >= 1.0x Trainer's tokens/s.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
+import statistics
 import tempfile
 import time
 
-import _common as C  # noqa: E402
+import _common as C
+
+DEVICE = True
+KEYS = ["forward+loss", "backward", "clip", "optimizer.step", "outside fwd/bwd/clip/step", "data", "step"]
+
+
+def options(parser) -> None:
+    parser.add_argument("--overrides", nargs="*", default=["train.global_batch_size=8", "train.micro_batch_size=4"],
+                        help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps before the timed window (default: %(default)s)")
+    parser.add_argument("--log-every", type=int, default=10, help="log interval of both sides (default: %(default)s)")
 
 
 class Timers:
@@ -183,84 +181,35 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
     return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
 
 
-def run_worker(args) -> int:
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    C.set_threads(args.threads)
+def worker(args) -> dict:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix=f"bench_{args.worker}_") as tmp:
         overrides = [*args.overrides, f"train.max_steps={args.steps}", f"logging.log_every_steps={args.log_every}"]
         cfg = C.bench_config(args.recipe, overrides, out_dir=tmp, data_path=args.data)
-        timers = Timers()
-        with C.quiet_stdout():
-            if args.worker == "ours":
-                result = worker_ours(cfg, timers, args.warmup_steps)
-            else:
-                result = worker_trainer(cfg, timers, args.warmup_steps, args.device, tmp)
-    C.print_result(result)
-    return 0
+        if args.worker == "ours":
+            return worker_ours(cfg, Timers(), args.warmup_steps)
+        return worker_trainer(cfg, Timers(), args.warmup_steps, args.device, tmp)
 
 
-def launch(side: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", side, "--recipe", args.recipe, "--data", args.data, "--steps", str(args.steps),
-           "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.log_every), "--device", args.device,
-           "--overrides", *args.overrides]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_DISABLE_RICH": "1"}
-    return C.run_worker(cmd, side, env)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="recipes/tiny.yaml")
-    parser.add_argument("--overrides", nargs="*", default=["train.global_batch_size=8", "train.micro_batch_size=4"],
-                        help="key=value recipe overrides (default: %(default)s)")
-    parser.add_argument("--data", default="data/stdlib", help="prepared data folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=10, help="steps before the timed window (default: %(default)s)")
-    parser.add_argument("--log-every", type=int, default=10, help="log interval of both sides (default: %(default)s)")
-    parser.add_argument("--worker", choices=["ours", "trainer"], help=argparse.SUPPRESS)
-    C.add_common_args(parser, pairs=3)
-    args = parser.parse_args()
-    if args.worker:
-        return run_worker(args)
-    C.set_threads(args.threads)  # here only for the machine description; the workers set their own
-    C.check_data(args.data)
-    report = C.Report("vs_trainer", args.device, args.output)
+def run(args, report) -> None:
     report.line(f"recipe {args.recipe} {' '.join(args.overrides)}; {args.steps} steps per run, "
                 f"timed after step {args.warmup_steps}; each run a fresh process")
-    ratios, cpu_ratios, runs = [], [], {"ours": [], "trainer": []}
-    for i, order in enumerate(C.pair_orders(args.pairs, ("ours", "trainer"))):
-        got = {side: launch(side, args) for side in order}
-        for side in order:
-            runs[side].append(got[side])
-        ratios.append(got["ours"]["tokens_per_sec"] / got["trainer"]["tokens_per_sec"])
-        cpu_ratios.append(got["ours"]["tokens_per_cpu_sec"] / got["trainer"]["tokens_per_cpu_sec"])
-        report.line(f"pair {i + 1} ({' '.join(order)}): ours {got['ours']['tokens_per_sec']:,.0f} tok/s  "
-                    f"trainer {got['trainer']['tokens_per_sec']:,.0f} tok/s  ratio {ratios[-1]:.3f}  "
-                    f"(CPU-time ratio {cpu_ratios[-1]:.3f})")
-    stats, cpu_stats = C.ratio_stats(ratios), C.ratio_stats(cpu_ratios)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_DISABLE_RICH": "1"}
+    runs, stats = C.interleave(
+        report, args.pairs, ("ours", "trainer"), lambda side: C.run_worker(C.worker_command(args, side), side, env),
+        {"ratio": lambda got: got["ours"]["tokens_per_sec"] / got["trainer"]["tokens_per_sec"],
+         "CPU-time ratio": lambda got: got["ours"]["tokens_per_cpu_sec"] / got["trainer"]["tokens_per_cpu_sec"]},
+        lambda got: "  ".join(f"{side} {r['tokens_per_sec']:,.0f} tok/s" for side, r in got.items()))
+    ratio, cpu = stats["ratio"], stats["CPU-time ratio"]
     report.line()
-    report.line(f"ours / Trainer tokens/s: {C.fmt_ratio(stats)}   target >= 1.0: {'MET' if stats['median'] >= 1.0 else 'MISSED'}")
-    report.line(f"same, per CPU second of the process (less sensitive to other processes): {C.fmt_ratio(cpu_stats)}")
+    report.line(f"ours / Trainer tokens/s: {C.fmt_ratio(ratio)}   target >= 1.0: {'MET' if ratio['median'] >= 1.0 else 'MISSED'}")
+    report.line(f"same, per CPU second of the process (less sensitive to other processes): {C.fmt_ratio(cpu)}")
     report.line("per optimizer step (ms, median over runs):")
-    keys = ["forward+loss", "backward", "clip", "optimizer.step", "outside fwd/bwd/clip/step", "data", "step"]
     report.line(f"  {'section':<28}{'ours':>10}{'trainer':>10}")
-    medians = {}
-    import statistics
-
-    for side in runs:
-        medians[side] = {k: statistics.median(r["ms_per_step"][k] for r in runs[side]) for k in keys}
-    for k in keys:
+    medians = {side: {k: statistics.median(r["ms_per_step"][k] for r in runs[side]) for k in KEYS} for side in runs}
+    for k in KEYS:
         label = "  of which data fetch" if k == "data" else k
         report.line(f"  {label:<28}{medians['ours'][k]:>10.2f}{medians['trainer'][k]:>10.2f}")
-    report.figures = {"ratio_ours_over_trainer": stats, "cpu_time_ratio": cpu_stats, "runs": runs, "ms_per_step_median": medians}
-    report.save()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    report.figures = {"ratio_ours_over_trainer": ratio, "cpu_time_ratio": cpu, "runs": runs, "ms_per_step_median": medians}

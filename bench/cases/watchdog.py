@@ -1,38 +1,31 @@
-"""The hang watchdog's own cost: what its hooks add to every step (main thread) and what one beat of a watcher costs
-(its thread), in this process, with the recipe's default budgets.
+"""The hang watchdog's own cost: what its hooks add to every step and what one beat of a watcher costs, in this
+process, with the recipe's default budgets.
 
-    .venv/bin/python bench/watchdog.py
-
-- hooks: ``Watchdog.before_step``, ``pre_optim_step``, ``after_step``, ``on_step_end`` and ``on_save`` (a step that
-  saves nothing) on a stand-in trainer, 7 blocks of 100,000 steps; the median block's microseconds per step;
-- a beat: a :class:`lmrecipe.train.hang.HangWatcher` of a 2-rank world on a local ``TCPStore`` publishes its record,
-  checks for a verdict and reads both records, 7 blocks of 2,000 beats; wall and thread CPU microseconds per beat,
-  and the share of one core at a beat every 5 s (the defaults) and every 0.25 s (4 s budgets).
-
-The freeze-to-exit time is printed by ``pytest -m slow tests/integration/test_hangs.py -s``.
+hooks: ``Watchdog.before_step``, ``pre_optim_step``, ``after_step``, ``on_step_end`` and ``on_save`` (a step that
+saves nothing) on a stand-in trainer, 7 blocks of 100,000 steps: the median block's microseconds per step. A beat:
+a ``HangWatcher`` of a 2-rank world on a local ``TCPStore`` publishes its record, checks for a verdict and reads both
+records, 7 blocks of 2,000 beats: wall and thread CPU microseconds per beat, and the share of one core at a beat
+every 5 s (the defaults) and every 0.25 s (4 s budgets). The freeze-to-exit time is printed by
+``pytest -m slow tests/integration/test_hangs.py -s``.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
-
-import torch.distributed as dist  # noqa: E402
-
-from lmrecipe.config import load_config  # noqa: E402
-from lmrecipe.train.callbacks.watchdog import Watchdog  # noqa: E402
-from lmrecipe.train.hang import FORWARD_BACKWARD, Budgets, HangWatcher, Peer, ProgressBoard  # noqa: E402
-
+PAIRS = None
+DATA = None
 BLOCKS = 7
 
 
 def hooks_us_per_step(section) -> float:
-    watchdog = Watchdog(section, SimpleNamespace(process_index=0, num_processes=1), Path("unused"))
+    from lmrecipe.train.callbacks.watchdog import Watchdog
+
+    watchdog = Watchdog(section)  # the hooks timed here need no attach (only on_start reads the rank)
     trainer = SimpleNamespace(running_step=0, state=SimpleNamespace(step=0), step_time_s=0.1, stop=None,
                               checkpointer=SimpleNamespace(due=lambda step: False))
 
@@ -55,6 +48,10 @@ def hooks_us_per_step(section) -> float:
 
 
 def beat_us(section) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    from lmrecipe.train.hang import FORWARD_BACKWARD, Budgets, HangWatcher, Peer, ProgressBoard
+
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     watchers = []
     for rank in (0, 1):
@@ -77,15 +74,14 @@ def beat_us(section) -> tuple[float, float]:
     return statistics.median(b[0] for b in blocks), statistics.median(b[1] for b in blocks)
 
 
-def main() -> int:
-    section = load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"), []).distributed
-    print(f"hooks: {hooks_us_per_step(section):.2f} us per step (5 hooks, median of {BLOCKS} x 100,000 steps)")
+def run(args, report) -> None:
+    from lmrecipe.config import load_config
+
+    section = load_config(args.recipe, []).distributed
+    hooks = hooks_us_per_step(section)
+    report.line(f"hooks: {hooks:.2f} us per step (5 hooks, median of {BLOCKS} x 100,000 steps)")
     wall, cpu = beat_us(section)
-    print(f"one beat (publish, verdict check, read 2 records): {wall:.0f} us wall, {cpu:.0f} us CPU")
+    report.line(f"one beat (publish, verdict check, read 2 records): {wall:.0f} us wall, {cpu:.0f} us CPU")
     for poll_s in (5.0, 0.25):
-        print(f"  a beat every {poll_s} s: {cpu / (poll_s * 1e6) * 100:.4f} % of one core")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        report.line(f"  a beat every {poll_s} s: {cpu / (poll_s * 1e6) * 100:.4f} % of one core")
+    report.figures = {"hooks_us_per_step": hooks, "beat_us": {"wall": wall, "cpu": cpu}}

@@ -1,0 +1,1 @@
+"""The benchmark cases of bench/run.py, one module each."""

@@ -1,0 +1,73 @@
+"""How long the training loop is blocked per checkpoint: synchronous writes against background writes, in one run.
+
+One process, one model (``build_run`` of the recipe at --hidden-size x --layers; no DeepSpeed, or --deepspeed's config
+on one process), two checkpointers from the trainer's own ``build_checkpointer``, ``checkpoint.background_save`` false
+and true, each writing into its own folder. A round of a side is what the loop does around a save: ``maybe_save``
+(timed: save call), --steps-between ``train_step`` calls (timed: steps; with background writes these share the CPU
+with the writer), ``wait`` (timed). The loop is blocked for save call + wait; the figure is the median ratio sync /
+background of it, and of the whole round. Files go to --tmp through the page cache, as the trainer writes them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import _common as C
+
+PAIRS = 6
+SIDES = ("sync", "background")
+
+
+def options(parser) -> None:
+    C.add_wide_model_options(parser)
+    parser.add_argument("--deepspeed", default=None, help="a ds_configs JSON (default: no DeepSpeed)")
+
+
+def name(args) -> str:
+    return "checkpoint_stall" + (f"_{Path(args.deepspeed).stem}" if args.deepspeed else "")
+
+
+def run(args, report) -> None:
+    import logging
+
+    from lmrecipe.train.state import TrainState
+    from lmrecipe.train.step import train_step
+
+    logging.disable(logging.INFO)
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
+        run = C.build_wide_run(args, Path(tmp) / "run", [f"distributed.deepspeed_config={args.deepspeed or 'null'}"])
+        checkpointers = {side: C.side_checkpointer(run, Path(tmp) / side, side == "background") for side in SIDES}
+        state = TrainState()
+        report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.topology.zero.describe()}, "
+                    f"{run.tokens_per_step} tokens per step, {args.steps_between} steps between saves, "
+                    f"threads {args.threads or 'default'}, files in {tmp}")
+
+        def quiet_round(side: str) -> dict:
+            with C.quiet_stdout():
+                return C.save_round(run, checkpointers[side], state, args.steps_between)
+
+        for _ in range(2):  # warm-up: the first steps, and one save of each side
+            state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+        for side in SIDES:
+            quiet_round(side)
+        size = C.folder_mb(checkpointers["sync"].latest)
+        report.line(f"checkpoint size {size:,.0f} MB")
+        rounds, stats = C.interleave(
+            report, args.pairs, SIDES, quiet_round,
+            {"blocked ratio": lambda g: g["sync"]["blocked_s"] / g["background"]["blocked_s"],
+             "round ratio": lambda g: ((g["sync"]["blocked_s"] + g["sync"]["steps_s"])
+                                       / (g["background"]["blocked_s"] + g["background"]["steps_s"]))},
+            lambda g: " | ".join(f"{side} save {1e3 * r['save_s']:,.0f} ms + wait {1e3 * r['wait_s']:,.0f} ms, "
+                                 f"step {1e3 * r['step_s']:,.0f} ms" for side, r in g.items()))
+        for side in SIDES:
+            ms = {key: 1e3 * C.median_of(rounds[side], key) for key in ("blocked_s", "save_s", "wait_s", "step_s")}
+            report.line(f"{side:>10}: loop blocked {ms['blocked_s']:,.0f} ms per checkpoint (save call "
+                        f"{ms['save_s']:,.0f} ms, wait {ms['wait_s']:,.0f} ms); median training step after the save "
+                        f"{ms['step_s']:,.0f} ms")
+        report.line(f"blocked time per checkpoint, sync / background: {C.fmt_ratio(stats['blocked ratio'])}")
+        report.line(f"whole round (save + {args.steps_between} steps + wait), sync / background: "
+                    f"{C.fmt_ratio(stats['round ratio'])}")
+        report.figures = {"rounds": rounds, "blocked_ratio": stats["blocked ratio"], "round_ratio": stats["round ratio"],
+                          "checkpoint_mb": size, "n_params": run.n_params, "steps_between": args.steps_between}
+        run.prefetcher.close()

@@ -1,0 +1,135 @@
+"""Long context on CPU: one step's peak memory per rank, the chunked loss against full logits (``loss``), sequence
+parallelism against whole sequences (``sp``), beside ``lmrecipe.planning.memory``'s estimate.
+
+    bench/run.py long_context loss   # vocab 128,256, seq 2,048, micro-batch 2: full logits vs chunked, 1 process
+    bench/run.py long_context sp     # seq 8,192 and 16,384: sp=1 on 1 process vs sp=2 on 2 (DeepSpeed ZeRO-1)
+
+Each configuration runs in fresh processes (``build_run`` and ``train_step``, fp32). Steps 1 and 2 warm up; before
+each later step the resident high-water mark is reset (``/proc/self/clear_refs``) and the current size read, after it
+the mark: the step's peak is the difference, per rank, with glibc's mmap threshold fixed at 64 KiB so that freed
+tensors leave the resident set. It holds what a step allocates and frees, not the weights and optimizer states.
+Document masking is off in both (on CPU, SDPA keeps a float copy of a boolean mask per layer: the masking's cost).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common as C
+
+STEPS = 5
+"""Steps per run: 2 of warm-up, 3 measured."""
+LOSS_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
+              "model.vocab_size=128256", "data.seq_len=2048", "train.micro_batch_size=2", "train.global_batch_size=2",
+              "data.document_masking=false"]
+SP_MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_heads=4", "train.micro_batch_size=1",
+            "data.document_masking=false", "train.loss_chunk_tokens=1024", "distributed.deepspeed_config=zero1"]
+PAIRS = None
+HEADER = ("| configuration | processes | peak per rank (GiB) | vs baseline | estimate (GiB) | estimate / measured | "
+          "step (s) | vs baseline | loss |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def options(parser) -> None:
+    parser.add_argument("what", choices=("loss", "sp"))
+    parser.add_argument("--out", type=Path, help="worker: the folder for its rank's result")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override of every configuration, after its own (e.g. data.seq_len=256: a quick check)")
+
+
+def name(args) -> str:
+    return f"long_context_{args.what}"
+
+
+def configs(what: str) -> list[tuple[str, list[str], int]]:
+    if what == "loss":
+        return [("full logits", [*LOSS_MODEL, "train.loss_chunk_tokens=0"], 1),
+                ("chunked loss, 1,024 tokens", [*LOSS_MODEL, "train.loss_chunk_tokens=1024"], 1)]
+    return [(f"seq {seq:,}, sp={sp}", [*SP_MODEL, f"data.seq_len={seq}", "train.global_batch_size=1",
+                                       f"distributed.sequence_parallel_size={sp}"], sp) for seq in (8192, 16384) for sp in (1, 2)]
+
+
+def worker(args) -> None:
+    """Build a run as train.py does and measure each step's resident-memory peak on this rank."""
+    from lmrecipe.train.setup import build_run
+    from lmrecipe.train.step import train_step
+
+    cfg = C.bench_config(args.recipe, [*args.set, "logging.log_every_steps=1000"], str(args.out / "run"), args.data)
+    run = build_run(cfg, args.out / "run")
+    peaks, seconds = [], []
+    for step in range(STEPS):
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+        before = C.status_kb("VmRSS")
+        start = time.perf_counter()
+        result = train_step(run, step)
+        float(result.loss)  # the step's work is done (CPU: already; a GPU would sync here)
+        seconds.append(time.perf_counter() - start)
+        peaks.append((C.status_kb("VmHWM") - before) * 1024)
+    n_params = sum(p.numel() for p in run.accelerator.unwrap_model(run.model).parameters())
+    (args.out / f"rank{run.accelerator.process_index}.json").write_text(json.dumps({
+        "peak_bytes": max(peaks[2:]), "step_s": statistics.median(seconds[2:]), "loss": float(result.loss),
+        "n_params": n_params}))
+    run.prefetcher.close()
+    run.accelerator.wait_for_everyone()
+
+
+def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
+    """One configuration in fresh processes: per-rank peaks and step times, and the estimate of the same run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [*overrides, *args.set]
+        cmd = C.worker_command(args, "measure", "--out", tmp, *(f"--set={o}" for o in overrides))
+        if nproc > 1:
+            cmd[:1] = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_port", str(C.free_port())]
+        # A fixed mmap threshold: every allocation of 64 KiB or more is mapped and unmapped, so the resident size
+        # follows the tensors alive (glibc's dynamic threshold would keep freed ones of up to 32 MiB in its heap).
+        C.run_checked(cmd, {**os.environ, "PYTHONPATH": str(C.ROOT), "MALLOC_MMAP_THRESHOLD_": "65536",
+                            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))})
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(nproc)]
+    cfg = C.bench_config(args.recipe, overrides, "unused", args.data)
+    return {"name": name, "peak_bytes": max(r["peak_bytes"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
+            "loss": statistics.mean(r["loss"] for r in ranks), "nproc": nproc,
+            "estimate_bytes": estimated_step_bytes(cfg, nproc, ranks[0]["n_params"])}
+
+
+def row(result: dict, baseline: dict) -> str:
+    gib = 1024**3
+    return (f"| {result['name']} | {result['nproc']} | {result['peak_bytes'] / gib:.2f} | "
+            f"{result['peak_bytes'] / baseline['peak_bytes']:.2f}x | {result['estimate_bytes'] / gib:.2f} | "
+            f"{result['estimate_bytes'] / result['peak_bytes']:.2f} | {result['step_s']:.2f} | "
+            f"{result['step_s'] / baseline['step_s']:.2f}x | {result['loss']:.4f} |")
+
+
+def run(args, report) -> None:
+    results = []
+    for config, overrides, nproc in configs(args.what):
+        results.append(measure(args, config, overrides, nproc))
+        report.line(f"measured {config}: {json.dumps(results[-1])}")
+    report.line()
+    report.line(HEADER)
+    for i, result in enumerate(results):
+        report.line(row(result, results[0] if args.what == "loss" else results[i - i % 2]))
+    report.figures = {r["name"]: r for r in results}
+
+
+def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
+    """What lmrecipe.planning.memory says a step's peak holds on one rank: one micro-batch's activations with the output
+    layer's (the peak is in the output layer's backward, before any other layer's gradient exists)."""
+    from lmrecipe.data.format import load_meta
+    from lmrecipe.planning.memory import estimate_activations, model_shape
+    from lmrecipe.model.build import build_hf_config
+
+    vocab = cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"])
+    shape = model_shape(build_hf_config(cfg.model, vocab, cfg.data.seq_len))
+    full, checkpointed = estimate_activations(
+        shape, cfg.train.micro_batch_size, cfg.data.seq_len, "fp32", cfg.model.attn_implementation,
+        cfg.train.chunk_tokens(vocab), cfg.distributed.sequence_parallel_size)
+    return checkpointed if cfg.train.gradient_checkpointing else full

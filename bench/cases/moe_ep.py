@@ -1,0 +1,93 @@
+"""Expert parallelism 2 against 1 (DeepSpeed AutoEP) on 2 processes: step time and model states per rank, interleaved.
+
+Both sides train ``recipes/tiny_moe.yaml`` widened so that the experts hold about 3/4 of the weights (4 layers of 8
+experts of width 512 on a 128-wide model) on 2 processes with ``distributed.expert_layer=autoep``: at
+``expert_parallel_size=1`` each rank holds every expert, at 2 each holds 4 of every layer's 8 and the tokens travel by
+all-to-all; same global batch, data and losses (``tests/integration/test_moe.py``). Each side is one
+``tools/compare_zero.py`` run (``run_comparison``), in alternating order. Per round: tokens/s of each side and EP2 /
+EP1; per rank: the model states measured during the second step beside ``lmrecipe.planning.memory``'s estimate.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+from pathlib import Path
+
+import _common as C
+
+PAIRS = 4
+RECIPE = None
+MOE_RECIPE = "recipes/tiny_moe.yaml"
+WIDE = ["model.hidden_size=128", "model.num_layers=4", "model.intermediate_size=256", "model.num_experts=8",
+        "model.expert_intermediate_size=512", "train.global_batch_size=16", "train.micro_batch_size=8",
+        "distributed.expert_layer=autoep", "logging.plots=false"]
+
+
+def options(parser) -> None:
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each run (default: %(default)s)")
+    parser.add_argument("--zero", default="zero1", choices=["zero1", "zero2", "zero3"],
+                        help="the DeepSpeed config of both sides (default: %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for both")
+
+
+def name(args) -> str:
+    return f"moe_ep_{args.zero}"
+
+
+def parameters(cfg, data: str) -> tuple[int, int]:
+    """All parameters of the model, and those in experts (built on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmrecipe.data.format import load_meta
+    from lmrecipe.model.build import build_hf_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model, load_meta(data)["vocab_size"], cfg.data.seq_len))
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for n, p in model.named_parameters() if ".experts." in n))
+
+
+def run(args, report) -> None:
+    logging.disable(logging.INFO)
+    from lmrecipe.config import load_config
+    from lmrecipe.planning.zero_comparison import run_comparison
+
+    overrides = [*WIDE, f"data.path={args.data}", *args.set]
+    sides = {"EP1": args.zero, "EP2": f"{args.zero}+ep2"}
+    cfg = load_config(MOE_RECIPE, [*overrides, f"distributed.deepspeed_config={args.zero}"])
+    total, experts = parameters(cfg, args.data)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    report.line(f"model: {total / 1e6:.2f}M parameters, {experts / 1e6:.2f}M ({experts / total:.0%}) in experts; "
+                f"{tokens_per_step} tokens per step; {args.steps} steps per run on 2 processes, {args.zero}")
+    with tempfile.TemporaryDirectory(prefix="bench_moe_ep_") as tmp:
+        def measure(side: str):
+            (result,) = run_comparison(MOE_RECIPE, overrides, [sides[side]], args.steps, 2, Path(tmp) / side, overwrite=True)
+            if result.status != "ok":
+                raise SystemExit(f"{side} ({sides[side]}) {result.status}: see the log under {tmp}")
+            return result
+
+        results, stats = C.interleave(report, args.pairs, tuple(sides), measure,
+                                      {"EP2/EP1": lambda g: g["EP2"].tokens_per_sec / g["EP1"].tokens_per_sec},
+                                      lambda g: "tokens/s " + ", ".join(f"{s} {r.tokens_per_sec:,.0f}" for s, r in g.items()))
+    tokens = {side: [r.tokens_per_sec for r in rs] for side, rs in results.items()}
+    states = {side: (rs[0].model_states_measured_mb, rs[0].model_states_estimated_mb, rs[0].final_loss)
+              for side, rs in results.items()}
+    report.line()
+    report.line("| side | tokens/s (median of rounds) | step time (ms) | model states per rank, measured (MB) | "
+                "estimated (MB) | final loss |")
+    report.line("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for side in sides:
+        median = statistics.median(tokens[side])
+        measured, estimated, loss = states[side]
+        report.line(f"| {side} ({sides[side]}) | {median:,.0f} | {1e3 * tokens_per_step / median:.1f} | "
+                    f"{measured:.2f} | {estimated:.2f} | {loss:.4f} |")
+    report.line()
+    report.line(f"EP2 / EP1 tokens/s: {C.fmt_ratio(stats['EP2/EP1'])}; model states per rank EP2 / EP1: "
+                f"{states['EP2'][0] / states['EP1'][0]:.3f} (estimated {states['EP2'][1] / states['EP1'][1]:.3f})")
+    report.figures = {"zero": args.zero, "steps": args.steps, "tokens_per_step": tokens_per_step, "params": total,
+                      "expert_params": experts, "tokens_per_sec": tokens, "ep2_over_ep1": stats["EP2/EP1"],
+                      "model_states_mb": {k: {"measured": v[0], "estimated": v[1]} for k, v in states.items()},
+                      "final_loss": {k: v[2] for k, v in states.items()}}
