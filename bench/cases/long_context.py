@@ -27,8 +27,8 @@ import _common as C
 STEPS = 5
 """Steps per run: 2 of warm-up, 3 measured."""
 LOSS_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
-              "model.vocab_size=128256", "data.seq_len=2048", "train.micro_batch_size=2", "train.global_batch_size=2",
-              "data.document_masking=false"]
+              "model.vocab_size=128256", "model.vocab_beyond_data=true", "data.seq_len=2048",
+              "train.micro_batch_size=2", "train.global_batch_size=2", "data.document_masking=false"]
 SP_MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_heads=4", "train.micro_batch_size=1",
             "data.document_masking=false", "train.loss_chunk_tokens=1024", "distributed.deepspeed_config=zero1"]
 PAIRS = None

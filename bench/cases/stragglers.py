@@ -1,6 +1,6 @@
 """What the straggler instrument and the goodput ledger add to an unlogged step (main thread), in this process:
 
-    .venv/bin/python bench/stragglers.py
+    .venv/bin/python bench/run.py stragglers
 
 A stand-in trainer steps 7 blocks of 100,000 unlogged steps of one micro-batch through the hooks the two callbacks
 use (``StragglerClock``'s clock around the forward and ``after_step``; ``GoodputLedger``'s ``before_step``,
@@ -12,17 +12,17 @@ use (``StragglerClock``'s clock around the forward and ``after_step``; ``Goodput
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from lmrecipe.config import load_config
 from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.stragglers import StragglerClock
 
+PAIRS = None
+DATA = None
 BLOCKS = 7
 STEPS = 100_000
 
@@ -56,13 +56,10 @@ def us_per_step(cfg) -> float:
     return statistics.median(blocks)
 
 
-def main() -> int:
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"),
-                      ["logging.log_every_steps=1000000000"])
-    print(f"straggler clock + goodput ledger: {us_per_step(cfg):.2f} us per unlogged step "
-          f"(median of {BLOCKS} x {STEPS:,} steps)")
-    return 0
+def run(args, report) -> None:
+    from lmrecipe.config import load_config
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    cfg = load_config(args.recipe, ["logging.log_every_steps=1000000000"])
+    us = us_per_step(cfg)
+    report.line(f"straggler clock + goodput ledger: {us:.2f} us per unlogged step (median of {BLOCKS} x {STEPS:,} steps)")
+    report.figures = {"us_per_unlogged_step": us}
