@@ -116,10 +116,10 @@ def test_eval_reports_each_source_and_the_weighted_loss_as_training_did(tmp_path
         assert result["sources"][name]["tokens"] == 16 * 32
     assert abs(result["loss"] - last["val_loss"]) <= LOSS_TOL
     assert result["sources"]["code"]["weight"] == pytest.approx(0.7) and result["tokens"] == 2 * 16 * 32
-    # A weight of 0 reports the folder and leaves it out of the mean.
-    run_script(["eval.py", str(checkpoint), "--data", str(code), str(prose), "--source-weights", "1", "0",
-                "--batch-size", "4", "--max-batches", "4", "--output", str(out), "--overwrite"])
-    result = json.loads(out.read_text())
+    # A weight of 0 reports the folder and leaves it out of the mean (what eval.py calls, in this process).
+    from lmrecipe.evaluation.evaluate import evaluate_path
+
+    result, _ = evaluate_path(checkpoint, [code, prose], max_batches=4, batch_size=4, source_weights=[1, 0])
     assert result["loss"] == pytest.approx(result["sources"]["code"]["loss"], rel=1e-12)
     assert abs(result["sources"]["prose"]["loss"] - last["val_loss/prose"]) <= LOSS_TOL
     # One weight per folder, or exit 2 with the fix.
