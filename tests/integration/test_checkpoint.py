@@ -111,6 +111,7 @@ train(load_config("recipes/tiny.yaml", sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, tiny_data, plain):
     out = tmp_path / "run"
     overrides = [f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES, f"train.max_steps={STEPS}",
@@ -210,6 +211,7 @@ def test_background_save_under_zero2_writes_the_shards_a_synchronous_save_writes
         read_checkpoint(out / "checkpoints" / step_dir_name(step))  # published with a complete manifest
 
 
+@pytest.mark.slow
 def test_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, tiny_data, plain):
     out = tmp_path / "run"
     every = 2

@@ -41,6 +41,7 @@ def profiled_run(tmp_path_factory, tiny_data):
     return out, proc
 
 
+@pytest.mark.slow
 def test_profiler_writes_a_trace_and_a_breakdown_that_sums_to_one(profiled_run):
     out, _ = profiled_run
     trace = json.loads((out / "profile" / "rank0.pt.trace.json").read_text())
@@ -66,6 +67,7 @@ def test_profiler_on_two_processes_reports_every_rank(tmp_path, tiny_data):
     assert "| 0 | 2 |" in summary and "| 1 | 2 |" in summary
 
 
+@pytest.mark.slow
 def test_report_matches_metrics(profiled_run):
     out, _ = profiled_run
     rows = read_metrics(out / "metrics.jsonl")
@@ -101,6 +103,7 @@ def test_report_matches_metrics(profiled_run):
     assert launch["start_step"] == 0 and launch["world_size"] == 1 and f"`{' '.join(launch['command'])}`" in report
 
 
+@pytest.mark.slow
 def test_report_sets_the_plan_against_the_measurement(profiled_run):
     out, _ = profiled_run
     meta = json.loads((out / "run_meta.json").read_text())
@@ -156,6 +159,7 @@ def test_early_stopping_stops_keeps_best_and_exports_from_it(tmp_path, tiny_data
     assert "stopped early" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_patience_counter(tmp_path, tiny_data):
     out = tmp_path / "run"
     common = ["train.eval_every_steps=1", "checkpoint.every_steps=1", "train.early_stopping_patience=3",
@@ -171,6 +175,7 @@ def test_a_resume_keeps_the_patience_counter(tmp_path, tiny_data):
 # ---------------------------------------------------------------------------------------------- determinism
 
 
+@pytest.mark.slow
 def test_deterministic_runs_are_bitwise_equal(tmp_path, tiny_data):
     outs = [tmp_path / "a", tmp_path / "b"]
     procs = [run_train(out, tiny_data, ["train.max_steps=4", "train.deterministic=true"]) for out in outs]

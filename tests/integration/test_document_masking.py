@@ -62,6 +62,7 @@ def test_zero_stages_on_two_processes_agree_with_one_process_under_masking(maske
     assert_layer_norms_add_up(out)
 
 
+@pytest.mark.slow
 def test_a_masked_resume_is_exact_and_masking_is_fixed_on_resume(masked_runs, tmp_path):
     out, reference = masked_runs("masked-every-3", ("checkpoint.every_steps=3",))
     source = out / "checkpoints" / "step_00000003"

@@ -33,6 +33,7 @@ def dry_run(tmp_path_factory, tiny_data):
     return json.loads((out / "out" / "gpu_kit.json").read_text()), (out / "out" / "gpu_kit.md").read_text()
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_stage_and_writes_a_row_each(dry_run):
     record, markdown = dry_run
     stages = _kit_module("stages")
@@ -51,6 +52,7 @@ def test_dry_run_measures_every_stage_and_writes_a_row_each(dry_run):
             assert side["prediction"]["tokens_per_sec"] > 0 and side["measured_over_predicted"]["tokens_per_sec"] > 0
 
 
+@pytest.mark.slow
 def test_dry_run_figures_come_from_the_configurations_they_name(dry_run):
     record, _ = dry_run
     rows = {row["stage"]: row for row in record["stages"]}
@@ -68,6 +70,7 @@ def test_dry_run_figures_come_from_the_configurations_they_name(dry_run):
     assert stall["sync"]["blocked_s"] > 0 and stall["background"]["blocked_s"] > 0 and stall["checkpoint_gb"] > 0
 
 
+@pytest.mark.slow
 def test_the_profile_stage_ranks_operators_not_the_trainer_s_own_ranges(dry_run):
     record, _ = dry_run
     profile = next(row for row in record["stages"] if row["stage"] == "profile")

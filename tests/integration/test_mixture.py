@@ -4,6 +4,7 @@ proportions, per-source metrics end to end, exact resume, and bad input stopping
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -32,10 +33,7 @@ def mixture_run(tmp_path_factory, two_sources) -> Path:
     return full
 
 
-def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path, two_sources, mixture_run):
-    code, prose = two_sources
-    mix = sources_arg((code, 0.7, None), (prose, 0.3, None))
-    steps = STEPS
+def test_two_source_run_reports_per_source_metrics(mixture_run):
     full = mixture_run
     rows = read_metrics(full / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
@@ -53,6 +51,14 @@ def test_two_source_run_reports_per_source_metrics_and_resumes_exactly(tmp_path,
     saved = json.loads((full / "checkpoints/step_00000003/train_state.json").read_text())
     assert saved["data"]["next_sample"] == 24 and [s["name"] for s in saved["data"]["mixture"]] == ["code", "prose"]
 
+
+@pytest.mark.slow
+def test_two_source_run_resumes_exactly_and_refuses_other_weights(tmp_path, two_sources, mixture_run):
+    code, prose = two_sources
+    mix = sources_arg((code, 0.7, None), (prose, 0.3, None))
+    steps = STEPS
+    full = mixture_run
+    rows = read_metrics(full / "metrics.jsonl")
     # Resume from the step-3 checkpoint in a new run folder: the same losses and per-source figures.
     resumed = tmp_path / "resumed"
     proc = run_script(mix_args(resumed, mix, *steps, f"checkpoint.resume={full}/checkpoints/step_00000003"))
@@ -110,10 +116,10 @@ def test_eval_reports_each_source_and_the_weighted_loss_as_training_did(tmp_path
         assert result["sources"][name]["tokens"] == 16 * 32
     assert abs(result["loss"] - last["val_loss"]) <= LOSS_TOL
     assert result["sources"]["code"]["weight"] == pytest.approx(0.7) and result["tokens"] == 2 * 16 * 32
-    # A weight of 0 reports the folder and leaves it out of the mean.
-    run_script(["eval.py", str(checkpoint), "--data", str(code), str(prose), "--source-weights", "1", "0",
-                "--batch-size", "4", "--max-batches", "4", "--output", str(out), "--overwrite"])
-    result = json.loads(out.read_text())
+    # A weight of 0 reports the folder and leaves it out of the mean (what eval.py calls, in this process).
+    from lmrecipe.evaluation.evaluate import evaluate_path
+
+    result, _ = evaluate_path(checkpoint, [code, prose], max_batches=4, batch_size=4, source_weights=[1, 0])
     assert result["loss"] == pytest.approx(result["sources"]["code"]["loss"], rel=1e-12)
     assert abs(result["sources"]["prose"]["loss"] - last["val_loss/prose"]) <= LOSS_TOL
     # One weight per folder, or exit 2 with the fix.
@@ -146,11 +152,27 @@ def bad_inputs(tmp_path: Path, two_sources: list[Path]) -> dict[str, tuple[str, 
     }
 
 
-@pytest.mark.parametrize("case", ["negative", "zero_sum", "duplicate", "missing", "empty_folder", "empty_split", "tokenizer"])
+@pytest.mark.parametrize("case", ["negative", "zero_sum", "duplicate", "tokenizer"])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, two_sources, case):
+    """Through train.py: the config's checks, and one of the data folders' (the others' below, in this process)."""
     arg, expected = bad_inputs(tmp_path, two_sources)[case]
     out = tmp_path / "run"
     proc = run_script(mix_args(out, arg, "train.max_steps=2"), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty_folder", "empty_split"])
+def test_a_bad_data_folder_is_refused_before_anything_is_written(tmp_path, two_sources, case):
+    """The data folders' checks raise the error train.py turns into exit 2 (the case above shows it does)."""
+    from lmrecipe.config import load_config
+    from lmrecipe.errors import UserError
+    from lmrecipe.train.trainer import train
+
+    arg, expected = bad_inputs(tmp_path, two_sources)[case]
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=re.escape(expected)) as err:
+        train(load_config("recipes/tiny.yaml", [f"out_dir={out}", *TINY_OVERRIDES, arg, "train.max_steps=2"]))
+    assert err.value.exit_code == 2
     assert not out.exists()

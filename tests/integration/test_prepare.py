@@ -86,6 +86,7 @@ def test_cli_errors_exit_2_with_a_message_and_write_nothing(tmp_path, case):
     assert not out_dir.exists() and siblings(out_dir) == []
 
 
+@pytest.mark.slow
 def test_killed_preparation_leaves_nothing_that_training_accepts_and_reruns_cleanly(prepared_documents, tmp_path):
     out_dir = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}

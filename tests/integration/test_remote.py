@@ -77,6 +77,7 @@ def reference(tmp_path_factory, tiny_data) -> Path:
     return train_tiny(tmp_path_factory.mktemp("remote_ref") / "run", tiny_data)
 
 
+@pytest.mark.slow
 def test_a_run_killed_during_an_upload_resumes_exactly_on_a_fresh_node_from_the_server(s3, reference, tiny_data,
                                                                                        tmp_path, monkeypatch, capsys):
     data_url = upload_folder(s3, tiny_data, "data/tiny")

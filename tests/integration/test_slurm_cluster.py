@@ -25,6 +25,7 @@ from lmrecipe.train.callbacks.preemption import process_alive
 MAX_STEPS = 300  # about 10 s of training: long enough to preempt in the middle
 OVERRIDES = [*TINY_OVERRIDES, f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=0"]
 JOB_TIMEOUT_S = 600
+pytestmark = pytest.mark.slow  # every test here runs SLURM jobs of two processes
 
 
 def job_env(cluster, **extra) -> dict:
@@ -161,7 +162,6 @@ HANG_BUDGETS = ["distributed.timeout_s=120", "distributed.hang_step_floor_s=4", 
                 "distributed.hang_checkpoint_s=60", "distributed.hang_eval_s=60"]
 
 
-@pytest.mark.slow
 def test_a_hang_runs_the_step_again_in_the_allocation_and_resumes_exactly(slurm_cluster, tiny_data, tmp_path,
                                                                          reference_run):
     """Rank 1 (node n2) frozen with SIGSTOP mid-training: the watchdog ends the step (exit 3), train.sbatch runs it

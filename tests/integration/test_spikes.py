@@ -48,6 +48,7 @@ def runs(tmp_path_factory, tiny_data) -> dict:
     return {"root": root, "clean": clean, "spiked": spiked, "resumed": resumed}
 
 
+@pytest.mark.slow
 def test_spike_is_rolled_back_and_its_samples_never_trained_again(runs, tiny_data):
     out = runs["root"] / "spiked"
     assert runs["spiked"].stderr.count(INJECTED) == 2  # both micro-batches of step 7, once: never fed again
@@ -69,6 +70,7 @@ def test_spike_is_rolled_back_and_its_samples_never_trained_again(runs, tiny_dat
     assert 0 < session["rolled_back_s"] < session["steps_s"] and summarize([session])["repeated_s"] == session["rolled_back_s"]
 
 
+@pytest.mark.slow
 def test_metrics_keep_one_history_that_forks_at_the_spike(runs):
     spiked, clean = train_rows(runs["root"] / "spiked"), train_rows(runs["root"] / "clean")
     assert [r["step"] for r in spiked] == [1, 3, 6, 9, 12]  # step 6 was logged, dropped at the rollback, logged again
@@ -78,6 +80,7 @@ def test_metrics_keep_one_history_that_forks_at_the_spike(runs):
     assert not read_spikes(runs["root"] / "clean")
 
 
+@pytest.mark.slow
 def test_a_resume_after_the_rollback_keeps_skipping(runs):
     resumed = train_rows(runs["root"] / "resumed")
     spiked = {r["step"]: r["loss"] for r in train_rows(runs["root"] / "spiked")}

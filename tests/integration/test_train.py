@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from helpers import TINY_OVERRIDES, run_train
+from helpers import TINY_OVERRIDES, plain_run, run_train, zero_pair
 
 from lmrecipe.config import load_config
 from lmrecipe.observe.metrics_log import read_metrics
@@ -75,6 +75,11 @@ def test_divergence_stops_with_advice(tmp_path, tiny_data):
 BACKENDS = ["none", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
 
 
+# The session's shared runs of a layout train the same steps (their checkpoints, evaluations and per-layer
+# instruments change no loss): the matrix reads them instead of training the layout again.
+SHARED_RUNS = {("none", 1): plain_run, ("zero2", 2): lambda factory, data: zero_pair(factory, data, 2)["a"]}
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, tiny_data):
     """Runs on demand and caches: backend name -> metrics rows of a 2-process fp32 run of STEPS steps."""
@@ -86,7 +91,11 @@ def matrix(tmp_path_factory, tiny_data):
         if key not in cache:
             ds = "null" if name == "none" else f"ds_configs/{name}.json"
             out = root / key.replace("=", "_").replace(".", "_")
-            run_train(out, tiny_data, [f"train.max_steps={STEPS}", f"distributed.deepspeed_config={ds}", *extra], nproc=nproc)
+            if (name, nproc) in SHARED_RUNS and not extra:
+                out = SHARED_RUNS[name, nproc](tmp_path_factory, tiny_data)
+            else:
+                run_train(out, tiny_data, [f"train.max_steps={STEPS}", f"distributed.deepspeed_config={ds}", *extra],
+                          nproc=nproc)
             cache[key] = train_rows(out)
             assert len(cache[key]) == STEPS
         return cache[key]

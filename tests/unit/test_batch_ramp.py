@@ -163,6 +163,7 @@ def test_a_resume_inside_the_ramp_is_exact(tmp_path, ramp_run, caplog):
     assert metric_rows(ramp_run.out, "lr")[1] == pytest.approx(metric_rows(ramp_run.out, "lr")[2] / 2)  # warmup x sqrt(4/16)
 
 
+@pytest.mark.slow
 def test_the_ramp_under_deepspeed_matches_the_plain_run(tmp_path, ramp_run, deepspeed_in_process):
     """ZeRO-1 on one process: the engine's accumulation changes with the Accelerator's at every size change (1, 2,
     then 4 micro-steps), and every loss matches the plain run's. (One DeepSpeed run per process: a second one in the

@@ -79,6 +79,7 @@ def test_wsd_settings_are_checked():
 
 # ---------------------------------------------------------------------------------------------- in-process runs
 
+@pytest.mark.slow
 def test_a_run_lengthened_in_its_stable_phase_trains_as_the_longer_run(tmp_path, tmp_path_factory, tiny_data):
     """A (16 steps, decay from step 10) resumed at its step 10 with train.max_steps=24 gives the rates and losses
     of B (24 steps, decay from step 18) at every step after 10: the decay moved, the rate did not jump."""

@@ -94,6 +94,7 @@ def train_staged(out, two_sources, *overrides):
         "checkpoint.keep_last=10", *overrides]))
 
 
+@pytest.mark.slow
 def test_a_resume_across_a_stage_boundary_is_exact(tmp_path, two_sources):
     """Prose enters at step 3 (0-based, the 4th step): 6 steps in one go against 2 steps and a resume; per-source
     tokens follow the stages, the rows name them, and each source keeps its validation loss."""
