@@ -91,3 +91,57 @@ def test_a_slow_checkpoint_and_evaluation_within_their_budgets_do_not_trip(tmp_p
     assert proc.returncode == 0 and not (out / "hang.md").exists()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r] == [3]
     assert (out / "checkpoints" / "latest").is_file()
+
+
+STUCK_RANK1 = """import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from lmrecipe.checkpoint.saving import Saver
+from lmrecipe.data.batches import Prefetcher
+
+RANK, CASE = os.environ.get("RANK"), {case!r}
+write, get, groups = Saver._write_small_files, Prefetcher.get, []
+
+def write_stuck(self, *args, **kwargs):
+    if CASE == "checkpoint" and RANK == "1":
+        time.sleep(10**6)  # a dead filesystem: the write never returns
+    return write(self, *args, **kwargs)
+
+def get_stuck(self, step):
+    if CASE == "subgroup":
+        if not groups:
+            groups.append(dist.new_group([0, 1]))  # every rank makes it (its first step); only rank 1 uses it
+        if RANK == "1" and step == 4:
+            dist.barrier(group=groups[0])  # a collective its peer never calls
+    return get(self, step)
+
+Saver._write_small_files, Prefetcher.get = write_stuck, get_stuck
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, phase", [("checkpoint", "checkpoint"), ("subgroup", "forward/backward")])
+def test_a_live_rank_stuck_in_a_write_or_a_collective_is_named(tmp_path, tiny_data, case, phase):
+    """Rank 1 stays alive but never returns: from a checkpoint write, or from a barrier on a group rank 0 never
+    calls. Its own watcher (or rank 0's) names it in hang.md with its stacks, and the run ends within the budget
+    + 60 s with exit 3."""
+    driver = tmp_path / "stuck_rank1.py"
+    driver.write_text(STUCK_RANK1.format(root=str(ROOT), case=case))
+    out, exit_file = tmp_path / "run", tmp_path / "exit.json"
+    budget_s = 6
+    start = time.monotonic()
+    proc = run_script([str(driver), "recipes/tiny.yaml", f"out_dir={out}", f"data.path={tiny_data}", *TINY_OVERRIDES,
+                       *BUDGETS, "distributed.hang_step_s=4", f"distributed.hang_checkpoint_s={budget_s}",
+                       "train.max_steps=100000", "checkpoint.every_steps=3", "train.eval_every_steps=0"],
+                      nproc=2, timeout=300, check=False, env_extra={"LMRECIPE_EXIT_FILE": str(exit_file),
+                                                                    "TORCH_FR_BUFFER_SIZE": "2000"})
+    ended_s = time.monotonic() - start
+    report = (out / "hang.md").read_text()
+    assert proc.returncode != 0 and json.loads(exit_file.read_text())["exit_code"] == 3, proc.stderr[-3000:]
+    assert "**Stuck: rank 1 (pid " in report and f", {phase}, for " in report.split("- Waiting")[0], report
+    stacks = (out / "hang_stacks_rank1.txt").read_text()  # a live stuck rank dumps its own stacks
+    assert ("write_stuck" if case == "checkpoint" else "get_stuck") in stacks
+    steps = _steps(out)
+    assert ended_s < 120 + budget_s + 60 and steps <= 6, (ended_s, steps)
