@@ -145,3 +145,6 @@ def test_a_live_rank_stuck_in_a_write_or_a_collective_is_named(tmp_path, tiny_da
     assert ("write_stuck" if case == "checkpoint" else "get_stuck") in stacks
     steps = _steps(out)
     assert ended_s < 120 + budget_s + 60 and steps <= 6, (ended_s, steps)
+    stuck_s = float(report.split(f", {phase}, for ")[1].split(" s")[0])
+    print(f"{case}: stuck {stuck_s:.0f} s at the verdict (budget {budget_s if case == 'checkpoint' else 4} s); "
+          f"launch to exit {ended_s:.1f} s")
