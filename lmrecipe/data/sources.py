@@ -161,20 +161,24 @@ def check_sources(data: DataConfig) -> dict:
 
 
 def open_training_data(data: DataConfig, model_vocab_size: int, layout: BatchLayout, seed: int,
-                       val_ranks: tuple[int, int] | None = None, ramp: BatchRamp | None = None) -> TrainingData:
+                       val_ranks: tuple[int, int] | None = None, ramp: BatchRamp | None = None,
+                       opened_sources: list[tuple[DataSource, tuple]] | None = None) -> TrainingData:
     """Open every source (start-up checks of :func:`lmrecipe.data.format.open_data`) and build the batches.
 
     ``val_ranks``: (processes, this rank) the validation windows are split over, when they are not the layout's
     data-parallel ranks (sequence parallelism evaluates whole windows on every rank). ``ramp``: a batch-size ramp
-    (None: every step takes ``layout.global_batch_size`` samples).
+    (None: every step takes ``layout.global_batch_size`` samples). ``opened_sources``: every source with what
+    ``open_data`` returned for it, when the start-up checks opened them already (they are not opened again).
     """
-    sources = local_sources(data)
-    opened = []
-    for i, source in enumerate(sources):
-        try:
-            opened.append(open_data(source.path, data.seq_len, model_vocab_size, documents=data.document_masking))
-        except UserError as err:
-            raise (fail(f"{_where(data, i, source)}: {err}") if data.is_mixture() else err) from None
+    if opened_sources is None:
+        opened_sources = []
+        for i, source in enumerate(local_sources(data)):
+            try:
+                opened_sources.append((source, open_data(source.path, data.seq_len, model_vocab_size,
+                                                         documents=data.document_masking)))
+            except UserError as err:
+                raise (fail(f"{_where(data, i, source)}: {err}") if data.is_mixture() else err) from None
+    sources, opened = [s for s, _ in opened_sources], [o for _, o in opened_sources]
     names = [s.resolved_name() for s in sources]
     total = sum(s.weight for s in sources)
     weights = [s.weight / total for s in sources]

@@ -72,6 +72,11 @@ class Preflight:
     """The first data folder's meta.json."""
     hf_config: object | None = None
     attention: DocumentAttention | None = None
+    sources: list | None = None
+    """The data folders on this machine (a run's staged copies of URLs) once their meta.json passed."""
+    opened_sources: list | None = None
+    """Every data source with what ``open_data`` returned for it (None where one failed or was not opened): a run
+    trains on them without opening them again."""
     attention_runs: bool = True
     """The attention kernel can run on this machine (else the model's attention is not built)."""
 
@@ -141,8 +146,8 @@ def remote_resume_point(store, out_dir: Path, local_step: int | None) -> tuple[s
 
 
 def check_data(pf: Preflight) -> None:
-    """Every data folder opened with training's checks (a run opens them again to train: milliseconds), and a note when a validation split holds fewer windows than
-    ``data.val_windows`` (each evaluation then reads them all). A folder given as a URL: a run stages it into
+    """Every data folder's meta.json, tokenizer and vocabulary against the model's settings (its windows are opened by
+    :func:`check_windows`, once the model's vocabulary is known). A folder given as a URL: a run stages it into
     ``data.cache_dir``; a dry run reads its meta.json where it is and downloads nothing."""
     data, model = pf.cfg.data, pf.cfg.model
     remote = [s for s in data.source_list() if is_remote(s.path)] if pf.dry else []
@@ -163,21 +168,7 @@ def check_data(pf: Preflight) -> None:
     pf.check(lambda: check_init_tokenizer(model, sources[0].path))
     if not model.vocab_beyond_data:
         pf.check(lambda: check_model_vocab(model.vocab_size, meta, sources[0].path))
-    vocab_size = model.vocab_size or int(meta["vocab_size"])
-    for i, source in enumerate(sources):
-        where = f"data.sources[{i}] ({source.resolved_name()}, {source.path}): " if data.is_mixture() else ""
-        try:
-            _, train, val = open_data(source.path, data.seq_len, vocab_size, documents=data.document_masking)
-        except UserError as err:
-            pf.problems.append(f"{where}{err}")
-            continue
-        pf.lines.append(f"data {source.path}: {len(train):,} training windows and {len(val):,} validation "
-                        f"windows of {data.seq_len} tokens")
-        if len(val) < data.val_windows:
-            pf.notes.append(f"{where or source.path + ': '}the validation split holds {len(val)} windows of "
-                            f"{data.seq_len} tokens, fewer than data.val_windows={data.val_windows}: each evaluation "
-                            f"reads those {len(val)}. Set data.val_windows={len(val)} to say so, or prepare the data "
-                            "with a larger --val-fraction.")
+    pf.sources = sources
 
 
 def check_model(pf: Preflight) -> None:
@@ -199,6 +190,35 @@ def check_model(pf: Preflight) -> None:
         pf.attention = pf.check(lambda: build_attention(cfg.model, cfg.data, pf.hf_config))
 
 
+def check_windows(pf: Preflight) -> None:
+    """Every data folder opened with training's checks, its ids against the model's vocabulary (a run trains on what
+    they opened: ``opened_sources``), and a note when a validation split holds fewer windows than
+    ``data.val_windows`` (each evaluation then reads them all)."""
+    if pf.sources is None:
+        return  # no local folder, or their meta.json failed
+    data = pf.cfg.data
+    vocab_size = pf.hf_config.vocab_size if pf.hf_config is not None else \
+        pf.cfg.model.vocab_size or int(pf.meta["vocab_size"])
+    opened = []
+    for i, source in enumerate(pf.sources):
+        where = f"data.sources[{i}] ({source.resolved_name()}, {source.path}): " if data.is_mixture() else ""
+        try:
+            opened.append((source, open_data(source.path, data.seq_len, vocab_size, documents=data.document_masking)))
+        except UserError as err:
+            pf.problems.append(f"{where}{err}")
+            continue
+        _, train, val = opened[-1][1]
+        pf.lines.append(f"data {source.path}: {len(train):,} training windows and {len(val):,} validation "
+                        f"windows of {data.seq_len} tokens")
+        if len(val) < data.val_windows:
+            pf.notes.append(f"{where or source.path + ': '}the validation split holds {len(val)} windows of "
+                            f"{data.seq_len} tokens, fewer than data.val_windows={data.val_windows}: each evaluation "
+                            f"reads those {len(val)}. Set data.val_windows={len(val)} to say so, or prepare the data "
+                            "with a larger --val-fraction.")
+    if len(opened) == len(data.source_list()):
+        pf.opened_sources = opened
+
+
 def add_notes(pf: Preflight) -> None:
     """Valid settings that do not do what a reader may expect."""
     cfg = pf.cfg
@@ -209,7 +229,8 @@ def add_notes(pf: Preflight) -> None:
                         f"optim.lr={cfg.optim.lr:.3g}.")
     pf.notes += unreached_steps(cfg.data, cfg.train)  # a stage or ramp point at or past the end
     zero = pf.topology.zero if pf.topology is not None else None
-    if zero is not None and zero.stage == 3 and cfg.train.gradient_checkpointing and not cfg.train.checkpointing_reentrant:
+    reentrant = cfg.train.checkpointing_reentrant
+    if zero is not None and zero.stage == 3 and cfg.train.gradient_checkpointing and not reentrant:
         pf.notes.append("ZeRO-3 with non-reentrant activation checkpointing is known to fail; "
                         "train.checkpointing_reentrant=true is the workaround.")
 
@@ -222,6 +243,7 @@ CHECKS: tuple[Callable[[Preflight], None], ...] = (
     check_remote_checkpoint,
     check_data,
     check_model,
+    check_windows,
     add_notes,
 )
 

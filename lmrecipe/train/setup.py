@@ -126,7 +126,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     val_ranks = None if topology.tensor_parallel_size > 1 else (accelerator.num_processes, accelerator.process_index)
     ramp = BatchRamp.from_config(cfg.train, runtime.batch)
     data = open_training_data(cfg.data, hf_config.vocab_size, runtime.batch, cfg.train.seed, val_ranks=val_ranks,
-                              ramp=ramp)
+                              ramp=ramp, opened_sources=pf.opened_sources)
     if not ramp.is_constant:
         logger.info("Batch-size ramp, sequences per step: %s (learning rate %s)",
                     ", ".join(f"{size} from step {step}" for step, size in zip(ramp.steps, ramp.sizes)),
