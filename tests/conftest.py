@@ -9,7 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import SHORT_DOC_LEN, VOCAB, build_once, write_corpus, write_data
+
+# One torch thread in every test process, as in the runs the tests launch (helpers.subprocess_env): `make test` runs
+# two pytest workers beside those runs on two cores, and a thread that waits for a busy core stalls every operation
+# (tests/unit/test_schedule_wsd.py took 33-40 s with one thread and 140-180 s with two while the cores were busy).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
