@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import SHORT_DOC_LEN, VOCAB, build_once, write_corpus, write_data
+from helpers import ROOT, SHORT_DOC_LEN, VOCAB, build_docs_site, build_once, write_corpus, write_data
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +49,12 @@ def tiny_shards(tmp_path_factory, corpus_dir, tiny_data) -> Path:
                     shard=(index, 3))
 
     return build_once(tmp_path_factory, "tiny_shards", build)
+
+
+@pytest.fixture(scope="session")
+def docs_site(tmp_path_factory) -> Path:
+    """The documentation site (mkdocs.yml, docs/), built once with ``--strict``; treat as read-only."""
+    return build_once(tmp_path_factory, "docs_site", lambda out: build_docs_site(ROOT / "mkdocs.yml", out))
 
 
 def _truthy_env(name: str) -> bool:
