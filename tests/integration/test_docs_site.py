@@ -11,8 +11,6 @@ download is not an option, selenium is pointed at Debian's binaries and told not
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -68,13 +66,14 @@ def browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium's driver manager: use the given binaries, fetch nothing
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                      f"--window-size={WINDOW[0]},{WINDOW[1]}"):
         options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SE_OFFLINE", "true")  # selenium's driver manager: use the binaries given, download nothing
+        driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
     driver.set_page_load_timeout(30)
     try:
         yield driver
