@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 VENV := .venv
+DOCS_VENV := .venv-docs
 PY := $(VENV)/bin/python
 # torch is installed on its own, pinned, before the package: on this project's CPU machines the pin resolves
 # to a local CPU build, on GPU machines to the standard CUDA build. Elsewhere, a CPU-only machine can avoid the
@@ -60,12 +61,22 @@ test-unit: $(VENV)/.installed-test
 s3-server: $(VENV)/.installed-test
 	$(PY) tests/s3_server.py --folder runs/s3 --bucket lmrecipe
 
-# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or #anchor.
-docs: $(VENV)/.installed-test
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or #anchor. mkdocs needs
+# none of the package's dependencies: its own small venv holds the packages of the docs extra alone (read from
+# pyproject.toml), so a docs build installs no torch, no test tools and compiles nothing. Open site/index.html from
+# disk: links and search work without a server.
+$(DOCS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet $$($(DOCS_VENV)/bin/python -c 'import tomllib; \
+		print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+	touch $@
 
-docs-serve: $(VENV)/.installed-test
-	$(VENV)/bin/mkdocs serve --strict
+docs: $(DOCS_VENV)/.installed
+	$(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(DOCS_VENV)/.installed
+	$(DOCS_VENV)/bin/mkdocs serve --strict
 
 clean:
-	rm -rf $(VENV) runs data
+	rm -rf $(VENV) $(DOCS_VENV) site runs data

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHORT_DOC_LEN, VOCAB, build_once, write_corpus, write_data
+from helpers import ROOT, SHORT_DOC_LEN, VOCAB, build_docs_site, build_once, write_corpus, write_data
 
 # One torch thread in every test process, as in the runs the tests launch (helpers.subprocess_env): `make test` runs
 # two pytest workers beside those runs on two cores, and a thread that waits for a busy core stalls every operation
@@ -56,6 +56,12 @@ def tiny_shards(tmp_path_factory, corpus_dir, tiny_data) -> Path:
                     shard=(index, 3))
 
     return build_once(tmp_path_factory, "tiny_shards", build)
+
+
+@pytest.fixture(scope="session")
+def docs_site(tmp_path_factory) -> Path:
+    """The documentation site (mkdocs.yml, docs/), built once with ``--strict``; treat as read-only."""
+    return build_once(tmp_path_factory, "docs_site", lambda out: build_docs_site(ROOT / "mkdocs.yml", out))
 
 
 def _truthy_env(name: str) -> bool:

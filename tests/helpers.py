@@ -126,6 +126,14 @@ TASK_ITEMS = 13  # items of the next_line task the ZeRO-3 pair's first run score
 # Each run happens once per session, whichever test module asks first.
 
 
+def build_docs_site(config_file: Path, site_dir: Path) -> None:
+    """``mkdocs build --strict`` of ``config_file`` into ``site_dir``; raises mkdocs' Abort on any warning."""
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+
+    build(load_config(str(config_file), strict=True, site_dir=str(site_dir)))
+
+
 def build_once(tmp_path_factory, name: str, build) -> Path:
     """``build(path)`` once per test session, whichever worker asks first; the others wait for it and reuse it.
 

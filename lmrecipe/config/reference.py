@@ -226,11 +226,13 @@ def _cell(text: str) -> str:
 
 
 def _table(keys: list[KeyInfo]) -> list[str]:
-    lines = ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    """A section's keys as a Markdown table, inside a ``key-table`` block: the site's stylesheet
+    (docs/stylesheets/extra.css) keeps each key's name on one line there, where a table would break it mid-word."""
+    lines = ['<div class="key-table" markdown>', "", "| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
     for info in keys:
         fixed = "**fixed** " if info.fixed_on_resume else ""
         lines.append(f"| `{info.key}` | {_cell(info.type)} | `{_cell(info.default)}` | {fixed}{_cell(info.doc)} |")
-    return lines
+    return [*lines, "", "</div>"]
 
 
 def render_markdown() -> str:

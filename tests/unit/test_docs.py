@@ -9,12 +9,11 @@ file, and an anchor the page really has).
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
-from mkdocs.commands.build import build
-from mkdocs.config import load_config
+from helpers import ROOT, build_docs_site
 from mkdocs.exceptions import Abort
 
 MAX_README_LINES = 200
@@ -28,22 +27,15 @@ TWO_COMMANDS = ("make demo   # creates .venv, installs, prepares the embedded co
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def build_site(config_file: Path, site_dir: Path) -> None:
-    """``mkdocs build --strict`` of ``config_file`` into ``site_dir``; raises Abort on any warning."""
-    build(load_config(str(config_file), strict=True, site_dir=str(site_dir)))
-
-
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    build_site(ROOT / "mkdocs.yml", out)
-    return out
+def site(docs_site) -> Path:
+    return docs_site
 
 
 def page_html(site: Path, page: str) -> Path:
-    """The built HTML of a page of docs/ (``benchmarks/index.md`` -> ``benchmarks/index.html``)."""
-    stem = page[: -len(".md")]
-    return site / (stem + ".html" if stem == "index" or stem.endswith("/index") else stem + "/index.html")
+    """The built HTML of a page of docs/ (``benchmarks/05-mfu.md`` -> ``benchmarks/05-mfu.html``: the offline plugin
+    names each page's file, so that links work from disk)."""
+    return site / (page[: -len(".md")] + ".html")
 
 
 def broken_links(markdown: str, site: Path, root: Path = ROOT) -> list[str]:
@@ -89,12 +81,28 @@ def test_the_link_checker_reports_a_missing_file_and_a_missing_anchor(site):
                                         "docs/training.md#nope: no anchor #nope in docs/training.md"]
 
 
+def small_site(folder: Path, pages: dict[str, str]) -> Path:
+    """A mkdocs.yml in ``folder`` with the repository's settings (theme, plugins, extensions, validation) and these
+    pages (``{"index.md": "# Home"}``), written under ``folder/docs``; the stylesheet is the repository's."""
+    (folder / "docs" / "stylesheets").mkdir(parents=True)
+    shutil.copy(ROOT / "docs" / "stylesheets" / "extra.css", folder / "docs" / "stylesheets")
+    for name, text in pages.items():
+        (folder / "docs" / name).write_text(text)
+    nav = "".join(f"  - {name}\n" for name in pages)
+    config = folder / "mkdocs.yml"
+    config.write_text(f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nnav:\n{nav}")
+    return config
+
+
 def test_a_broken_anchor_between_pages_fails_the_strict_build(tmp_path):
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "index.md").write_text("# Home\n\n[other](other.md#missing)\n")
-    (tmp_path / "docs" / "other.md").write_text("# Other\n")
-    config = tmp_path / "mkdocs.yml"
-    # The repository's settings (theme, validation), with this folder's pages.
-    config.write_text(f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: docs\nnav:\n  - index.md\n  - other.md\n")
+    config = small_site(tmp_path, {"index.md": "# Home\n\n[other](other.md#missing)\n", "other.md": "# Other\n"})
     with pytest.raises(Abort):
-        build_site(config, tmp_path / "site")
+        build_docs_site(config, tmp_path / "site")
+
+
+def test_a_fence_title_renders_as_the_blocks_title_bar(tmp_path):
+    config = small_site(tmp_path, {"index.md": '# Home\n\n```bash title="GPU"\nmake test\n```\n'})
+    build_docs_site(config, tmp_path / "site")
+    html = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert '<span class="filename">GPU</span>' in html
+    assert 'title="GPU"' not in html, "the fence's title was printed as text: mkdocs.yml needs pymdownx.superfences"
