@@ -1,0 +1,81 @@
+"""The documentation's fenced blocks as tests/integration/test_doc_commands.py reads them: blocks, tags and the dry run
+of a GPU block's training commands, on a made-up page."""
+
+from __future__ import annotations
+
+from doc_commands import fenced_blocks, logical_lines, tag_problems, train_dry_runs
+
+PAGE = '''# A page
+
+```bash title="CPU"
+python train.py recipes/tiny.yaml out_dir=runs/a   # two steps under the test's cap
+```
+
+- A list item:
+
+  ```bash
+  python eval.py runs/a/export
+  ```
+
+```yaml
+train:
+  max_steps: 10
+```
+
+```text
+step 1/2 | loss 9.05
+```
+
+```console title="GPU" title="CPU"
+nvidia-smi
+```
+
+```sh title="TPU"
+ls
+```
+
+```shell title="S3"
+aws s3 ls
+```
+'''
+
+GPU_BLOCK = '''COMMON="data.path=data/mine model.hidden_size=256"
+export WANDB_MODE=offline
+LMRECIPE_X=1 accelerate launch --multi_gpu --num_processes 8 train.py recipes/llama_1b.yaml $COMMON \\
+    out_dir=runs/z   # eight GPUs
+nvidia-smi && accelerate launch --num_processes=2 train.py recipes/tiny.yaml 'a=[x, y]' | tee log
+python tools/estimate_memory.py recipes/llama_1b.yaml
+'''
+
+
+def test_blocks_are_read_with_their_line_language_tags_and_text():
+    blocks = fenced_blocks(PAGE, "docs/page.md")
+    assert [(b.line, b.language, b.titles) for b in blocks] == [
+        (3, "bash", ("CPU",)), (9, "bash", ()), (13, "yaml", ()), (18, "text", ()), (22, "console", ("GPU", "CPU")),
+        (26, "sh", ("TPU",)), (30, "shell", ("S3",))]
+    assert blocks[0].text == "python train.py recipes/tiny.yaml out_dir=runs/a   # two steps under the test's cap\n"
+    assert blocks[1].text == "python eval.py runs/a/export\n"  # the list item's indent removed
+    assert [b.tag for b in blocks] == ["CPU", None, None, None, None, None, "S3"]
+
+
+def test_a_command_block_without_exactly_one_known_tag_is_named_by_page_and_line():
+    problems = tag_problems(fenced_blocks(PAGE, "docs/page.md"))
+    assert [p.split(":", 2)[:2] for p in problems] == [["docs/page.md", "9"], ["docs/page.md", "22"],
+                                                       ["docs/page.md", "26"]]
+    assert "has no tag" in problems[0] and "(python eval.py runs/a/export)" in problems[0]
+    assert "has 2 tags (GPU, CPU)" in problems[1]
+    assert "the unknown tag 'TPU'" in problems[2] and 'title="CPU"' in problems[2]
+
+
+def test_continued_lines_are_one_command():
+    assert logical_lines("a \\\n  b \\\n    c\nd\n") == ["a b c", "d"]
+
+
+def test_the_training_commands_of_a_gpu_block_become_dry_runs_with_the_launchers_world_size():
+    assert train_dry_runs(GPU_BLOCK) == [
+        'COMMON="data.path=data/mine model.hidden_size=256"',
+        "export WANDB_MODE=offline",
+        "LMRECIPE_X=1 WORLD_SIZE=8 python train.py recipes/llama_1b.yaml $COMMON out_dir=runs/z --dry-run",
+        "WORLD_SIZE=2 python train.py recipes/tiny.yaml 'a=[x, y]' --dry-run",
+    ]
+    assert train_dry_runs("python tools/plan.py --budget 1\nA=1\n") == []  # nothing trains: bash -n alone
