@@ -119,7 +119,8 @@ def logical_lines(script: str) -> list[str]:
 
 
 def _command_end(line: str, start: int) -> int:
-    """Where the command that starts at ``start`` ends: an unquoted ``;``, ``&``, ``|`` or comment, or the line's end."""
+    """Where the command that starts at ``start`` ends: an unquoted ``;``, ``&``, ``|``, parenthesis or comment, or the
+    line's end."""
     quote = None
     i = start
     while i < len(line):
@@ -133,29 +134,31 @@ def _command_end(line: str, start: int) -> int:
             i += 1
         elif c in "'\"":
             quote = c
-        elif c in ";&|" or (c == "#" and line[i - 1].isspace()):
+        elif c in ";&|()" or (c == "#" and line[i - 1].isspace()):
             return i
         i += 1
     return len(line)
 
 
 def _command_start(line: str, end: int) -> int:
-    """Where the command that holds position ``end`` starts: after the last unquoted ``;``, ``&&``, ``||`` or ``|``
-    before it (the line's start otherwise)."""
+    """Where the command that holds position ``end`` starts: after the last unquoted ``;``, ``&&``, ``||``, ``|`` or
+    ``(`` (a ``$(...)``) before it (the line's start otherwise)."""
     start, i = 0, 0
     while i < end:
         stop = _command_end(line, i)
         if stop >= end:
             return start
         i = stop + 1
-        while i < len(line) and line[i] in "&|":
+        while i < len(line) and line[i] in "&|(":
             i += 1
         start = i
     return start
 
 
 def _is_assignment(line: str) -> bool:
-    """A line that only sets variables (``NAME=value ...`` or ``export NAME=value``)."""
+    """A line that only sets variables (``NAME=value ...`` or ``export NAME=value``), running no command."""
+    if "$(" in line or "`" in line:
+        return False
     try:
         words = shlex.split(line[:_command_end(line, 0)])
     except ValueError:
@@ -164,30 +167,54 @@ def _is_assignment(line: str) -> bool:
     return bool(words) and all(_ASSIGNMENT.match(word) for word in words)
 
 
+_TRAINING = re.compile(r"(?<![\w/.-])(?:train\.py|slurm/train\.sbatch)(?![\w.-])")
+
+
 def train_dry_runs(script: str) -> list[str]:
-    """The block's variable assignments, then each ``train.py`` command rewritten as its dry run: ``python
-    train.py ARGS --dry-run`` with the launcher's ``--num_processes N`` as ``WORLD_SIZE=N`` (what the launcher
-    would set) and the command's leading ``NAME=value`` assignments kept. Empty when the block trains nothing."""
+    """The block's variable assignments, then each training command rewritten as its dry run, ``python train.py
+    ARGS --dry-run``, with the process count the launcher would announce: ``WORLD_SIZE`` from ``accelerate launch
+    --num_processes N``, or for ``sbatch slurm/train.sbatch RECIPE ...`` from ``--nodes`` times ``--gpus-per-node``
+    (one process per node without GPUs) with ``LOCAL_WORLD_SIZE``. The command's leading ``NAME=value`` assignments
+    are kept. Empty when the block trains nothing."""
     assignments, runs = [], []
     for line in logical_lines(script):
         if _is_assignment(line):
             assignments.append(line[:_command_end(line, 0)].strip())
             continue
-        for match in re.finditer(r"(?<![\w/.-])train\.py(?![\w.-])", line):
+        for match in _TRAINING.finditer(line):
             start = _command_start(line, match.start())
-            end = _command_end(line, match.end())
-            launcher, args = line[start:match.start()], line[match.end():end].strip()
-            env, world_size = [], None
-            words = shlex.split(launcher, comments=False)
-            for k, word in enumerate(words):
-                if _ASSIGNMENT.match(word) and all(_ASSIGNMENT.match(w) for w in words[:k]):
-                    env.append(shlex.quote(word.split("=", 1)[0]) + "=" + shlex.quote(word.split("=", 1)[1]))
-                elif word in ("--num_processes", "--nproc_per_node", "--nproc-per-node") and k + 1 < len(words):
-                    world_size = words[k + 1]
-                elif word.startswith(("--num_processes=", "--nproc_per_node=")):
-                    world_size = word.split("=", 1)[1]
-            if world_size is not None:
-                env.append(f"WORLD_SIZE={world_size}")
-            runs.append(" ".join([*env, "python train.py", args, "--dry-run"]) if args else
-                        " ".join([*env, "python train.py --dry-run"]))
+            launcher, args = line[start:match.start()], line[match.end():_command_end(line, match.end())].strip()
+            env = [*_leading_assignments(launcher), *_world_size(launcher)]
+            runs.append(" ".join([*env, "python train.py", *([args] if args else []), "--dry-run"]))
     return assignments + runs if runs else []
+
+
+_LEADING_ASSIGNMENT = re.compile(r"""\s*([A-Za-z_][A-Za-z0-9_]*=(?:"[^"]*"|'[^']*'|[^\s"'])*)""")
+
+
+def _leading_assignments(launcher: str) -> list[str]:
+    """The ``NAME=value`` words before the command, as written (``$PWD`` is expanded by bash, as for the reader)."""
+    out, i = [], 0
+    while (match := _LEADING_ASSIGNMENT.match(launcher, i)) and (match.end() == len(launcher)
+                                                                 or launcher[match.end()].isspace()):
+        out.append(match[1])
+        i = match.end()
+    return out
+
+
+def _world_size(launcher: str) -> list[str]:
+    """``WORLD_SIZE=N`` (and ``LOCAL_WORLD_SIZE``) as the launcher's options give them; nothing when they do not."""
+    options: dict[str, str] = {}
+    words = shlex.split(launcher)
+    for k, word in enumerate(words):
+        if word.startswith("-"):
+            name, eq, value = word.partition("=")
+            options[name] = value if eq else (words[k + 1] if k + 1 < len(words) else "")
+    if "sbatch" in words:
+        nodes = int(options.get("--nodes") or options.get("-N") or 2)  # slurm/train.sbatch asks for 2
+        per_node = int(options.get("--gpus-per-node") or 1) or 1
+        return [f"WORLD_SIZE={nodes * per_node}", f"LOCAL_WORLD_SIZE={per_node}"]
+    for name in ("--num_processes", "--nproc_per_node", "--nproc-per-node"):
+        if options.get(name):
+            return [f"WORLD_SIZE={options[name]}"]
+    return []

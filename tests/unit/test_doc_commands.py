@@ -79,3 +79,15 @@ def test_the_training_commands_of_a_gpu_block_become_dry_runs_with_the_launchers
         "WORLD_SIZE=2 python train.py recipes/tiny.yaml 'a=[x, y]' --dry-run",
     ]
     assert train_dry_runs("python tools/plan.py --budget 1\nA=1\n") == []  # nothing trains: bash -n alone
+
+
+def test_a_slurm_job_of_train_sbatch_becomes_the_dry_run_of_its_recipe_on_its_nodes_processes():
+    block = ("PYTHON=$PWD/.venv/bin/python sbatch --nodes=4 --gpus-per-node=8 --time=24:00:00 \\\n"
+             "    slurm/train.sbatch recipes/llama_1b.yaml out_dir=runs/llama_1b   # one process per GPU\n"
+             "JOBID=$(sbatch --parsable -N 3 --exclusive slurm/train.sbatch recipes/tiny.yaml out_dir=runs/t)\n"
+             "scancel --signal=USR1 --batch \"$JOBID\"\n")
+    assert train_dry_runs(block) == [
+        "PYTHON=$PWD/.venv/bin/python WORLD_SIZE=32 LOCAL_WORLD_SIZE=8 python train.py recipes/llama_1b.yaml "
+        "out_dir=runs/llama_1b --dry-run",
+        "WORLD_SIZE=3 LOCAL_WORLD_SIZE=1 python train.py recipes/tiny.yaml out_dir=runs/t --dry-run",
+    ]
