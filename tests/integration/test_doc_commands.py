@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -60,13 +61,20 @@ def demo(tmp_path_factory, tiny_data) -> Path:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, root / name)
     shutil.copytree(tiny_data, root / "data" / "stdlib")
-    venv = Path(sys.prefix)
+    venv, start, cpu = Path(sys.prefix), time.perf_counter(), children_cpu_s()
     # The Makefile's own demo target, the environment and the data taken as built (-o: never remade).
     proc = subprocess.run(["make", "demo", f"VENV={venv}", "-o", f"{venv}/.installed", "-o", "data/stdlib/meta.json"],
                           cwd=root, env=block_env(root), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     assert proc.returncode == 0, f"make demo exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-TAIL_CHARS:]}"
     assert (root / "runs" / "tiny" / "export" / "config.json").is_file() and (root / "runs/tiny/eval.json").is_file()
+    print(f"make demo: {time.perf_counter() - start:.1f} s wall, {children_cpu_s() - cpu:.1f} s CPU")
     return root
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (a block's time without the machine's other load)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def block_env(root: Path) -> dict:
@@ -94,17 +102,17 @@ def test_every_cpu_block_runs_after_make_demo(demo, blocks):
         if block.tag != "CPU" or block.text in seen:
             continue
         seen.add(block.text)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), children_cpu_s()
         proc = run_bash(demo, block.text, "-e", "-o", "pipefail")
-        timings.append(f"{time.perf_counter() - start:6.1f} s  {block.where}")
+        timings.append(f"{time.perf_counter() - start:6.1f} s {children_cpu_s() - cpu:6.1f} s  {block.where}")
         if proc.returncode != 0:
             failures.append(failure(block, "the block", proc))
-    print("CPU blocks, seconds each:\n" + "\n".join(timings))
+    print("CPU blocks: wall, CPU time of their processes\n" + "\n".join(timings))
     assert not failures, f"{len(failures)} CPU block(s) failed:\n\n" + "\n\n".join(failures)
 
 
 def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(demo, blocks):
-    failures, seen = [], set()
+    failures, seen, start, cpu = [], set(), time.perf_counter(), children_cpu_s()
     for block in blocks:
         if block.tag not in ("GPU", "SLURM", "S3", "NET"):
             continue
@@ -121,6 +129,8 @@ def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(dem
         proc = dry_run(demo, script)
         if proc.returncode != 0:
             failures.append(failure(block, "the dry run of its train.py commands", proc, script))
+    print(f"other blocks: {len(seen)} dry-run scripts, {time.perf_counter() - start:.1f} s wall, "
+          f"{children_cpu_s() - cpu:.1f} s CPU")
     assert not failures, f"{len(failures)} block(s) failed:\n\n" + "\n\n".join(failures)
 
 
