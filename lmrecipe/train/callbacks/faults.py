@@ -13,7 +13,7 @@
   commands runs every training command under it, unedited.
 
 Production code knows nothing of them: the :class:`FaultInjection` callback, present only when one of them is set,
-is the only entry point.
+is the only entry point of the faults, and :func:`maybe_cap_steps` (called by ``train()``) that of the step cap.
 """
 
 from __future__ import annotations
