@@ -12,7 +12,10 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
   ``python train.py ARGS --dry-run``, with the launcher's process count as ``WORLD_SIZE``: the dry run checks the
   recipe, the overrides, the DeepSpeed config and the launch's process count on a CPU. A data folder such a command
   names that the demo does not prepare (the user's own corpus) is stood in for by ``data/stdlib``;
-- checks the ``S3`` and ``NET`` blocks with ``bash -n`` only: their dry run would need the endpoint or the hub.
+- checks the ``S3`` and ``NET`` blocks with ``bash -n`` only: their dry run would need the endpoint or the hub;
+- checks with ``bash -n`` only the CPU blocks of the benchmark pages (:data:`NOT_RUN`: each a benchmark of minutes
+  that the step cap does not shorten) and those that build the environment or run the suite (``make demo``,
+  ``make test``, ...: the state this test starts from, or this test itself).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ pytestmark = pytest.mark.slow
 
 STEP_CAP = 2
 """Optimizer steps a training command of a CPU block trains per session (LMRECIPE_MAX_STEPS)."""
+NOT_RUN = ("docs/benchmarks/",)
+"""Pages whose CPU blocks are benchmarks: checked with ``bash -n``, not run."""
+_MAKE_SETUP = re.compile(r"^\s*make\s+(?:demo|test|test-quick|test-unit|venv)\b", re.MULTILINE)
 BLOCK_TIMEOUT_S = 600
 TAIL_CHARS = 3000
 _MISSING_DATA = re.compile(r"Data folder '([^']+)' does not exist")
@@ -71,6 +77,11 @@ def demo(tmp_path_factory, tiny_data) -> Path:
     return root
 
 
+def not_run(block: Block) -> bool:
+    """A CPU block checked with ``bash -n`` only: a benchmark page's, or one that builds the environment."""
+    return block.page.startswith(NOT_RUN) or bool(_MAKE_SETUP.search(block.text))
+
+
 def children_cpu_s() -> float:
     """CPU seconds of this process's finished children (a block's time without the machine's other load)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -99,7 +110,7 @@ def failure(block: Block, what: str, proc: subprocess.CompletedProcess, script: 
 def test_every_cpu_block_runs_after_make_demo(demo, blocks):
     failures, seen, timings = [], set(), []
     for block in blocks:
-        if block.tag != "CPU" or block.text in seen:
+        if block.tag != "CPU" or not_run(block) or block.text in seen:
             continue
         seen.add(block.text)
         start, cpu = time.perf_counter(), children_cpu_s()
@@ -114,7 +125,7 @@ def test_every_cpu_block_runs_after_make_demo(demo, blocks):
 def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(demo, blocks):
     failures, seen, start, cpu = [], set(), time.perf_counter(), children_cpu_s()
     for block in blocks:
-        if block.tag not in ("GPU", "SLURM", "S3", "NET"):
+        if block.tag not in ("GPU", "SLURM", "S3", "NET") and not (block.tag == "CPU" and not_run(block)):
             continue
         syntax = run_bash(demo, block.text, "-n")
         if syntax.returncode != 0:
