@@ -6,8 +6,9 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
 
 - runs every ``title="CPU"`` block with bash (``-e -o pipefail``) from the copy's root, the environment's ``bin``
   first on ``PATH`` and ``LMRECIPE_MAX_STEPS`` set, so every training command trains at most :data:`STEP_CAP`
-  optimizer steps per session, unedited (``lmrecipe/train/callbacks/faults.py``); the blocks run in page order in
-  one copy, as a reader pastes them, identical blocks once;
+  optimizer steps per session, unedited (``lmrecipe/train/callbacks/faults.py``); each page's blocks in order, as
+  a reader pastes them, in a copy of the demo's state of its own, the pages on :data:`PAGE_WORKERS` workers;
+  identical blocks once;
 - checks the ``GPU`` and ``SLURM`` blocks with ``bash -n`` and runs each of their ``train.py`` commands as
   ``python train.py ARGS --dry-run``, with the launcher's process count as ``WORLD_SIZE``: the dry run checks the
   recipe, the overrides, the DeepSpeed config and the launch's process count on a CPU. A data folder such a command
@@ -22,11 +23,16 @@ from __future__ import annotations
 
 import os
 import re
-import resource
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,6 +47,8 @@ NOT_RUN = ("docs/benchmarks/",)
 """Pages whose CPU blocks are benchmarks: checked with ``bash -n``, not run."""
 _MAKE_SETUP = re.compile(r"^\s*make\s+(?:demo|test|test-quick|test-unit|venv)\b", re.MULTILINE)
 BLOCK_TIMEOUT_S = 600
+PAGE_WORKERS = 2
+"""Pages whose CPU blocks run at the same time (each in its own copy): the 2 cores of the smallest test machine."""
 TAIL_CHARS = 3000
 _MISSING_DATA = re.compile(r"Data folder '([^']+)' does not exist")
 
@@ -67,25 +75,19 @@ def demo(tmp_path_factory, tiny_data) -> Path:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, root / name)
     shutil.copytree(tiny_data, root / "data" / "stdlib")
-    venv, start, cpu = Path(sys.prefix), time.perf_counter(), children_cpu_s()
+    venv = Path(sys.prefix)
     # The Makefile's own demo target, the environment and the data taken as built (-o: never remade).
-    proc = subprocess.run(["make", "demo", f"VENV={venv}", "-o", f"{venv}/.installed", "-o", "data/stdlib/meta.json"],
-                          cwd=root, env=block_env(root), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert proc.returncode == 0, f"make demo exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-TAIL_CHARS:]}"
+    ran = run_bash(root, shlex.join(["make", "demo", f"VENV={venv}", "-o", f"{venv}/.installed", "-o",
+                                     "data/stdlib/meta.json"]))
+    assert ran.returncode == 0, f"make demo exited {ran.returncode}:\n{ran.output[-TAIL_CHARS:]}"
     assert (root / "runs" / "tiny" / "export" / "config.json").is_file() and (root / "runs/tiny/eval.json").is_file()
-    print(f"make demo: {time.perf_counter() - start:.1f} s wall, {children_cpu_s() - cpu:.1f} s CPU")
+    print(f"make demo: {ran.wall_s:.1f} s wall, {ran.cpu_s:.1f} s CPU")
     return root
 
 
 def not_run(block: Block) -> bool:
     """A CPU block checked with ``bash -n`` only: a benchmark page's, or one that builds the environment."""
     return block.page.startswith(NOT_RUN) or bool(_MAKE_SETUP.search(block.text))
-
-
-def children_cpu_s() -> float:
-    """CPU seconds of this process's finished children (a block's time without the machine's other load)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def block_env(root: Path) -> dict:
@@ -96,38 +98,73 @@ def block_env(root: Path) -> dict:
     return env
 
 
-def run_bash(root: Path, script: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", *flags, "-c", script], cwd=root, env=env or block_env(root), capture_output=True,
-                          text=True, timeout=BLOCK_TIMEOUT_S)
+@dataclass
+class Ran:
+    returncode: int
+    output: str
+    cpu_s: float
+    """CPU seconds of the script's processes (bash and every process it waited for)."""
+    wall_s: float
 
 
-def failure(block: Block, what: str, proc: subprocess.CompletedProcess, script: str | None = None) -> str:
-    out = (proc.stdout + proc.stderr)[-TAIL_CHARS:]
-    return (f"{block.where} ({block.tag} block): {what} exited {proc.returncode}\n--- block\n{block.text}"
-            + (f"--- as run\n{script}\n" if script else "") + f"--- output (tail)\n{out}")
+def run_bash(root: Path, script: str, *flags: str, env: dict | None = None) -> Ran:
+    """``bash FLAGS -c script`` from ``root``, its output and its own CPU time (``wait4``: other threads' runs and
+    the machine's other load left out); killed with its process group after :data:`BLOCK_TIMEOUT_S`."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.Popen(["bash", *flags, "-c", script], cwd=root, env=env or block_env(root), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        timer = threading.Timer(BLOCK_TIMEOUT_S, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        out.seek(0)
+        return Ran(proc.returncode, out.read(), usage.ru_utime + usage.ru_stime, time.perf_counter() - start)
 
 
-def test_every_cpu_block_runs_after_make_demo(demo, blocks):
-    failures, seen, timings = [], set(), []
+def failure(block: Block, what: str, ran: Ran, script: str | None = None) -> str:
+    return (f"{block.where} ({block.tag} block): {what} exited {ran.returncode}\n--- block\n{block.text}"
+            + (f"--- as run\n{script}\n" if script else "") + f"--- output (tail)\n{ran.output[-TAIL_CHARS:]}")
+
+
+def test_every_cpu_block_runs_after_make_demo(demo, blocks, tmp_path):
+    """Each page's CPU blocks in order, in a copy of the demo's state of its own (a page needs only the demo and its
+    own earlier blocks); the pages on parallel workers."""
+    pages: dict[str, list[Block]] = {}
+    seen = set()
     for block in blocks:
-        if block.tag != "CPU" or not_run(block) or block.text in seen:
-            continue
-        seen.add(block.text)
-        start, cpu = time.perf_counter(), children_cpu_s()
-        proc = run_bash(demo, block.text, "-e", "-o", "pipefail")
-        timings.append(f"{time.perf_counter() - start:6.1f} s {children_cpu_s() - cpu:6.1f} s  {block.where}")
-        if proc.returncode != 0:
-            failures.append(failure(block, "the block", proc))
-    print("CPU blocks: wall, CPU time of their processes\n" + "\n".join(timings))
+        if block.tag == "CPU" and not not_run(block) and block.text not in seen:
+            seen.add(block.text)
+            pages.setdefault(block.page, []).append(block)
+
+    def run_page(page: str) -> list[tuple[Block, Ran]]:
+        root = tmp_path / re.sub(r"\W", "_", page)
+        shutil.copytree(demo, root, symlinks=True)
+        try:
+            return [(block, run_bash(root, block.text, "-e", "-o", "pipefail")) for block in pages[page]]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=PAGE_WORKERS) as pool:
+        results = [item for page in pool.map(run_page, pages) for item in page]
+    print(f"CPU blocks of {len(pages)} pages: {time.perf_counter() - start:.1f} s wall on {PAGE_WORKERS} workers; "
+          "each block's wall and CPU time:\n"
+          + "\n".join(f"{ran.wall_s:6.1f} s {ran.cpu_s:6.1f} s  {block.where}" for block, ran in results))
+    failures = [failure(block, "the block", ran) for block, ran in results if ran.returncode != 0]
     assert not failures, f"{len(failures)} CPU block(s) failed:\n\n" + "\n\n".join(failures)
 
 
 def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(demo, blocks):
-    failures, seen, start, cpu = [], set(), time.perf_counter(), children_cpu_s()
+    failures, seen, start, cpu = [], set(), time.perf_counter(), 0.0
     for block in blocks:
         if block.tag not in ("GPU", "SLURM", "S3", "NET") and not (block.tag == "CPU" and not_run(block)):
             continue
         syntax = run_bash(demo, block.text, "-n")
+        cpu += syntax.cpu_s
         if syntax.returncode != 0:
             failures.append(failure(block, "bash -n", syntax))
         if block.tag not in ("GPU", "SLURM"):
@@ -137,25 +174,25 @@ def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(dem
         if not runs or script in seen:
             continue
         seen.add(script)
-        proc = dry_run(demo, script)
-        if proc.returncode != 0:
-            failures.append(failure(block, "the dry run of its train.py commands", proc, script))
-    print(f"other blocks: {len(seen)} dry-run scripts, {time.perf_counter() - start:.1f} s wall, "
-          f"{children_cpu_s() - cpu:.1f} s CPU")
+        ran = dry_run(demo, script)
+        cpu += ran.cpu_s
+        if ran.returncode != 0:
+            failures.append(failure(block, "the dry run of its train.py commands", ran, script))
+    print(f"other blocks: {len(seen)} dry-run scripts, {time.perf_counter() - start:.1f} s wall, {cpu:.1f} s CPU")
     assert not failures, f"{len(failures)} block(s) failed:\n\n" + "\n\n".join(failures)
 
 
-def dry_run(root: Path, script: str) -> subprocess.CompletedProcess:
+def dry_run(root: Path, script: str) -> Ran:
     """``script`` (dry runs) with bash -e; a data folder it names that does not exist in the copy is linked to
     ``data/stdlib`` (a user's own corpus) and the script run again."""
     env = {**block_env(root), "PYTHONWARNINGS": "ignore"}
     for _ in range(4):
-        proc = run_bash(root, script, "-e", "-o", "pipefail", env=env)
-        missing = [Path(name) for name in _MISSING_DATA.findall(proc.stdout + proc.stderr)]
+        ran = run_bash(root, script, "-e", "-o", "pipefail", env=env)
+        missing = [Path(name) for name in _MISSING_DATA.findall(ran.output)]
         missing = [p for p in missing if not p.is_absolute() and not (root / p).exists() and ".." not in p.parts]
-        if proc.returncode == 0 or not missing:
-            return proc
+        if ran.returncode == 0 or not missing:
+            return ran
         for path in missing:
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).symlink_to((root / "data" / "stdlib").resolve(), target_is_directory=True)
-    return proc
+    return ran
