@@ -99,6 +99,20 @@ def tag_problems(blocks: list[Block]) -> list[str]:
     return problems
 
 
+def pages_to_run(blocks: list[Block]) -> dict[str, list[Block]]:
+    """``blocks`` by page, in order, less each page's last blocks that an earlier page holds too: nothing after them
+    on their own page can depend on what they write, so running them again proves nothing new."""
+    pages: dict[str, list[Block]] = {}
+    for block in blocks:
+        pages.setdefault(block.page, []).append(block)
+    seen: set[str] = set()
+    for page_blocks in pages.values():
+        while page_blocks and page_blocks[-1].text in seen:
+            page_blocks.pop()
+        seen.update(block.text for block in page_blocks)
+    return {page: page_blocks for page, page_blocks in pages.items() if page_blocks}
+
+
 def _first_line(block: Block) -> str:
     lines = [line for line in block.text.splitlines() if line.strip()]
     return lines[0][:80] if lines else "empty"

@@ -7,10 +7,11 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
 - runs every ``title="CPU"`` block with bash (``-e -o pipefail``) from the copy's root, the environment's ``bin``
   first on ``PATH`` and ``LMRECIPE_MAX_STEPS`` set, so every training command trains at most :data:`STEP_CAP`
   optimizer steps per session, unedited (``lmrecipe/train/callbacks/faults.py``); each page's blocks in order, as
-  a reader pastes them, in a copy of the demo's state of its own, the pages on :data:`PAGE_WORKERS` workers;
-  identical blocks once;
-- checks the ``GPU`` and ``SLURM`` blocks with ``bash -n`` and runs each of their ``train.py`` commands as
-  ``python train.py ARGS --dry-run``, with the launcher's process count as ``WORLD_SIZE``: the dry run checks the
+  a reader pastes them, in a copy of the demo's state of its own, the pages on :data:`PAGE_WORKERS` workers; a
+  page's last blocks are left out when an earlier page ran the same;
+- checks the ``GPU`` and ``SLURM`` blocks with ``bash -n`` and runs each of their ``train.py`` commands (and
+  ``sbatch slurm/train.sbatch`` jobs) as ``python train.py ARGS --dry-run``, with the launch's process count as
+  ``WORLD_SIZE``: the dry run checks the
   recipe, the overrides, the DeepSpeed config and the launch's process count on a CPU. A data folder such a command
   names that the demo does not prepare (the user's own corpus) is stood in for by ``data/stdlib``;
 - checks the ``S3`` and ``NET`` blocks with ``bash -n`` only: their dry run would need the endpoint or the hub;
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from doc_commands import Block, all_blocks, tag_problems, train_dry_runs
+from doc_commands import Block, all_blocks, pages_to_run, tag_problems, train_dry_runs
 from helpers import ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -133,12 +134,7 @@ def failure(block: Block, what: str, ran: Ran, script: str | None = None) -> str
 def test_every_cpu_block_runs_after_make_demo(demo, blocks, tmp_path):
     """Each page's CPU blocks in order, in a copy of the demo's state of its own (a page needs only the demo and its
     own earlier blocks); the pages on parallel workers."""
-    pages: dict[str, list[Block]] = {}
-    seen = set()
-    for block in blocks:
-        if block.tag == "CPU" and not not_run(block) and block.text not in seen:
-            seen.add(block.text)
-            pages.setdefault(block.page, []).append(block)
+    pages = pages_to_run([block for block in blocks if block.tag == "CPU" and not not_run(block)])
 
     def run_page(page: str) -> list[tuple[Block, Ran]]:
         root = tmp_path / re.sub(r"\W", "_", page)

@@ -3,7 +3,7 @@ of a GPU block's training commands, on a made-up page."""
 
 from __future__ import annotations
 
-from doc_commands import fenced_blocks, logical_lines, tag_problems, train_dry_runs
+from doc_commands import Block, fenced_blocks, logical_lines, pages_to_run, tag_problems, train_dry_runs
 
 PAGE = '''# A page
 
@@ -91,3 +91,14 @@ def test_a_slurm_job_of_train_sbatch_becomes_the_dry_run_of_its_recipe_on_its_no
         "out_dir=runs/llama_1b --dry-run",
         "WORLD_SIZE=3 LOCAL_WORLD_SIZE=1 python train.py recipes/tiny.yaml out_dir=runs/t --dry-run",
     ]
+
+
+def test_a_page_runs_its_blocks_in_order_less_the_last_ones_an_earlier_page_ran():
+    def block(page: str, text: str) -> Block:
+        return Block(page, 1, "bash", ("CPU",), text)
+
+    a1, a2 = block("README.md", "make-data\n"), block("README.md", "train\n")
+    b1, b2, b3 = block("docs/b.md", "make-data\n"), block("docs/b.md", "evaluate\n"), block("docs/b.md", "train\n")
+    c1 = block("docs/c.md", "train\n")
+    # b1 stays (b2 may read what it writes), b3 goes (README ran it, nothing after it); c.md has nothing new
+    assert pages_to_run([a1, a2, b1, b2, b3, c1]) == {"README.md": [a1, a2], "docs/b.md": [b1, b2]}
