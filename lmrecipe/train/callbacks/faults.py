@@ -65,7 +65,7 @@ def maybe_cap_steps(cfg, out_dir: Path):
         return cfg
     if not value.isdigit() or int(value) < 1:
         raise fail(f"{MAX_STEPS_ENV}={value!r} is not a number of optimizer steps (a whole number, at least 1): set "
-                   f"it to the most steps a session may train, or unset it to train to train.max_steps.")
+                   "it to the most steps a session may train, or unset it to train to train.max_steps.")
     start = _start_step(cfg, out_dir)
     capped = min(cfg.train.max_steps, start + int(value))
     if capped == cfg.train.max_steps:
