@@ -27,7 +27,7 @@ from lmrecipe.observe.run_report import FINAL_FILE
 from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
 from lmrecipe.train.callbacks.ema import WeightEMA
-from lmrecipe.train.callbacks.faults import FaultInjection
+from lmrecipe.train.callbacks.faults import FaultInjection, maybe_cap_steps
 from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.layer_stats import LayerStats
 from lmrecipe.train.callbacks.model_states import ModelStates
@@ -313,6 +313,7 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
                     "docs/checkpoints.md, 'Longer runs'", out_dir, finished.step, cfg.train.max_steps,
                     lr_at(cfg.train.max_steps, cfg.train.max_steps, cfg.optim, cfg.schedule))
         return finished
+    cfg = maybe_cap_steps(cfg, out_dir)  # tests' step cap (LMRECIPE_MAX_STEPS), after the finished run's check
     with removing_new_empty_dirs(out_dir, out_dir / "checkpoints"):  # a failed start leaves no empty folders
         run = build_run(cfg, out_dir)
         lock = RunLock(out_dir)

@@ -291,3 +291,32 @@ def test_resume_or_export_of_a_folder_without_checkpoints_says_so(tmp_path):
         export_checkpoint(empty, tmp_path / "export")
     assert "holds none" in str(info.value) and "checkpoint.resume" not in str(info.value)
     assert not (tmp_path / "export").exists()
+
+
+# ------------------------------------------------------------------------------------------- the step cap
+
+
+def test_the_step_cap_lowers_max_steps_to_the_sessions_start_plus_the_cap(tmp_path, tmp_path_factory, tiny_data,
+                                                                           monkeypatch, caplog):
+    from helpers import wsd_run
+
+    from lmrecipe.train.callbacks.faults import MAX_STEPS_ENV, maybe_cap_steps
+
+    source = wsd_run(tmp_path_factory, tiny_data, 16)  # checkpoints at steps 5, 10, 15 and 16
+
+    def capped(out_dir: Path, *overrides: str) -> int:
+        cfg = load_config("recipes/tiny.yaml", [f"out_dir={out_dir}", f"data.path={tiny_data}",
+                                                "train.max_steps=100", *overrides])
+        return maybe_cap_steps(cfg, out_dir).train.max_steps
+
+    assert capped(tmp_path / "fresh") == 100  # unset: untouched
+    monkeypatch.setenv(MAX_STEPS_ENV, "3")
+    with caplog.at_level(logging.WARNING):
+        assert capped(tmp_path / "fresh") == 3
+    assert "LMRECIPE_MAX_STEPS=3: train.max_steps capped from 100 to 3 (this session starts at step 0)" in caplog.text
+    assert capped(source) == 19  # resumes from its newest checkpoint, step 16
+    assert capped(tmp_path / "branch", f"checkpoint.branch_from={source}/checkpoints/step_00000010") == 13
+    assert capped(tmp_path / "fresh", "train.max_steps=2") == 2  # a shorter run is left as it is
+    monkeypatch.setenv(MAX_STEPS_ENV, "0")
+    with pytest.raises(UserError, match="LMRECIPE_MAX_STEPS='0' is not a number of optimizer steps"):
+        capped(tmp_path / "fresh")

@@ -8,20 +8,27 @@
 - ``LMRECIPE_FAULT_SLOW_RANK=R:SECONDS[:STEP]``: rank R sleeps SECONDS before each forward of the model (from
   optimizer step STEP on, 1-based; from the start without it), a rank whose device computes slower than the others'
   (the straggler instrument names it: ``docs/hangs.md``).
+- ``LMRECIPE_MAX_STEPS=N``: a session trains at most N optimizer steps: ``train.max_steps`` is lowered to the step it
+  starts from (its resume or branch checkpoint's, else 0) plus N, and the log says so. The test of the documentation's
+  commands runs every training command under it, unedited.
 
 Production code knows nothing of them: the :class:`FaultInjection` callback, present only when one of them is set,
-is the only entry point.
+is the only entry point of the faults, and :func:`maybe_cap_steps` (called by ``train()``) that of the step cap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from lmrecipe.checkpoint.storage import find_resume_checkpoint, read_checkpoint
+from lmrecipe.errors import UserError, fail
 from lmrecipe.train.callback import Callback
 
 logger = logging.getLogger(__name__)
@@ -29,6 +36,7 @@ logger = logging.getLogger(__name__)
 OOM_FAULT_ENV = "LMRECIPE_FAULT_OOM_AT_STEP"
 SPIKE_FAULT_ENV = "LMRECIPE_FAULT_SPIKE_STEPS"
 SLOW_RANK_FAULT_ENV = "LMRECIPE_FAULT_SLOW_RANK"
+MAX_STEPS_ENV = "LMRECIPE_MAX_STEPS"
 _SPIKE_LOGIT_SCALE = 1000.0
 
 
@@ -47,6 +55,36 @@ class FaultInjection(Callback):
         model = run.accelerator.unwrap_model(run.model)
         maybe_install_faults(model, run.train_batches, lambda: trainer.running_step)
         maybe_slow_rank(model, run.accelerator.process_index, lambda: trainer.running_step)
+
+
+def maybe_cap_steps(cfg, out_dir: Path):
+    """``cfg`` with ``train.max_steps`` lowered to the session's start step plus ``LMRECIPE_MAX_STEPS``, when that is
+    set and lower; else ``cfg`` itself. Reads checkpoint files only: every rank answers alike."""
+    value = os.environ.get(MAX_STEPS_ENV, "").strip()
+    if not value:
+        return cfg
+    if not value.isdigit() or int(value) < 1:
+        raise fail(f"{MAX_STEPS_ENV}={value!r} is not a number of optimizer steps (a whole number, at least 1): set "
+                   "it to the most steps a session may train, or unset it to train to train.max_steps.")
+    start = _start_step(cfg, out_dir)
+    capped = min(cfg.train.max_steps, start + int(value))
+    if capped == cfg.train.max_steps:
+        return cfg
+    logger.warning("%s=%s: train.max_steps capped from %d to %d (this session starts at step %d)", MAX_STEPS_ENV,
+                   value, cfg.train.max_steps, capped, start)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=capped))
+
+
+def _start_step(cfg, out_dir: Path) -> int:
+    """The step the run resumes from (its own newest checkpoint, or the branch source before it has one); 0 for a
+    fresh start or a checkpoint the resume itself will refuse with its own message."""
+    try:
+        checkpoint = find_resume_checkpoint(cfg.checkpoint.resume, out_dir / "checkpoints")
+        if checkpoint is None and cfg.checkpoint.branch_from:
+            checkpoint = find_resume_checkpoint(cfg.checkpoint.branch_from, out_dir / "checkpoints")
+        return int(read_checkpoint(checkpoint)["state"]["step"]) if checkpoint is not None else 0
+    except UserError:
+        return 0
 
 
 def maybe_install_faults(model: torch.nn.Module, batches, current_step: Callable[[], int | None]) -> None:
