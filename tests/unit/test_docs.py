@@ -71,7 +71,7 @@ def test_links_of_the_front_pages_resolve_to_files_and_anchors(site, name):
 def test_the_readme_is_a_front_page_with_the_two_commands():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= MAX_README_LINES, "move the detail to a page of docs/ and link to it"
-    assert "## Fresh machine: two commands\n\n```bash\n" + TWO_COMMANDS + "```\n" in text
+    assert "## Fresh machine: two commands\n\n```bash title=\"CPU\"\n" + TWO_COMMANDS + "```\n" in text
 
 
 def test_the_link_checker_reports_a_missing_file_and_a_missing_anchor(site):
