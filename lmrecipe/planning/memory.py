@@ -310,22 +310,23 @@ def attention_sizes(hf_config) -> dict[str, int]:
     """The :class:`ModelShape` attention fields of the architectures whose attention is not a Llama layer's, measured
     with saved-tensor hooks on transformers 5.23 (``tests/unit/test_memory.py`` holds the measurements to 2 %).
 
-    DeepSeek-V3's latent attention saves its rotated q and k (heads x (qk_nope + qk_rope) each), v and the output
-    projection's input (heads x v_head_dim), and the latents: the query latent three times (norm input, normalized,
-    q_b_proj's input), the key/value latent four times with its shared rotary part (kv_a output, norm input,
-    normalized, kv_b_proj's input) and kv_b_proj's output (heads x (qk_nope + v)). Qwen3.5-MoE's gated full attention
-    saves 7 x heads x head_dim (queries and their gate, normalized, rotated, the gated product and its factors) and
-    4 x kv heads x head_dim; its gated DeltaNet layers (the torch fallback, in fp32 whatever the precision) save
-    4 x key heads x key width before the keys are repeated to the value heads, 12.5 x value heads x key width,
-    11.5 x value heads x value width and 5 chunk-sized tensors per value head (``DELTANET_CHUNK``), less 6."""
+    DeepSeek-V3's latent attention saves, per head, its q and k (qk_nope + qk_rope wide each), its v, the kernel's
+    output and the output projection's input (v_head_dim wide each; the kernel's output is ``attention_out_size``)
+    and the keys' part without rotary (qk_nope); once, the shared rotary key part (qk_rope), each latent three times
+    (norm input, normalized, the up-projection's input) and one more hidden-wide tensor. With qk_nope + qk_rope
+    unequal to v_head_dim, SDPA on a CPU takes its math kernel, which also keeps the S^2 probabilities (not counted:
+    a GPU's efficient kernel takes unequal widths). Qwen3.5-MoE's gated full attention saves 7 x heads x head_dim
+    (queries and their gate, normalized, rotated, the gated product and its factors) and 4 x kv heads x head_dim; its
+    gated DeltaNet layers (the torch fallback, in fp32 whatever the precision) save 4 x key heads x key width before
+    the keys are repeated to the value heads, 12.5 x value heads x key width, 11.5 x value heads x value width and 5
+    chunk-sized tensors per value head (``DELTANET_CHUNK``), less 6."""
     kind = getattr(hf_config, "model_type", None)
     heads = hf_config.num_attention_heads
     if kind == "deepseek_v3":
         c = hf_config
         qk, v = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), heads * c.v_head_dim
-        latent = 3 * (c.q_lora_rank or 0) + 4 * c.kv_lora_rank + c.qk_rope_head_dim + heads * (c.qk_nope_head_dim
-                                                                                             + c.v_head_dim)
-        return {"attention_size": 2 * qk + 2 * v + latent, "attention_out_size": v}
+        latent = 3 * (c.q_lora_rank or 0) + 3 * c.kv_lora_rank + c.qk_rope_head_dim + heads * c.qk_nope_head_dim
+        return {"attention_size": 2 * qk + 2 * v + latent + c.hidden_size, "attention_out_size": v}
     if kind == "qwen3_5_moe_text":
         c = hf_config
         q, kv = heads * c.head_dim, c.num_key_value_heads * c.head_dim
