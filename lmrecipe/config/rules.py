@@ -34,7 +34,7 @@ from operator import attrgetter
 from typing import Callable, Union
 
 from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS, Config, TrainConfig, fail_all
-from lmrecipe.config.sections.model import DEEPSEEK_V3_KEYS, QWEN3_5_MOE_KEYS
+from lmrecipe.config.sections.model import DEEPSEEK_V3_KEYS, QWEN3_5_MOE_KEYS, ModelConfig
 
 Text = Union[str, Callable[[Config], str]]
 
@@ -64,26 +64,25 @@ _ARCH_KEYS = {"deepseek_v3": DEEPSEEK_V3_KEYS, "qwen3_5_moe_text": QWEN3_5_MOE_K
 """The ``model`` keys that only one architecture builds."""
 
 
-def _foreign_keys(c: Config) -> list[str]:
+def _foreign_keys(m: ModelConfig) -> list[str]:
     """The architecture-only keys a recipe sets for another ``model.arch`` than theirs (built from scratch)."""
-    return [f"model.{key}={getattr(c.model, key)} ({arch})" for arch, keys in _ARCH_KEYS.items()
-            if c.model.arch != arch and c.model.init_from is None for key in keys if getattr(c.model, key) is not None]
+    return [f"model.{key}={getattr(m, key)} ({arch})" for arch, keys in _ARCH_KEYS.items()
+            if m.arch != arch and m.init_from is None for key in keys if getattr(m, key) is not None]
 
 
-def _deepseek(c: Config, key: str, default: int) -> int:
+def _deepseek(m: ModelConfig, key: str, default: int) -> int:
     """A DeepSeek-V3 key's value, the class's default where null."""
-    value = getattr(c.model, key)
+    value = getattr(m, key)
     return default if value is None else value
 
 
-def _group_problem(c: Config) -> str:
+def _group_problem(m: ModelConfig) -> str:
     """What is wrong with DeepSeek-V3's expert groups (empty when nothing): ``n_group`` divides the experts, the
     groups chosen are among them, each group holds the 2 experts its score sums, and the chosen groups hold the
     token's experts."""
-    m = c.model
     if m.arch != "deepseek_v3" or not m.is_moe() or m.init_from is not None:
         return ""
-    groups, chosen = _deepseek(c, "expert_groups", 8), _deepseek(c, "expert_groups_per_token", 4)
+    groups, chosen = _deepseek(m, "expert_groups", 8), _deepseek(m, "expert_groups_per_token", 4)
     if m.num_experts % groups or m.num_experts // groups < 2:
         return (f"model.expert_groups={groups} must divide model.num_experts={m.num_experts} into groups of at least 2 "
                 "experts (a group's score is the sum of its 2 best experts' scores).")
@@ -174,8 +173,8 @@ RULES: tuple[Rule, ...] = (
          "keys are its own: the model.* keys would not reach it, and its width would stay 2048).",
          "Set model.arch=qwen3_5_moe_text, the text model (its DeepSpeed AutoEP preset is the same)."),
     Rule("architecture_keys_of_another_architecture",
-         lambda c: bool(_foreign_keys(c)),
-         lambda c: f"{', '.join(_foreign_keys(c))}: these keys build only the architecture named in brackets, and "
+         lambda c: bool(_foreign_keys(c.model)),
+         lambda c: f"{', '.join(_foreign_keys(c.model))}: these keys build only the architecture named in brackets, and "
                    f"model.arch={c.model.arch}.",
          "Remove them (null), or set model.arch to their architecture."),
     Rule("deepseek_v3_has_no_auxiliary_loss",
@@ -189,12 +188,12 @@ RULES: tuple[Rule, ...] = (
                    f"keys and values for every one of the model.num_heads={c.model.num_heads} heads from one latent "
                    "(model.kv_lora_rank); it has no key/value head count of its own.",
          "Set model.num_kv_heads=null."),
-    Rule("deepseek_v3_expert_groups", lambda c: bool(_group_problem(c)), _group_problem,
+    Rule("deepseek_v3_expert_groups", lambda c: bool(_group_problem(c.model)), lambda c: _group_problem(c.model),
          "Choose model.expert_groups, model.expert_groups_per_token and model.experts_per_token that fit (DeepSeek-V3: "
          "256 experts, 8 groups, 4 chosen, 8 per token)."),
     Rule("deepseek_v3_dense_layers_within_layers",
-         lambda c: c.model.arch == "deepseek_v3" and _deepseek(c, "dense_layers", 3) >= c.model.num_layers,
-         lambda c: f"model.dense_layers={_deepseek(c, 'dense_layers', 3)} (the first layers with a dense MLP; null is "
+         lambda c: c.model.arch == "deepseek_v3" and _deepseek(c.model, "dense_layers", 3) >= c.model.num_layers,
+         lambda c: f"model.dense_layers={_deepseek(c.model, 'dense_layers', 3)} (the first layers with a dense MLP; null is "
                    f"3) leaves none of the model.num_layers={c.model.num_layers} layers with experts.",
          "Lower model.dense_layers (0: every layer has experts) or raise model.num_layers."),
     Rule("qwen3_5_moe_linear_heads",

@@ -5,8 +5,6 @@ calculations and saved-tensor measurements of small shapes)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -19,7 +17,6 @@ from lmrecipe.model.build import (
     attention_width,
     build_hf_config,
     build_model,
-    count_params_from_config,
     flops_per_token,
     param_counts,
 )
