@@ -401,6 +401,8 @@ def _mlp_shape(hf: dict, arch: str) -> str:
     keys = MOE_ARCHS.get(arch)
     width = hf.get(keys.expert_width if keys else "moe_intermediate_size") or hf.get("intermediate_size")
     shared = hf.get(keys.shared_width) if keys and keys.shared_width else None
+    if shared and keys.shared_count:  # DeepSeek-V3 counts its shared experts, each of one expert's width
+        shared *= width
     return (f"MoE MLP: {experts} experts of width {width}, each token routed to the top "
             f"{hf.get('num_experts_per_tok')}{f', and a shared expert of width {shared}' if shared else ''}")
 

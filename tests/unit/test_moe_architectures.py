@@ -225,3 +225,11 @@ def test_the_estimator_counts_linear_attention_layers_without_an_s2_term():
     eager = [estimate_activations(s, 1, tokens, "fp32", attn_implementation="eager")[0] for s in (full_shape,
                                                                                                    linear_shape)]
     assert eager[1] == est_linear and eager[0] > est_full
+
+
+def test_the_model_card_names_deepseek_v3s_shared_expert_width():
+    from lmrecipe.export import _mlp_shape
+
+    _, c, _ = built(DEEPSEEK)
+    assert _mlp_shape(c.to_dict(), "deepseek_v3") == ("MoE MLP: 8 experts of width 32, each token routed to the top 2, "
+                                                      "and a shared expert of width 32")
