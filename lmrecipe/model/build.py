@@ -395,16 +395,13 @@ def attention_width(hf_config) -> int:
     and its projections are parameters. DeepSeek-V3's latent attention counts its real head widths (``qk_nope_head_dim
     + qk_rope_head_dim`` for QK^T, ``v_head_dim`` for AV). Other architectures count ``hidden_size`` for each, as
     before (Llama's heads are ``hidden_size / heads`` wide)."""
-    layers = hf_config.num_hidden_layers
-    types = getattr(hf_config, "layer_types", None)
-    full = sum(1 for t in types[:layers] if t == "full_attention") if types and hf_config.model_type in (
-        "qwen3_5_moe_text",) else layers
-    heads = hf_config.num_attention_heads
-    if hf_config.model_type == "deepseek_v3":
-        return full * heads * (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim + hf_config.v_head_dim)
-    if hf_config.model_type == "qwen3_5_moe_text":
-        return full * 2 * heads * hf_config.head_dim
-    return full * 2 * hf_config.hidden_size
+    c, layers = hf_config, hf_config.num_hidden_layers
+    if c.model_type == "deepseek_v3":
+        return layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    if c.model_type == "qwen3_5_moe_text":
+        full = sum(1 for kind in c.layer_types[:layers] if kind == "full_attention")
+        return full * 2 * c.num_attention_heads * c.head_dim
+    return layers * 2 * c.hidden_size
 
 
 def flops_per_token(n_params: int, n_lookup: int, num_layers: int, hidden_size: int, seq_len: int,
