@@ -102,6 +102,19 @@ def checkpoint_state_dict(ckpt: Path, dtype: torch.dtype, saved: dict | None = N
     return {bare_parameter_name(name): tensor.to(dtype, copy=True) for name, tensor in load_file(weights).items()}
 
 
+def _autoep_router_buffers(ds_dir: Path) -> dict[str, torch.Tensor]:
+    """The AutoEP routers' buffers (DeepSeek-V3's ``e_score_correction_bias``, which AutoEP copies from the class's
+    gate) under the class's names (``mlp.gate.``), in fp32 as the class keeps them. A buffer is not a parameter, so
+    the optimizer shards lack it; every rank's model-states file holds it whole (rank 0's is read)."""
+    files = sorted(p for p in ds_dir.glob("*model_states.pt") if not p.name.startswith("layer_"))
+    if not files:
+        return {}
+    states = torch.load(files[0], map_location="cpu", weights_only=False)
+    module = states.get("module") or {}
+    return {bare_parameter_name(name).replace(".router.", ".gate."): module[name].float().clone()
+            for name in states.get("buffer_names") or () if ".router." in name and name in module}
+
+
 def autoep_state_dict(ckpt: Path, dtype: torch.dtype, arch: str) -> dict[str, torch.Tensor]:
     """The Hugging Face state dict of a ZeRO-1/2/3 checkpoint of DeepSpeed AutoEP layers of model class ``arch``, in
     ``dtype``: the fp32 master weights (``readers.py``: every expert whole, whatever the expert-parallel size), each
@@ -130,6 +143,7 @@ def autoep_state_dict(ckpt: Path, dtype: torch.dtype, arch: str) -> dict[str, to
             w1, w2, w3 = (source.read("fp32", f"{layer}.experts.{w}") for w in ("w1", "w2", "w3"))
             out[f"{layer}.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1).to(dtype)
             out[f"{layer}.experts.down_proj"] = w2.to(dtype)
+        out.update(_autoep_router_buffers(ckpt / DS_TAG))
         return out
     finally:
         source.close()
@@ -387,6 +401,8 @@ def _mlp_shape(hf: dict, arch: str) -> str:
     keys = MOE_ARCHS.get(arch)
     width = hf.get(keys.expert_width if keys else "moe_intermediate_size") or hf.get("intermediate_size")
     shared = hf.get(keys.shared_width) if keys and keys.shared_width else None
+    if shared and keys.shared_count:  # DeepSeek-V3 counts its shared experts, each of one expert's width
+        shared *= width
     return (f"MoE MLP: {experts} experts of width {width}, each token routed to the top "
             f"{hf.get('num_experts_per_tok')}{f', and a shared expert of width {shared}' if shared else ''}")
 

@@ -14,8 +14,9 @@ What each parallel split supports, at a glance (the rows below are the contract)
   stage 0-2 (ZeRO-3 is refused once the JSON is read); the split must divide the attention heads, the key/value heads
   and the MLP width; not with sequence parallelism, a weight EMA, ``eval.tasks``, ``eval.samples``, Muon, fp8,
   ``train.compile`` or ``logging.layer_stats``.
-- Mixture of experts (``model.num_experts`` > 0, ``docs/moe.md``): ``model.arch`` qwen3_moe, qwen2_moe or mixtral
-  (``model.shared_experts``: 1 for qwen2_moe, 0 for the others); not with tensor or sequence parallelism, fp8, Muon, ``train.compile`` or
+- Mixture of experts (``model.num_experts`` > 0, ``docs/moe.md``): ``model.arch`` qwen3_moe, qwen2_moe, mixtral,
+  deepseek_v3 or qwen3_5_moe_text (``model.shared_experts``: 1 for qwen2_moe, deepseek_v3 and qwen3_5_moe_text, 0 for
+  the others; the DeepSeek-V3 and Qwen3.5-MoE keys only on their architecture); not with tensor or sequence parallelism, fp8, Muon, ``train.compile`` or
   ``logging.layer_stats``. DeepSpeed AutoEP (``distributed.expert_parallel_size`` > 1, or ``distributed.expert_layer``
   autoep) needs DeepSpeed (ZeRO 1-3) and a split that divides the experts (and the process count: checked at launch);
   not with ``model.init_from``, a weight EMA, ``eval.tasks``, ``eval.samples`` or activation checkpointing.
@@ -33,6 +34,7 @@ from operator import attrgetter
 from typing import Callable, Union
 
 from lmrecipe.config.sections import MOE_ARCHS, SHARED_EXPERT_ARCHS, Config, TrainConfig, fail_all
+from lmrecipe.config.sections.model import DEEPSEEK_V3_KEYS, QWEN3_5_MOE_KEYS, ModelConfig
 
 Text = Union[str, Callable[[Config], str]]
 
@@ -57,6 +59,39 @@ class Rule:
 
 
 SizedText = Union[str, Callable[[int, Config], str]]
+
+_ARCH_KEYS = {"deepseek_v3": DEEPSEEK_V3_KEYS, "qwen3_5_moe_text": QWEN3_5_MOE_KEYS}
+"""The ``model`` keys that only one architecture builds."""
+
+
+def _foreign_keys(m: ModelConfig) -> list[str]:
+    """The architecture-only keys a recipe sets for another ``model.arch`` than theirs (built from scratch)."""
+    return [f"model.{key}={getattr(m, key)} ({arch})" for arch, keys in _ARCH_KEYS.items()
+            if m.arch != arch and m.init_from is None for key in keys if getattr(m, key) is not None]
+
+
+def _deepseek(m: ModelConfig, key: str, default: int) -> int:
+    """A DeepSeek-V3 key's value, the class's default where null."""
+    value = getattr(m, key)
+    return default if value is None else value
+
+
+def _group_problem(m: ModelConfig) -> str:
+    """What is wrong with DeepSeek-V3's expert groups (empty when nothing): ``n_group`` divides the experts, the
+    groups chosen are among them, each group holds the 2 experts its score sums, and the chosen groups hold the
+    token's experts."""
+    if m.arch != "deepseek_v3" or not m.is_moe() or m.init_from is not None:
+        return ""
+    groups, chosen = _deepseek(m, "expert_groups", 8), _deepseek(m, "expert_groups_per_token", 4)
+    if m.num_experts % groups or m.num_experts // groups < 2:
+        return (f"model.expert_groups={groups} must divide model.num_experts={m.num_experts} into groups of at least 2 "
+                "experts (a group's score is the sum of its 2 best experts' scores).")
+    if chosen > groups:
+        return f"model.expert_groups_per_token={chosen} cannot exceed model.expert_groups={groups}."
+    if m.experts_per_token > chosen * (m.num_experts // groups):
+        return (f"model.experts_per_token={m.experts_per_token} exceeds the experts of the model.expert_groups_per_token"
+                f"={chosen} chosen groups ({chosen} x {m.num_experts // groups}).")
+    return ""
 
 
 def _split_rule(key: str, name: str, applies: Callable[[int, Config], bool], message: SizedText, fix: SizedText) -> Rule:
@@ -132,8 +167,45 @@ RULES: tuple[Rule, ...] = (
          "Lower data.seq_len or raise model.max_position_embeddings."),
 
     # --- Mixture of experts (docs/moe.md)
+    Rule("qwen3_5_moe_is_multimodal",
+         lambda c: c.model.arch == "qwen3_5_moe" and c.model.init_from is None,
+         "model.arch=qwen3_5_moe is Qwen3.5-MoE's multimodal config (a vision tower around a text model whose shape "
+         "keys are its own: the model.* keys would not reach it, and its width would stay 2048).",
+         "Set model.arch=qwen3_5_moe_text, the text model (its DeepSpeed AutoEP preset is the same)."),
+    Rule("architecture_keys_of_another_architecture",
+         lambda c: bool(_foreign_keys(c.model)),
+         lambda c: f"{', '.join(_foreign_keys(c.model))}: these keys build only the architecture named in brackets, and "
+                   f"model.arch={c.model.arch}.",
+         "Remove them (null), or set model.arch to their architecture."),
+    Rule("deepseek_v3_has_no_auxiliary_loss",
+         lambda c: c.model.arch == "deepseek_v3" and c.model.is_moe() and c.model.router_aux_loss_coef > 0,
+         lambda c: f"model.router_aux_loss_coef={c.model.router_aux_loss_coef} with model.arch=deepseek_v3: "
+                   "DeepSeek-V3's model class computes no load-balancing loss, so the coefficient would do nothing.",
+         "Set model.router_aux_loss_coef=0."),
+    Rule("deepseek_v3_has_no_grouped_query_attention",
+         lambda c: c.model.arch == "deepseek_v3" and c.model.kv_heads() != c.model.num_heads,
+         lambda c: f"model.num_kv_heads={c.model.num_kv_heads} with model.arch=deepseek_v3: latent attention expands "
+                   f"keys and values for every one of the model.num_heads={c.model.num_heads} heads from one latent "
+                   "(model.kv_lora_rank); it has no key/value head count of its own.",
+         "Set model.num_kv_heads=null."),
+    Rule("deepseek_v3_expert_groups", lambda c: bool(_group_problem(c.model)), lambda c: _group_problem(c.model),
+         "Choose model.expert_groups, model.expert_groups_per_token and model.experts_per_token that fit (DeepSeek-V3: "
+         "256 experts, 8 groups, 4 chosen, 8 per token)."),
+    Rule("deepseek_v3_dense_layers_within_layers",
+         lambda c: c.model.arch == "deepseek_v3" and _deepseek(c.model, "dense_layers", 3) >= c.model.num_layers,
+         lambda c: f"model.dense_layers={_deepseek(c.model, 'dense_layers', 3)} (the first layers with a dense MLP; null is "
+                   f"3) leaves none of the model.num_layers={c.model.num_layers} layers with experts.",
+         "Lower model.dense_layers (0: every layer has experts) or raise model.num_layers."),
+    Rule("qwen3_5_moe_linear_heads",
+         lambda c: (c.model.arch == "qwen3_5_moe_text"
+                    and (c.model.linear_value_heads or 32) % (c.model.linear_key_heads or 16) != 0),
+         lambda c: f"model.linear_value_heads={c.model.linear_value_heads or 32} must be a multiple of "
+                   f"model.linear_key_heads={c.model.linear_key_heads or 16} (each key head serves as many value "
+                   "heads; null: 32 and 16).",
+         "Choose value heads that the key heads divide."),
     Rule("moe_architecture",
-         lambda c: c.model.is_moe() and c.model.init_from is None and c.model.arch not in MOE_ARCHS,
+         lambda c: (c.model.is_moe() and c.model.init_from is None and c.model.arch not in MOE_ARCHS
+                    and c.model.arch != "qwen3_5_moe"),
          lambda c: f"model.num_experts={c.model.num_experts} needs a mixture-of-experts architecture, not "
                    f"model.arch={c.model.arch}.",
          f"Choose model.arch from {', '.join(MOE_ARCHS)}, or set model.num_experts=0 for a dense model."),

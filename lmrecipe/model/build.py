@@ -51,6 +51,8 @@ class MoeKeys:
     ``shared_experts`` and ``shared_experts_gate``)."""
     extra: tuple = ()
     """Further fixed keys: (name, value) pairs."""
+    shared_count: bool = False
+    """``shared_width`` takes the number of shared experts (each of one expert's width), not their total width."""
 
 
 MOE_ARCHS: dict[str, MoeKeys] = {
@@ -61,6 +63,11 @@ MOE_ARCHS: dict[str, MoeKeys] = {
                          ("shared_expert", "shared_expert_gate"),
                          extra=(("decoder_sparse_step", 1), ("mlp_only_layers", []))),
     "mixtral": MoeKeys("num_local_experts", "intermediate_size"),
+    # DeepSeek-V3: the first model.dense_layers layers have a dense MLP of model.intermediate_size (arch_config_kwargs).
+    "deepseek_v3": MoeKeys("n_routed_experts", "moe_intermediate_size", "n_shared_experts", ("shared_experts",),
+                           shared_count=True),
+    "qwen3_5_moe_text": MoeKeys("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                                ("shared_expert", "shared_expert_gate")),
 }
 """The MoE architectures a recipe can build (``model.num_experts`` > 0), each with a DeepSpeed AutoEP preset."""
 
@@ -75,8 +82,37 @@ def moe_config_kwargs(m: ModelConfig) -> dict:
               keys.expert_width: m.expert_size(), "router_aux_loss_coef": m.router_aux_loss_coef,
               "output_router_logits": True, **dict(keys.extra)}
     if keys.shared_width is not None:
-        kwargs[keys.shared_width] = m.shared_experts * m.expert_size()
+        kwargs[keys.shared_width] = m.shared_experts if keys.shared_count else m.shared_experts * m.expert_size()
     return kwargs
+
+
+_DEEPSEEK_V3_CONFIG = {"q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+                       "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim",
+                       "v_head_dim": "v_head_dim", "expert_groups": "n_group", "expert_groups_per_token": "topk_group",
+                       "routed_scaling_factor": "routed_scaling_factor", "dense_layers": "first_k_dense_replace"}
+"""DeepSeek-V3's recipe keys and the ``DeepseekV3Config`` fields they set."""
+_QWEN3_5_MOE_CONFIG = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads": "linear_num_value_heads",
+                       "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim"}
+"""Qwen3.5-MoE's recipe keys and the ``Qwen3_5MoeTextConfig`` fields they set (the layer pattern apart)."""
+
+
+def arch_config_kwargs(m: ModelConfig) -> dict:
+    """The ``AutoConfig`` keywords of the keys only DeepSeek-V3 or Qwen3.5-MoE have; a null key keeps the class's
+    default. ``q_lora_rank=0`` is the class's None (queries projected directly). Qwen3.5-MoE's attention heads are
+    ``hidden_size / num_heads`` wide as in the other architectures (its class's default is 256 whatever the width;
+    ``model.extra.head_dim`` sets another), and ``full_attention_every`` becomes its ``layer_types``."""
+    if m.arch == "deepseek_v3":
+        kwargs = {field: getattr(m, key) for key, field in _DEEPSEEK_V3_CONFIG.items() if getattr(m, key) is not None}
+        if kwargs.get("q_lora_rank") == 0:
+            kwargs["q_lora_rank"] = None
+        return kwargs
+    if m.arch == "qwen3_5_moe_text":
+        kwargs = {field: getattr(m, key) for key, field in _QWEN3_5_MOE_CONFIG.items() if getattr(m, key) is not None}
+        every = m.full_attention_every or 4
+        kwargs["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                 for i in range(m.num_layers)]
+        return {"head_dim": m.hidden_size // m.num_heads, **kwargs}
+    return {}
 
 
 def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
@@ -107,7 +143,7 @@ def build_hf_config(m: ModelConfig, vocab_size: int, seq_len: int):
         use_cache=False,
     )
     try:
-        return AutoConfig.for_model(m.arch, **{**kwargs, **moe_config_kwargs(m), **m.extra})
+        return AutoConfig.for_model(m.arch, **{**kwargs, **moe_config_kwargs(m), **arch_config_kwargs(m), **m.extra})
     except ValueError as err:
         raise fail(f"model.arch={m.arch!r} is not a transformers architecture ({err}).") from None
 
@@ -352,10 +388,31 @@ def count_params_from_config(hf_config) -> dict[str, int]:
     return param_counts(model)
 
 
-def flops_per_token(n_params: int, n_lookup: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+def attention_width(hf_config) -> int:
+    """The width the attention's S^2 matmuls run at, summed over the layers: each softmax-attention layer adds its
+    query/key width and its value width over all heads (QK^T, then the probabilities times V); a linear-attention
+    layer (Qwen3.5-MoE's gated DeltaNet, ``layer_types``) adds none: its cost grows with the window, not its square,
+    and its projections are parameters. DeepSeek-V3's latent attention counts its real head widths (``qk_nope_head_dim
+    + qk_rope_head_dim`` for QK^T, ``v_head_dim`` for AV). Other architectures count ``hidden_size`` for each, as
+    before (Llama's heads are ``hidden_size / heads`` wide)."""
+    c, layers = hf_config, hf_config.num_hidden_layers
+    if c.model_type == "deepseek_v3":
+        return layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    if c.model_type == "qwen3_5_moe_text":
+        full = sum(1 for kind in c.layer_types[:layers] if kind == "full_attention")
+        return full * 2 * c.num_attention_heads * c.head_dim
+    return layers * 2 * c.hidden_size
+
+
+def flops_per_token(n_params: int, n_lookup: int, num_layers: int, hidden_size: int, seq_len: int,
+                    attention_width: int | None = None) -> float:
     """Training FLOPs per token: 6 x (non-embedding params, output projection included) + attention.
 
     The attention term 12 * layers * hidden * seq_len counts QK^T and AV forward and backward (PaLM, App. B);
     the input embedding is a lookup, not a matmul, so its parameters (``n_lookup``) are left out.
+    ``attention_width`` (:func:`attention_width`): the query/key plus value widths summed over the softmax-attention
+    layers, for an architecture whose heads are not ``hidden_size`` wide in all (the term is then 6 * width *
+    seq_len); None: 2 * layers * hidden.
     """
-    return 6.0 * (n_params - n_lookup) + 12.0 * num_layers * hidden_size * seq_len
+    width = 2 * num_layers * hidden_size if attention_width is None else attention_width
+    return 6.0 * (n_params - n_lookup) + 6.0 * width * seq_len

@@ -49,6 +49,10 @@ layer saves for its backward pass (no dropout)::
     e * b * s * (6h + 2h_kv + 4f + h)          sdpa / flash attention (the kernel saves its output)
     e * b * s * (6h + 2h_kv + 4f + a * s)      eager attention (softmax probabilities)
 
+(DeepSeek-V3's latent attention and Qwen3.5-MoE's gated attention save other tensors than 2h + 2h_kv + h:
+``ModelShape.attention_size`` and ``attention_out_size``, :func:`attention_sizes`; Qwen3.5-MoE's linear-attention
+layers save ``linear_attention_size`` fp32 elements per token instead, with no a * s term under any kernel)
+
 (inputs of the two norms and of the q/k/v, output and MLP projections, rotated q and k, v, gate, up,
 SiLU(gate) and their product), the same terms as Korthikanti et al. 2022, eq. 2, without
 dropout masks and with the MLP of this architecture. The output layer adds b * s * (2h e + V (e + 8)) (final
@@ -219,6 +223,15 @@ class ModelShape:
     active_params: int = 0
     """Parameters one token passes through (the routed experts counted ``experts_per_token`` of ``num_experts``);
     0 means all of ``n_params`` (a dense model)."""
+    attention_size: int = 0
+    """Elements per token one softmax-attention layer saves between its input and its output projection, the
+    kernel's output apart (:func:`attention_sizes`); 0: a Llama layer's 2 hidden_size + 2 kv_size."""
+    attention_out_size: int = 0
+    """Width of the attention kernel's output (heads x value width); 0: hidden_size."""
+    linear_attention_layers: int = 0
+    """Layers whose attention is linear (Qwen3.5-MoE's gated DeltaNet): no S^2 term, no softmax kernel."""
+    linear_attention_size: int = 0
+    """fp32 elements per token one linear-attention layer saves instead (:func:`attention_sizes`)."""
 
     def active(self) -> int:
         """Parameters one token passes through (all of them for a dense model)."""
@@ -259,7 +272,9 @@ def model_shape(hf_config) -> ModelShape:
     mlp_size = getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size
     if experts:  # a token passes through experts_per_token experts of their width
         mlp_size = hf_config.num_experts_per_tok * (getattr(hf_config, "moe_intermediate_size", None) or mlp_size)
+        mlp_size += _shared_width(hf_config)
     return ModelShape(
+        **attention_sizes(hf_config),
         n_params=sum(unique.values()),
         largest_layer_params=largest,
         param_sizes=tuple(unique.values()),
@@ -274,6 +289,54 @@ def model_shape(hf_config) -> ModelShape:
         expert_params=experts,
         active_params=param_counts(model)["active"] if experts else 0,
     )
+
+
+def _shared_width(hf_config) -> int:
+    """The shared experts' width every token also passes through: DeepSeek-V3's and Qwen3.5-MoE's (the older
+    architectures' estimates count the routed experts alone)."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind == "deepseek_v3":
+        return hf_config.n_shared_experts * hf_config.moe_intermediate_size
+    if kind == "qwen3_5_moe_text":
+        return hf_config.shared_expert_intermediate_size
+    return 0
+
+
+DELTANET_CHUNK = 64
+"""Tokens per chunk of transformers' torch gated-DeltaNet (``torch_chunk_gated_delta_rule``)."""
+
+
+def attention_sizes(hf_config) -> dict[str, int]:
+    """The :class:`ModelShape` attention fields of the architectures whose attention is not a Llama layer's, measured
+    with saved-tensor hooks on transformers 5.23 (``tests/unit/test_memory.py`` holds the measurements to 2 %).
+
+    DeepSeek-V3's latent attention saves, per head, its q and k (qk_nope + qk_rope wide each), its v, the kernel's
+    output and the output projection's input (v_head_dim wide each; the kernel's output is ``attention_out_size``)
+    and the keys' part without rotary (qk_nope); once, the shared rotary key part (qk_rope), each latent three times
+    (norm input, normalized, the up-projection's input) and one more hidden-wide tensor. With qk_nope + qk_rope
+    unequal to v_head_dim, SDPA on a CPU takes its math kernel, which also keeps the S^2 probabilities (not counted:
+    a GPU's efficient kernel takes unequal widths). Qwen3.5-MoE's gated full attention saves 7 x heads x head_dim
+    (queries and their gate, normalized, rotated, the gated product and its factors) and 4 x kv heads x head_dim; its
+    gated DeltaNet layers (the torch fallback, in fp32 whatever the precision) save 4 x key heads x key width before
+    the keys are repeated to the value heads, 12.5 x value heads x key width, 11.5 x value heads x value width and 5
+    chunk-sized tensors per value head (``DELTANET_CHUNK``), less 6."""
+    kind = getattr(hf_config, "model_type", None)
+    heads = hf_config.num_attention_heads
+    if kind == "deepseek_v3":
+        c = hf_config
+        qk, v = heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), heads * c.v_head_dim
+        latent = 3 * (c.q_lora_rank or 0) + 3 * c.kv_lora_rank + c.qk_rope_head_dim + heads * c.qk_nope_head_dim
+        return {"attention_size": 2 * qk + 2 * v + latent + c.hidden_size, "attention_out_size": v}
+    if kind == "qwen3_5_moe_text":
+        c = hf_config
+        q, kv = heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        linear = (4 * hk * c.linear_key_head_dim + 12.5 * hv * c.linear_key_head_dim
+                  + 11.5 * hv * c.linear_value_head_dim + (5 * DELTANET_CHUNK - 6) * hv)
+        layers = sum(1 for t in c.layer_types[:c.num_hidden_layers] if t == "linear_attention")
+        return {"attention_size": 7 * q + 4 * kv, "attention_out_size": q, "linear_attention_layers": layers,
+                "linear_attention_size": round(linear)}
+    return {}
 
 
 def _linear_params(model: nn.Module) -> int:
@@ -409,18 +472,24 @@ def estimate_activations(shape: ModelShape, micro_batch_size: int, seq_len: int,
     h, kv, f, t = shape.hidden_size, shape.kv_size, shape.mlp_size, tensor_parallel_size
     tokens = micro_batch_size * seq_len // sequence_parallel_size
     whole = 4 * h  # inputs of the two norms, of q/k/v and of the MLP
-    split = 2 * h + 2 * kv + 4 * f  # output projection's input, rotated q and k, v, gate, up, SiLU(gate), product
+    # output projection's input, rotated q and k, v (latent or gated attention: shape.attention_size); gate, up,
+    # SiLU(gate), product
+    split = (shape.attention_size or 2 * h + 2 * kv) + 4 * f
     extras = layer_extras(shape, e) - 4 * shape.num_heads + 4 * shape.num_heads / t  # the log-sum-exp is per head
     per_layer = tokens * (e * (whole + split / t) + extras)
     per_layer += (e * micro_batch_size * shape.num_heads / t * seq_len**2 if attn_implementation == "eager"
-                  else e * tokens * h / t)
+                  else e * tokens * (shape.attention_out_size or h) / t)
     if sequence_parallel_size > 1:  # the exchanged q, k, v are kept for the backward besides the rank's own
         per_layer += e * tokens * (h + 2 * kv)
+    # A linear-attention layer: its recurrence's tensors (fp32) instead of the softmax attention's, no S^2 term.
+    linear_layer = tokens * (e * (whole + 4 * f / t) + extras + 4 * shape.linear_attention_size / t)
+    linear = shape.linear_attention_layers
     output = output_layer_bytes(shape, tokens, precision, loss_chunk_tokens)
     # While a layer's backward runs, the gradients of its MLP's gate and up outputs exist besides the saved tensors.
     working = 2 * e * tokens * f / t
-    full = shape.num_layers * per_layer + max(output, working)
-    checkpointed = shape.num_layers * e * tokens * h + per_layer + max(output, working)
+    full = (shape.num_layers - linear) * per_layer + linear * linear_layer + max(output, working)
+    checkpointed = (shape.num_layers * e * tokens * h + (max(per_layer, linear_layer) if linear else per_layer)
+                    + max(output, working))
     return float(full), float(checkpointed)
 
 

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from lmrecipe.config import ModelConfig
-from lmrecipe.planning.memory import ModelShape
-from lmrecipe.model.build import flops_per_token
+from lmrecipe.planning.memory import ModelShape, model_shape
+from lmrecipe.model.build import attention_width, build_hf_config, flops_per_token
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,59 @@ def shapes_near(n_params: float, vocab_size: int, count: int = 3) -> list[LlamaS
     return family[start:start + count]
 
 
-def shape_from_config(m: ModelConfig, vocab_size: int) -> LlamaShape:
-    """The recipe's own model (its ``model`` section) as a Llama shape."""
+@dataclass(frozen=True)
+class ClassShape:
+    """A recipe's model counted from its model class (built on the meta device): DeepSeek-V3's latent attention,
+    dense first layers and shared expert, and Qwen3.5-MoE's linear-attention layers, which a Llama shape cannot
+    describe. The planner reads it as a :class:`LlamaShape`."""
+
+    arch: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    n_params: int
+    n_active: int
+    n_lookup: int
+    attention_width: int
+    """:func:`lmrecipe.model.build.attention_width` of the model."""
+    memory: ModelShape
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token from the active parameters and the real attention widths."""
+        return flops_per_token(self.n_active, self.n_lookup, self.num_layers, self.hidden_size, seq_len,
+                               self.attention_width)
+
+    def memory_shape(self) -> ModelShape:
+        return self.memory
+
+    def overrides(self) -> list[str]:
+        """None: the shape is the recipe's own."""
+        return []
+
+    def describe(self) -> str:
+        return (f"{self.arch} {self.num_layers} x {self.hidden_size}, {self.n_active / 1e9:.2f}B active "
+                "(the recipe's own model class)")
+
+
+CLASS_SHAPE_ARCHS = ("deepseek_v3", "qwen3_5_moe_text")
+"""The architectures the planner counts from their model class (:class:`ClassShape`)."""
+
+
+def class_shape(m: ModelConfig, vocab_size: int) -> ClassShape:
+    """The recipe's model of a :data:`CLASS_SHAPE_ARCHS` architecture, counted from its class."""
+    hf_config = build_hf_config(m, vocab_size, m.max_position_embeddings or 4096)
+    memory = model_shape(hf_config)
+    return ClassShape(arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers, vocab_size=vocab_size,
+                      n_params=memory.n_params, n_active=memory.active(),
+                      n_lookup=0 if m.tie_embeddings else vocab_size * m.hidden_size,
+                      attention_width=attention_width(hf_config), memory=memory)
+
+
+def shape_from_config(m: ModelConfig, vocab_size: int) -> LlamaShape | ClassShape:
+    """The recipe's own model (its ``model`` section) as a Llama shape, or counted from its class for DeepSeek-V3 and
+    Qwen3.5-MoE (:class:`ClassShape`)."""
+    if m.arch in CLASS_SHAPE_ARCHS and m.init_from is None:
+        return class_shape(m, vocab_size)
     return LlamaShape(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.kv_heads(),
                       intermediate_size=m.mlp_size(), vocab_size=vocab_size, tie_embeddings=m.tie_embeddings,
                       num_experts=m.num_experts, experts_per_token=m.experts_per_token if m.is_moe() else 0,

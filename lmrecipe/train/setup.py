@@ -21,6 +21,7 @@ from lmrecipe.data.sources import TrainingData, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.model.loss import use_chunked_loss
 from lmrecipe.model.build import (
+    attention_width,
     build_model,
     compile_layers,
     flops_per_token,
@@ -144,7 +145,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         set_moe_leaf_modules(model)
     counts = param_counts(model)
     fpt = flops_per_token(counts["active"], counts["lookup"], hf_config.num_hidden_layers, hf_config.hidden_size,
-                          cfg.data.seq_len)
+                          cfg.data.seq_len, attention_width(hf_config))
     if cfg.train.compile == "model" and not zero.deepspeed:
         model = torch.compile(model)
     if cfg.train.compile == "layers":

@@ -261,8 +261,23 @@ ZERO1 = "distributed.deepspeed_config=zero1"
 SP2, TP2 = "distributed.sequence_parallel_size=2", "distributed.tensor_parallel_size=2"
 MOE = ["model.arch=qwen3_moe", "model.num_experts=4"]
 AUTOEP = [*MOE, "distributed.deepspeed_config=zero1", "distributed.expert_layer=autoep"]
+DEEPSEEK = ["model.arch=deepseek_v3", "model.num_experts=4", "model.shared_experts=1", "model.expert_groups=2",
+            "model.expert_groups_per_token=1", "model.dense_layers=1", "model.router_aux_loss_coef=0"]
 TRIGGERS = {
     # rule name: (overrides on the tiny recipe, a fragment of the message)
+    "qwen3_5_moe_is_multimodal": (["model.arch=qwen3_5_moe"], "Set model.arch=qwen3_5_moe_text"),
+    "architecture_keys_of_another_architecture": (["model.kv_lora_rank=16"],
+                                                  "model.kv_lora_rank=16 (deepseek_v3): these keys build only"),
+    "deepseek_v3_has_no_auxiliary_loss": ([*DEEPSEEK, "model.router_aux_loss_coef=0.001"],
+                                          "Set model.router_aux_loss_coef=0."),
+    "deepseek_v3_has_no_grouped_query_attention": ([*DEEPSEEK, "model.num_kv_heads=2"], "Set model.num_kv_heads=null."),
+    "deepseek_v3_expert_groups": ([*DEEPSEEK, "model.expert_groups=4"],
+                                  "model.expert_groups=4 must divide model.num_experts=4 into groups of at least 2"),
+    "deepseek_v3_dense_layers_within_layers": ([*DEEPSEEK, "model.dense_layers=2"],
+                                               "leaves none of the model.num_layers=2 layers with experts"),
+    "qwen3_5_moe_linear_heads": (["model.arch=qwen3_5_moe_text", "model.num_experts=4", "model.shared_experts=1",
+                                  "model.linear_value_heads=3"],
+                                 "model.linear_value_heads=3 must be a multiple of model.linear_key_heads=16"),
     "moe_architecture": (["model.num_experts=4"],
                          "model.num_experts=4 needs a mixture-of-experts architecture, not model.arch=llama. Choose"),
     "moe_architecture_needs_experts": (["model.arch=mixtral"], "Set model.num_experts (e.g. 8)"),

@@ -10,10 +10,17 @@ from typing import Literal, Optional
 from lmrecipe.config.sections.common import FIXED_ON_RESUME, fixed, non_negative, positive
 from lmrecipe.errors import fail
 
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_text")
 """The mixture-of-experts architectures (``model.arch``) a recipe builds with ``model.num_experts`` > 0."""
-SHARED_EXPERT_ARCHS = {"qwen2_moe": 1}
+SHARED_EXPERT_ARCHS = {"qwen2_moe": 1, "deepseek_v3": 1, "qwen3_5_moe_text": 1}
 """The MoE architectures with shared experts, and how many each layer has (the others have none)."""
+
+DEEPSEEK_V3_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "expert_groups", "expert_groups_per_token", "routed_scaling_factor", "dense_layers")
+"""The ``model`` keys of DeepSeek-V3 alone (``model.arch=deepseek_v3``): latent attention and group-limited routing."""
+QWEN3_5_MOE_KEYS = ("full_attention_every", "linear_key_heads", "linear_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim")
+"""The ``model`` keys of Qwen3.5-MoE alone (``model.arch=qwen3_5_moe_text``): its layer pattern and linear attention."""
 
 
 @dataclass
@@ -53,19 +60,58 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, metadata=FIXED_ON_RESUME)
     """Further keyword arguments for the architecture's ``AutoConfig`` (e.g. ``rms_norm_eps``)."""
     num_experts: int = fixed(0)
-    """Routed experts in each mixture-of-experts layer (``model.arch`` qwen3_moe, qwen2_moe or mixtral,
-    ``docs/moe.md``); 0 = a dense model (any other architecture)."""
+    """Routed experts in each mixture-of-experts layer (``model.arch`` qwen3_moe, qwen2_moe, mixtral, deepseek_v3 or
+    qwen3_5_moe_text, ``docs/moe.md``); 0 = a dense model (any other architecture)."""
     experts_per_token: int = fixed(2)
     """Experts each token is routed to (top-k) in an MoE layer."""
     expert_intermediate_size: Optional[int] = fixed(None)
     """Hidden width of one expert's MLP (features); null means ``intermediate_size``'s value."""
     shared_experts: int = fixed(0)
-    """Experts every token passes through besides its routed ones, of width ``expert_intermediate_size``: qwen2_moe
-    has 1 (set it), qwen3_moe and mixtral have none (0)."""
+    """Experts every token passes through besides its routed ones, of width ``expert_intermediate_size``: qwen2_moe,
+    deepseek_v3 and qwen3_5_moe_text have 1 (set it), qwen3_moe and mixtral have none (0)."""
     router_aux_loss_coef: float = 0.001
     """Coefficient of the router's load-balancing loss (Switch Transformer's, as the model class computes it), added
     to the training objective and logged as ``aux_loss`` apart from ``loss``; validation, perplexity and
     ``eval.py`` report the language-model loss alone. 0 = off."""
+
+    # DeepSeek-V3 (model.arch=deepseek_v3): multi-head latent attention and group-limited routing. null: the class's
+    # default (DeepSeek-V3's published value).
+    q_lora_rank: Optional[int] = fixed(None)
+    """DeepSeek-V3: rank of the queries' low-rank projection (features); 0 projects the queries directly (no
+    compression); null: 1536."""
+    kv_lora_rank: Optional[int] = fixed(None)
+    """DeepSeek-V3: rank of the compressed key/value latent every head's keys and values are expanded from
+    (features); null: 512."""
+    qk_nope_head_dim: Optional[int] = fixed(None)
+    """DeepSeek-V3: per-head query/key width without rotary embedding (features); null: 128."""
+    qk_rope_head_dim: Optional[int] = fixed(None)
+    """DeepSeek-V3: per-head query/key width that carries the rotary embedding (features; the key's part is shared
+    by all heads); null: 64."""
+    v_head_dim: Optional[int] = fixed(None)
+    """DeepSeek-V3: per-head value width (features); null: 128."""
+    expert_groups: Optional[int] = fixed(None)
+    """DeepSeek-V3: groups the routed experts are split into (``n_group``); must divide ``num_experts``; null: 8."""
+    expert_groups_per_token: Optional[int] = fixed(None)
+    """DeepSeek-V3: groups a token's experts are chosen within (``topk_group``, the best groups by their top-2
+    scores); null: 4."""
+    routed_scaling_factor: Optional[float] = fixed(None)
+    """DeepSeek-V3: factor on the routed experts' combined output (their sigmoid weights); null: 2.5."""
+    dense_layers: Optional[int] = fixed(None)
+    """DeepSeek-V3: the first layers, whose MLP is dense (width ``intermediate_size``) instead of experts
+    (``first_k_dense_replace``); null: 3."""
+    # Qwen3.5-MoE (model.arch=qwen3_5_moe_text): gated DeltaNet linear attention between gated full attention.
+    full_attention_every: Optional[int] = fixed(None)
+    """Qwen3.5-MoE: every this-many-th layer has full attention, the others gated DeltaNet linear attention (layer
+    i is full attention when (i + 1) is a multiple); 1: every layer full attention; null: 4."""
+    linear_key_heads: Optional[int] = fixed(None)
+    """Qwen3.5-MoE: key (and query) heads of a linear-attention layer; null: 16."""
+    linear_value_heads: Optional[int] = fixed(None)
+    """Qwen3.5-MoE: value heads of a linear-attention layer (a multiple of ``linear_key_heads``); null: 32."""
+    linear_key_head_dim: Optional[int] = fixed(None)
+    """Qwen3.5-MoE: width of one linear-attention key/query head (features); null: 128."""
+    linear_value_head_dim: Optional[int] = fixed(None)
+    """Qwen3.5-MoE: width of one linear-attention value head (features; the recurrent state per value head is
+    ``linear_key_head_dim`` x this); null: 128."""
 
     def validate(self) -> None:
         positive(self, "hidden_size", "num_layers", "num_heads")
@@ -83,9 +129,21 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise fail(f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts="
                        f"{self.num_experts}] (each token's routed experts are chosen among them).")
+        self.validate_architecture_keys()
         if self.expert_intermediate_size is not None and self.expert_intermediate_size <= 0:
             raise fail(f"model.expert_intermediate_size={self.expert_intermediate_size} must be positive (or null "
                        "for model.intermediate_size).")
+
+    def validate_architecture_keys(self) -> None:
+        """The DeepSeek-V3 and Qwen3.5-MoE keys, each on its own: positive where set (``q_lora_rank`` may be 0).
+        Whether they fit the architecture and each other is ``lmrecipe/config/rules.py``'s."""
+        for key in (*DEEPSEEK_V3_KEYS, *QWEN3_5_MOE_KEYS):
+            value = getattr(self, key)
+            if value is None or (key == "q_lora_rank" and value == 0):
+                continue
+            if not math.isfinite(value) or value <= 0:
+                zero = " (or 0 for queries projected directly)" if key == "q_lora_rank" else ""
+                raise fail(f"model.{key}={value} must be positive{zero}, or null for the architecture's default.")
 
     def kv_heads(self) -> int:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
