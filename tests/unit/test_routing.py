@@ -178,3 +178,21 @@ def test_the_bias_moves_each_step_is_saved_resumed_exactly_and_exported(tmp_path
     for name, bias in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             assert bias.dtype == torch.float32 and torch.equal(bias, step8[name])
+
+
+def test_the_bias_update_adds_no_host_sync(tmp_path, tiny_data):
+    """Two runs with the same sync points (step 1, the last) differ only by 4 unlogged steps: same host reads."""
+    from lmrecipe.observe.host_syncs import HostSyncCounter
+    from lmrecipe.train.trainer import train
+
+    def syncs(name: str, steps: int) -> HostSyncCounter:
+        cfg = load_config(TINY, [f"out_dir={tmp_path / name}", f"data.path={tiny_data}", *TINY_OVERRIDES,
+                                 *deepseek_overrides(), "model.router_bias_update_rate=0.01", f"train.max_steps={steps}",
+                                 "logging.log_every_steps=1000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
+                                 "checkpoint.resume=none"])
+        with HostSyncCounter() as counter:
+            train(cfg)
+        return counter
+
+    short, long = syncs("short", 2), syncs("long", 6)
+    assert short.total > 0 and long.total == short.total, f"short {short.calls}, long {long.calls}"
