@@ -5,13 +5,13 @@ and losses over the run:
 
 Every side trains ``recipes/tiny.yaml`` as a DeepSeek-V3 of 4 layers, 128 wide, 8 routed experts of width 64 in 4
 groups of which a token may use 2, 2 per token, one shared expert, no auxiliary loss, in this process, logging every
-step, 8 x 64 tokens per step (warmup 10 steps, then cosine). ``bias``: ``model.router_bias_update_rate=RATE`` (``lmrecipe/model/routing.py``); ``no bias``: 0. Where the
-recipe builds ``qwen3_5_moe_text``, a Qwen3.5-MoE of the same expert shape balanced by its auxiliary loss
-(``model.router_aux_loss_coef``) is a third side. The load is counted from the experts the routers chose; per step and
-layer its imbalance is the busiest expert's tokens over the mean (``load_balance/layerN``, 1 = even, 4 = a quarter of
-the experts take everything). Reported: that figure averaged over the layers, its mean over the whole run and over
-the last tenth of it, its worst step, and the first, last and validation losses. One round: a measure of behaviour,
-not of time.
+step, 8 x 64 tokens per step (warmup 10 steps, then cosine). ``bias``: ``model.router_bias_update_rate=RATE``
+(``lmrecipe/model/routing.py``); ``no bias``: 0. Where the recipe builds ``qwen3_5_moe_text``, a Qwen3.5-MoE of the
+same expert shape balanced by its auxiliary loss (``model.router_aux_loss_coef``) is a third side. The load is counted
+from the experts the routers chose; per step and layer its imbalance is the busiest expert's tokens over the mean
+(``load_balance/layerN``, 1 = even, 4 = a quarter of the experts take everything). Reported: that figure averaged
+over the layers, its mean over the whole run and over the last tenth of it, its worst step, and the first, last and
+validation losses. One round: a measure of behaviour, not of time.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def options(parser) -> None:
 
 
 def sides(args) -> dict[str, list[str]]:
-    """Each side's overrides: the model section's MoE keys where the recipe knows the architecture, else AutoConfig's."""
+    """Each side's overrides: the model section's MoE keys where the recipe knows the architecture, else
+    AutoConfig's."""
     from lmrecipe.config.sections import MOE_ARCHS
 
     moe = ["model.num_experts=8", "model.experts_per_token=2", "model.expert_intermediate_size=64",
@@ -48,8 +49,8 @@ def sides(args) -> dict[str, list[str]]:
     if "deepseek_v3" in MOE_ARCHS:
         deepseek = ["model.arch=deepseek_v3", *moe, f"model.extra={{{GROUPS}}}"]
     else:
-        deepseek = ["model.arch=deepseek_v3", f"model.extra={{{GROUPS}, n_routed_experts: 8, num_experts_per_tok: 2, "
-                                              "moe_intermediate_size: 64, n_shared_experts: 1}"]
+        deepseek = ["model.arch=deepseek_v3", f"model.extra={{{GROUPS}, n_routed_experts: 8, "
+                                              "num_experts_per_tok: 2, moe_intermediate_size: 64, n_shared_experts: 1}"]
     found = {"no bias": [*deepseek, "model.router_aux_loss_coef=0"],
              "bias": [*deepseek, "model.router_aux_loss_coef=0", f"model.router_bias_update_rate={args.rate}"]}
     if "qwen3_5_moe_text" in MOE_ARCHS:
@@ -91,5 +92,6 @@ def run(args, report) -> None:
     report.line("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for side, r in results.items():
         report.line(f"| {side} | {r['imbalance_mean']:.3f} | {r['imbalance_last_tenth']:.3f} | "
-                    f"{r['imbalance_worst']:.3f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['val_loss']:.4f} |")
+                    f"{r['imbalance_worst']:.3f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | "
+                    f"{r['val_loss']:.4f} |")
     report.figures = {"steps": args.steps, "rate": args.rate, "aux": args.aux, "sides": results}

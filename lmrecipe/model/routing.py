@@ -3,10 +3,11 @@
 **The load** (tokens routed to each expert of each MoE layer, ``[layers, experts]``) is counted from the experts the
 routers chose, not from the router's logits: DeepSeek-V3's router picks its top-k from the sigmoid scores plus a
 per-expert bias (``e_score_correction_bias``), within the top ``topk_group`` of ``n_group`` groups, so a top-k of its
-logits counts experts it never sent a token to. :class:`RouterLoads` hooks every router's forward (``register_forward_hook``)
-and reads its choice from what the router returns: transformers' routers (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3,
-Qwen3.5-MoE) return ``(logits, weights, indices)``, the indices ``[tokens, top_k]`` counted by a scatter-add; DeepSpeed
-AutoEP's router returns ``(weights, indices, tokens_per_expert)``, its own histogram ``[experts]`` taken as it is.
+logits counts experts it never sent a token to. :class:`RouterLoads` hooks every router's forward
+(``register_forward_hook``) and reads its choice from what the router returns: transformers' routers (Qwen3-MoE,
+Qwen2-MoE, Mixtral, DeepSeek-V3, Qwen3.5-MoE) return ``(logits, weights, indices)``, the indices ``[tokens, top_k]``
+counted by a scatter-add; DeepSpeed AutoEP's router returns ``(weights, indices, tokens_per_expert)``, its own
+histogram ``[experts]`` taken as it is.
 Counts are recorded only inside :meth:`RouterLoads.recording` (the training forward), so an activation checkpoint's
 recompute in the backward and the validation forwards add nothing. Nothing is read on the host.
 

@@ -78,8 +78,9 @@ def test_the_load_is_the_experts_deepseek_v3_really_chose_not_a_top_k_of_its_log
 
 
 def test_a_qwen3_moe_load_is_counted_from_its_chosen_experts_and_nothing_outside_the_training_forward():
-    cfg = load_config(TINY, [*TINY_OVERRIDES, "model.arch=qwen3_moe", "model.num_experts=4", "model.experts_per_token=2",
-                             "model.hidden_size=32", "model.intermediate_size=64", "model.expert_intermediate_size=16",
+    cfg = load_config(TINY, [*TINY_OVERRIDES, "model.arch=qwen3_moe", "model.num_experts=4",
+                             "model.experts_per_token=2", "model.hidden_size=32", "model.intermediate_size=64",
+                             "model.expert_intermediate_size=16",
                              "train.gradient_checkpointing=true"])
     model = build_model(cfg.model, cfg.train, build_hf_config(cfg.model, 384, cfg.data.seq_len))
     loads = RouterLoads(model)
@@ -88,7 +89,8 @@ def test_a_qwen3_moe_load_is_counted_from_its_chosen_experts_and_nothing_outside
         outputs = model(input_ids=inputs, output_router_logits=True)
     counted = RouterLoads.stacked(chosen)
     # Softmax top-k: here the logits' top-k is the router's choice.
-    assert torch.equal(counted, torch.stack([expert_tokens(l.topk(2, dim=-1).indices, 4) for l in outputs.router_logits]))
+    top_k = [expert_tokens(layer.topk(2, dim=-1).indices, 4) for layer in outputs.router_logits]
+    assert torch.equal(counted, torch.stack(top_k))
     calls = []
     handles = [router.register_forward_hook(lambda *args: calls.append(1)) for router in loads.routers]
     outputs.logits.sum().backward()  # the activation checkpoints' recompute runs the routers again: not counted
@@ -130,7 +132,8 @@ def test_an_architecture_without_a_routing_bias_is_refused(arch):
 
 # ---- a run: in process, one rank, the bias updated every step
 
-RUN = ["train.precision=fp32", "schedule.decay=constant", "model.router_bias_update_rate=0.01", "data.document_masking=false",
+RUN = ["train.precision=fp32", "schedule.decay=constant", "model.router_bias_update_rate=0.01",
+       "data.document_masking=false",
        "train.eval_every_steps=4", "checkpoint.every_steps=4", "checkpoint.keep_last=3"]
 
 
@@ -201,7 +204,8 @@ def test_the_bias_update_adds_no_host_sync(tmp_path, tiny_data):
 
     def syncs(name: str, steps: int) -> HostSyncCounter:
         cfg = load_config(TINY, [f"out_dir={tmp_path / name}", f"data.path={tiny_data}", *TINY_OVERRIDES,
-                                 *deepseek_overrides(), "model.router_bias_update_rate=0.01", f"train.max_steps={steps}",
+                                 *deepseek_overrides(), "model.router_bias_update_rate=0.01",
+                                 f"train.max_steps={steps}",
                                  "logging.log_every_steps=1000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
                                  "checkpoint.resume=none"])
         with HostSyncCounter() as counter:
