@@ -23,12 +23,15 @@ away.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import torch
 from torch import nn
 
 from lmrecipe.optim import moe_blocks
+
+logger = logging.getLogger(__name__)
 
 BIAS = "e_score_correction_bias"
 """The routing bias's name in transformers' DeepSeek-V3 router and in DeepSpeed AutoEP's router copy of it."""
@@ -64,6 +67,18 @@ def expert_tokens(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, picked, torch.ones_like(picked, dtype=torch.float32))
 
 
+def build_router_loads(model: nn.Module) -> "RouterLoads | None":
+    """The load counter of an MoE model's routers; None for a dense model, or (with a warning) for a class whose
+    routers do not say how many experts they choose among."""
+    if not moe_blocks(model):
+        return None
+    try:
+        return RouterLoads(model)
+    except TypeError as err:
+        logger.warning("The expert load is not counted: %s", err)
+        return None
+
+
 class RouterLoads:
     """Counts the tokens each router sent to each expert during :meth:`recording` (a forward hook per router)."""
 
@@ -71,6 +86,7 @@ class RouterLoads:
         self.routers = routers(model)
         self.num_experts = [expert_count(router) for router in self.routers]
         self._counts: list[torch.Tensor | None] | None = None
+        self._warned = False
         self._handles = [router.register_forward_hook(self._hook(layer)) for layer, router in enumerate(self.routers)]
 
     def _hook(self, layer: int):
@@ -78,9 +94,12 @@ class RouterLoads:
             if self._counts is None:
                 return  # a validation forward, or an activation checkpoint's recompute in the backward
             if not isinstance(output, tuple) or len(output) < 3:
-                raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not the (logits, weights, "
-                                "indices) of a transformers router or AutoEP's (weights, indices, tokens per expert): "
-                                "the experts it chose cannot be counted")
+                if not self._warned:
+                    logger.warning("%s returns %s, not the (logits, weights, indices) of a transformers router nor "
+                                   "AutoEP's (weights, indices, tokens per expert): the expert load is not counted",
+                                   type(module).__name__, type(output).__name__)
+                    self._warned = True
+                return  # the layer's count stays None: no load is logged
             tokens = expert_tokens(output[2], self.num_experts[layer])
             previous = self._counts[layer]
             self._counts[layer] = tokens if previous is None else previous + tokens

@@ -20,7 +20,7 @@ from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBa
 from lmrecipe.data.sources import TrainingData, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.model.loss import use_chunked_loss
-from lmrecipe.model.routing import RouterLoads
+from lmrecipe.model.routing import RouterLoads, build_router_loads
 from lmrecipe.model.build import (
     build_model,
     compile_layers,
@@ -31,7 +31,7 @@ from lmrecipe.model.build import (
 )
 from lmrecipe.observe.stragglers import ComputeClock
 from lmrecipe.observe.trackers import check_trackers
-from lmrecipe.optim import build_optimizer, lr_at, moe_blocks
+from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.parallel.accelerator import Runtime, build_runtime
 from lmrecipe.parallel.splits import autoep_registry_compat, name_sequence_parallel_attention
 from lmrecipe.train.preflight import preflight
@@ -167,7 +167,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
     # After prepare: DeepSpeed AutoEP replaces the MoE blocks (and their routers) there.
-    router_loads = RouterLoads(model) if moe_blocks(model) else None
+    router_loads = build_router_loads(model)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
     active = counts["active"] if counts["active"] != counts["total"] else None

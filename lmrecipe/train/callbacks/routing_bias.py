@@ -42,7 +42,7 @@ class RoutingBiasUpdate(Callback):
         except ValueError as err:
             raise fail(f"model.router_bias_update_rate={self.rate}: {err}; the bias cannot be updated layer by layer. "
                        "Set model.router_bias_update_rate=0.") from None
-        if not self.biases:
+        if not self.biases or run.router_loads is None:
             raise fail(f"model.router_bias_update_rate={self.rate} moves the routers' routing bias "
                        "(e_score_correction_bias), and this model's routers have none (a dense model, or an MoE "
                        "class that routes without one). Set model.router_bias_update_rate=0, or train "
