@@ -245,8 +245,8 @@ def build_model(m: ModelConfig, train: TrainConfig, hf_config, attention: Docume
 
     attention = attention.name if attention is not None else training_attention(m.attn_implementation)
     if m.init_from is not None:
-        # The router's logits, which its loss and the expert load are read from (a model from elsewhere may not
-        # return them); num_experts and experts_per_token agree with the folder's (check_init_from_experts).
+        # The router's logits, which its auxiliary loss is computed from (a model from elsewhere may not return
+        # them; the expert load is counted from the routers' choices, model/routing.py); num_experts and experts_per_token agree with the folder's (check_init_from_experts).
         router = {"output_router_logits": True} if m.is_moe() else {}
         model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32,
                                                      **router)

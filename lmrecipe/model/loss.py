@@ -28,7 +28,8 @@ are held for it either. Targets equal to :data:`IGNORE_INDEX` count in neither m
 
 **An MoE model's router** (``model.num_experts`` > 0): its load-balancing loss, as the model class returns it
 (``aux_loss``), times ``model.router_aux_loss_coef`` is a third term of the training objective, logged apart; the
-routers' logits also give the tokens each expert received (:func:`expert_tokens`, the load balance of a logged step).
+tokens each expert received are counted from the experts the routers chose (``lmrecipe/model/routing.py``, the load
+balance of a logged step and what auxiliary-loss-free balancing moves its bias by).
 
 With document masking (``data.document_masking``), every forward also receives the keyword arguments that carry the
 batch's document boundaries (``DocumentAttention.forward_kwargs``): position ids restarting at each document and
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from lmrecipe.model.attention import DocumentAttention
+from lmrecipe.model.routing import RouterLoads
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.errors import fail
 
@@ -372,39 +374,26 @@ class LossTerms(NamedTuple):
         return total
 
 
-def expert_tokens(router_logits, experts_per_token: int) -> torch.Tensor | None:
-    """Tokens routed to each expert of each layer, ``[layers, experts]``, from the routers' logits (a tuple of
-    ``[tokens, experts]``, one per MoE layer): each token counts once for each of its top ``experts_per_token``
-    experts. A scatter-add, so nothing is read on the host. None without router logits (a dense model)."""
-    if not router_logits:
-        return None
-    counts = []
-    for logits in router_logits:
-        chosen = logits.detach().topk(experts_per_token, dim=-1).indices.flatten()
-        counts.append(torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device).scatter_add_(
-            0, chosen, torch.ones_like(chosen, dtype=torch.float32)))
-    return torch.stack(counts)
-
-
 def training_loss(model, inputs: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
                   model_kwargs: dict | None = None, aux_loss_coef: float = 0.0,
-                  experts_per_token: int = 0) -> LossTerms:
+                  router_loads: RouterLoads | None = None) -> LossTerms:
     """The training objective's terms: the mean language-model loss (:func:`causal_lm_loss`'s), the z-loss
     ``z_loss * mean(logsumexp(logits)^2)`` over the same target tokens (None when ``z_loss`` is 0), and an MoE model's
     router load-balancing loss times ``aux_loss_coef`` (None when 0 or when the model returns none). The caller
-    backpropagates their sum (:meth:`LossTerms.objective`) and logs them apart. ``experts_per_token`` > 0 (an MoE
-    model): the tokens each expert received are counted too (:func:`expert_tokens`). With a :class:`ChunkedLossHead`
+    backpropagates their sum (:meth:`LossTerms.objective`) and logs them apart. ``router_loads`` (an MoE model's
+    routers, ``lmrecipe/model/routing.py``): the tokens each expert received in this forward, as its routers chose
+    them, are counted too (:attr:`LossTerms.expert_tokens`). With a :class:`ChunkedLossHead`
     the head returns the reduced terms and has already formed their gradients (:attr:`LossTerms.head`).
     """
     head = chunked_head(model)
     head_objective = None
-    if head is not None:
-        with head.objective_set(targets, z_loss):
+    with router_loads.recording() if router_loads is not None else contextlib.nullcontext() as chosen:
+        with head.objective_set(targets, z_loss) if head is not None else contextlib.nullcontext():
             outputs = model(input_ids=inputs, **(model_kwargs or {}))
+    if head is not None:
         head_objective, lm_loss, z_term = outputs.logits.unbind()
         lm_loss, z_term = lm_loss.detach(), z_term.detach() if z_loss != 0 else None
     else:
-        outputs = model(input_ids=inputs, **(model_kwargs or {}))
         logits = outputs.logits.float()
         lm_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         z_term = None
@@ -414,7 +403,7 @@ def training_loss(model, inputs: torch.Tensor, targets: torch.Tensor, z_loss: fl
             z_term = z_loss * (lse.square() * counted).sum() / counted.sum().clamp_min(1)
     aux = getattr(outputs, "aux_loss", None)
     aux_term = aux_loss_coef * aux if aux_loss_coef and isinstance(aux, torch.Tensor) else None
-    counts = expert_tokens(getattr(outputs, "router_logits", None), experts_per_token) if experts_per_token else None
+    counts = RouterLoads.stacked(chosen) if router_loads is not None else None
     return LossTerms(lm_loss, z_term, aux_term, counts, head_objective)
 
 

@@ -20,6 +20,7 @@ from lmrecipe.data.batches import BatchRamp, MixtureBatches, Prefetcher, TrainBa
 from lmrecipe.data.sources import TrainingData, open_training_data
 from lmrecipe.determinism import maybe_set_deterministic
 from lmrecipe.model.loss import use_chunked_loss
+from lmrecipe.model.routing import RouterLoads, build_router_loads
 from lmrecipe.model.build import (
     attention_width,
     build_model,
@@ -62,6 +63,9 @@ class Run:
     ``num_experts``); None: a dense model, all of ``n_params``."""
     compute_clock: ComputeClock | None = None
     """Times each micro-batch's forward (``lmrecipe/observe/stragglers.py``); None: not timed."""
+    router_loads: RouterLoads | None = None
+    """Counts the experts an MoE model's routers chose in each training forward (``lmrecipe/model/routing.py``);
+    None: a dense model."""
 
     @property
     def train_batches(self) -> TrainBatches | MixtureBatches:
@@ -163,11 +167,13 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     if cfg.train.compile == "model" and zero.deepspeed:
         model.compile()  # DeepSpeed compiles the module it wraps, keeping its own hooks outside the graph
     model.train()
+    # After prepare: DeepSpeed AutoEP replaces the MoE blocks (and their routers) there.
+    router_loads = build_router_loads(model)
 
     prefetcher = Prefetcher(data.train_batches, pin_memory=accelerator.device.type == "cuda")
     active = counts["active"] if counts["active"] != counts["total"] else None
     return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, attention,
-               n_active_params=active)
+               n_active_params=active, router_loads=router_loads)
 
 
 def choose_fp8_layers(accelerator, model: torch.nn.Module) -> None:

@@ -77,8 +77,7 @@ def forward_backward_step(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
                 clock.start()
             moe = run.cfg.model
             terms = training_loss(model, inputs, targets, run.cfg.train.z_loss, model_kwargs,
-                                  moe.router_aux_loss_coef if moe.is_moe() else 0.0,
-                                  moe.experts_per_token if moe.is_moe() else 0)
+                                  moe.router_aux_loss_coef if moe.is_moe() else 0.0, run.router_loads)
             objective = terms.objective()
             if clock is not None:
                 clock.stop()

@@ -36,6 +36,7 @@ from lmrecipe.train.callbacks.preemption import Preemption, PreemptionSignal
 from lmrecipe.train.callbacks.profiling import StepProfiling
 from lmrecipe.train.callbacks.remote import build_remote_callbacks
 from lmrecipe.train.callbacks.reporting import Reporting
+from lmrecipe.train.callbacks.routing_bias import RoutingBiasUpdate
 from lmrecipe.train.callbacks.spikes import SpikeGuard
 from lmrecipe.train.callbacks.stopping import EarlyStopping, NonFiniteStop
 from lmrecipe.train.callbacks.stragglers import StragglerClock
@@ -251,6 +252,8 @@ def build_callbacks(run: Run, out_dir: Path, signal: PreemptionSignal, recipe: s
         Watchdog(cfg.distributed),  # every rank's phase; a rank stuck past its budget is named in hang.md (exit 3)
         StragglerClock() if cfg.distributed.stragglers else None,  # every forward timed; read at logged steps
         GoodputLedger(),  # where the session's time goes (goodput.json); before the callbacks it times
+        # model.router_bias_update_rate: each MoE layer's routing bias moved toward balance after the update
+        RoutingBiasUpdate(cfg.model.router_bias_update_rate) if cfg.model.router_bias_update_rate > 0 else None,
         Checkpointing(),  # resume at the start; save at the save point; wait for a background write at the end
         SpikeGuard(cfg.spike),  # a loss spike rolls the run back to the checkpoint before it
         NonFiniteStop(cfg.train),  # too many non-finite updates in a row end the run (exit 2)

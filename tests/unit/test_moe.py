@@ -15,7 +15,7 @@ from lmrecipe.data.batches import BatchLayout
 from lmrecipe.parallel.deepspeed_config import load_deepspeed_config
 from lmrecipe.parallel.splits import autoep_registry_compat
 from lmrecipe.errors import UserError
-from lmrecipe.model.loss import expert_tokens
+from lmrecipe.model.routing import expert_tokens
 from lmrecipe.model.build import build_hf_config, build_model, param_counts, set_moe_leaf_modules
 from lmrecipe.observe.console import load_balance
 from lmrecipe.optim import expert_params, param_groups
@@ -91,12 +91,12 @@ def test_zero3_makes_every_moe_block_a_leaf_module():
 
 
 def test_tokens_per_expert_and_the_load_balance():
-    logits = (torch.tensor([[3.0, 2.0, 0.0, 0.0], [3.0, 0.0, 2.0, 0.0], [3.0, 0.0, 0.0, 2.0]]),
-              torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3))
-    counts = expert_tokens(logits, 2)
+    chosen = (torch.tensor([[0, 1], [0, 2], [3, 0]]), torch.tensor([[3, 2]] * 3))  # each token's 2 experts
+    counts = torch.stack([expert_tokens(layer, 4) for layer in chosen])
     assert counts.tolist() == [[3.0, 1.0, 1.0, 1.0], [0.0, 0.0, 3.0, 3.0]]
     assert load_balance(counts) == {"load_balance/layer0": 2.0, "load_balance/layer1": 2.0}
-    assert expert_tokens(None, 2) is None
+    # AutoEP's router counts its tokens per expert itself: taken as they are.
+    assert expert_tokens(torch.tensor([3, 1, 1, 1], dtype=torch.int32), 4).tolist() == [3.0, 1.0, 1.0, 1.0]
 
 
 def _ds_config(tmp_path, overrides: list[str], section: dict | None = None) -> dict:

@@ -14,6 +14,9 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_te
 """The mixture-of-experts architectures (``model.arch``) a recipe builds with ``model.num_experts`` > 0."""
 SHARED_EXPERT_ARCHS = {"qwen2_moe": 1, "deepseek_v3": 1, "qwen3_5_moe_text": 1}
 """The MoE architectures with shared experts, and how many each layer has (the others have none)."""
+ROUTING_BIAS_ARCHS = ("deepseek_v3",)
+"""The MoE architectures whose router chooses experts with a per-expert routing bias (``e_score_correction_bias``),
+which ``model.router_bias_update_rate`` moves."""
 
 DEEPSEEK_V3_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "expert_groups", "expert_groups_per_token", "routed_scaling_factor", "dense_layers")
@@ -73,6 +76,12 @@ class ModelConfig:
     """Coefficient of the router's load-balancing loss (Switch Transformer's, as the model class computes it), added
     to the training objective and logged as ``aux_loss`` apart from ``loss``; validation, perplexity and
     ``eval.py`` report the language-model loss alone. 0 = off."""
+    router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free load balancing (DeepSeek-V3's, ``docs/moe.md``): after each optimizer step, every MoE
+    layer's routing bias (``e_score_correction_bias``, which only chooses experts) moves by this much per expert,
+    up for an expert that received fewer tokens than the mean over the step (all ranks) and down for one that
+    received more. DeepSeek-V3 trained with 0.001. 0 = off; only for an architecture with a routing bias
+    (``model.arch`` deepseek_v3)."""
 
     # DeepSeek-V3 (model.arch=deepseek_v3): multi-head latent attention and group-limited routing. null: the class's
     # default (DeepSeek-V3's published value).
@@ -126,6 +135,14 @@ class ModelConfig:
         if not math.isfinite(self.router_aux_loss_coef) or self.router_aux_loss_coef < 0:
             raise fail(f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be a finite number >= 0 "
                        "(0.001 is Qwen's and Mixtral's value; 0 turns the router's auxiliary loss off).")
+        if not math.isfinite(self.router_bias_update_rate) or self.router_bias_update_rate < 0:
+            raise fail(f"model.router_bias_update_rate={self.router_bias_update_rate} must be a finite number >= 0 "
+                       "(0.001 is DeepSeek-V3's value; 0 leaves the routing bias as it is).")
+        if self.router_bias_update_rate and self.init_from is None and self.arch not in ROUTING_BIAS_ARCHS:
+            raise fail(f"model.router_bias_update_rate={self.router_bias_update_rate} moves a router's routing bias "
+                       f"(auxiliary-loss-free balancing), and model.arch={self.arch}'s router has none: only "
+                       f"{', '.join(ROUTING_BIAS_ARCHS)} routes with one. Set model.router_bias_update_rate=0 (and "
+                       "balance with model.router_aux_loss_coef), or choose model.arch=deepseek_v3.")
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise fail(f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts="
                        f"{self.num_experts}] (each token's routed experts are chosen among them).")

@@ -1,0 +1,97 @@
+"""Auxiliary-loss-free balancing: a tiny DeepSeek-V3 trained with the routing-bias update and without it, expert load
+and losses over the run:
+
+    .venv/bin/python bench/run.py router_balance --steps 60 --rate 0.01
+
+Every side trains ``recipes/tiny.yaml`` as a DeepSeek-V3 of 4 layers, 128 wide, 8 routed experts of width 64 in 4
+groups of which a token may use 2, 2 per token, one shared expert, no auxiliary loss, in this process, logging every
+step, 8 x 64 tokens per step (warmup 10 steps, then cosine). ``bias``: ``model.router_bias_update_rate=RATE``
+(``lmrecipe/model/routing.py``); ``no bias``: 0. Where the recipe builds ``qwen3_5_moe_text``, a Qwen3.5-MoE of the
+same expert shape balanced by its auxiliary loss (``model.router_aux_loss_coef``) is a third side. The load is counted
+from the experts the routers chose; per step and layer its imbalance is the busiest expert's tokens over the mean
+(``load_balance/layerN``, 1 = even, 4 = a quarter of the experts take everything). Reported: that figure averaged
+over the layers, its mean over the whole run and over the last tenth of it, its worst step, and the first, last and
+validation losses. One round: a measure of behaviour, not of time.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+from pathlib import Path
+
+
+PAIRS = None
+SHAPE = ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.intermediate_size=256",
+         "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=8", "schedule.warmup_steps=10",
+         "data.document_masking=false", "train.precision=fp32", "logging.log_every_steps=1", "logging.plots=false",
+         "logging.progress_bar=false", "checkpoint.every_steps=0", "checkpoint.export_at_end=false",
+         "checkpoint.resume=none"]
+GROUPS = "n_group: 4, topk_group: 2, first_k_dense_replace: 0, q_lora_rank: null, kv_lora_rank: 32, " \
+         "qk_nope_head_dim: 16, qk_rope_head_dim: 16, v_head_dim: 32, routed_scaling_factor: 1.0"
+
+
+def options(parser) -> None:
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each run (default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=0.01, help="model.router_bias_update_rate of the bias side "
+                        "(default: %(default)s; DeepSeek-V3's 0.001 is for runs of many thousand steps)")
+    parser.add_argument("--aux", type=float, default=0.001, help="Qwen3.5-MoE's model.router_aux_loss_coef")
+
+
+def sides(args) -> dict[str, list[str]]:
+    """Each side's overrides: the model section's MoE keys where the recipe knows the architecture, else
+    AutoConfig's."""
+    from lmrecipe.config.sections import MOE_ARCHS
+
+    moe = ["model.num_experts=8", "model.experts_per_token=2", "model.expert_intermediate_size=64",
+           "model.shared_experts=1"]
+    if "deepseek_v3" in MOE_ARCHS:
+        deepseek = ["model.arch=deepseek_v3", *moe, f"model.extra={{{GROUPS}}}"]
+    else:
+        deepseek = ["model.arch=deepseek_v3", f"model.extra={{{GROUPS}, n_routed_experts: 8, "
+                                              "num_experts_per_tok: 2, moe_intermediate_size: 64, n_shared_experts: 1}"]
+    found = {"no bias": [*deepseek, "model.router_aux_loss_coef=0"],
+             "bias": [*deepseek, "model.router_aux_loss_coef=0", f"model.router_bias_update_rate={args.rate}"]}
+    if "qwen3_5_moe_text" in MOE_ARCHS:
+        found["Qwen3.5 aux loss"] = ["model.arch=qwen3_5_moe_text", *moe, f"model.router_aux_loss_coef={args.aux}"]
+    return found
+
+
+def train_side(args, overrides: list[str], out: Path) -> dict:
+    from lmrecipe.config import load_config
+    from lmrecipe.observe.metrics_log import read_metrics
+    from lmrecipe.train.trainer import train
+
+    cfg = load_config("recipes/tiny.yaml", [f"out_dir={out}", f"data.path={args.data}", f"train.max_steps={args.steps}",
+                                            f"train.eval_every_steps={args.steps}", *SHAPE, *overrides])
+    train(cfg)
+    rows = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in rows if "loss" in r]
+    imbalance = [statistics.fmean(v for k, v in r.items() if k.startswith("load_balance/")) for r in steps]
+    tail = imbalance[-max(1, len(imbalance) // 10):]
+    return {"imbalance_mean": statistics.fmean(imbalance), "imbalance_last_tenth": statistics.fmean(tail),
+            "imbalance_worst": max(imbalance), "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
+            "val_loss": [r["val_loss"] for r in rows if "val_loss" in r][-1],
+            "aux_loss_last": steps[-1].get("aux_loss"), "imbalance_per_step": imbalance}
+
+
+def run(args, report) -> None:
+    logging.disable(logging.INFO)
+    found = sides(args)
+    report.line(f"{args.steps} steps per side, 8 x 64 tokens per step, one process on this CPU; max/mean expert "
+                "load (1 = even) averaged over the 4 MoE layers")
+    if "Qwen3.5 aux loss" not in found:
+        report.line("(no Qwen3.5-MoE side: this tree's recipe does not build model.arch=qwen3_5_moe_text)")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_router_balance_") as tmp:
+        for side, overrides in found.items():
+            results[side] = train_side(args, overrides, Path(tmp) / side.replace(" ", "_").replace(".", ""))
+    report.line()
+    report.line("| side | max/mean load, run mean | last tenth | worst step | loss step 1 | last loss | val loss |")
+    report.line("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for side, r in results.items():
+        report.line(f"| {side} | {r['imbalance_mean']:.3f} | {r['imbalance_last_tenth']:.3f} | "
+                    f"{r['imbalance_worst']:.3f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | "
+                    f"{r['val_loss']:.4f} |")
+    report.figures = {"steps": args.steps, "rate": args.rate, "aux": args.aux, "sides": results}
