@@ -28,8 +28,9 @@ SHAPE = ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "mo
          "data.document_masking=false", "train.precision=fp32", "logging.log_every_steps=1", "logging.plots=false",
          "logging.progress_bar=false", "checkpoint.every_steps=0", "checkpoint.export_at_end=false",
          "checkpoint.resume=none"]
-GROUPS = "n_group: 4, topk_group: 2, first_k_dense_replace: 0, q_lora_rank: null, kv_lora_rank: 32, " \
-         "qk_nope_head_dim: 16, qk_rope_head_dim: 16, v_head_dim: 32, routed_scaling_factor: 1.0"
+GROUPS = ["model.expert_groups=4", "model.expert_groups_per_token=2", "model.dense_layers=0", "model.q_lora_rank=0",
+          "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16", "model.v_head_dim=32",
+          "model.routed_scaling_factor=1.0"]
 
 
 def options(parser) -> None:
@@ -40,21 +41,13 @@ def options(parser) -> None:
 
 
 def sides(args) -> dict[str, list[str]]:
-    """Each side's overrides: the model section's MoE keys where the recipe knows the architecture, else
-    AutoConfig's."""
-    from lmrecipe.config.sections import MOE_ARCHS
-
+    """Each side's overrides."""
     moe = ["model.num_experts=8", "model.experts_per_token=2", "model.expert_intermediate_size=64",
            "model.shared_experts=1"]
-    if "deepseek_v3" in MOE_ARCHS:
-        deepseek = ["model.arch=deepseek_v3", *moe, f"model.extra={{{GROUPS}}}"]
-    else:
-        deepseek = ["model.arch=deepseek_v3", f"model.extra={{{GROUPS}, n_routed_experts: 8, "
-                                              "num_experts_per_tok: 2, moe_intermediate_size: 64, n_shared_experts: 1}"]
+    deepseek = ["model.arch=deepseek_v3", *moe, *GROUPS]
     found = {"no bias": [*deepseek, "model.router_aux_loss_coef=0"],
              "bias": [*deepseek, "model.router_aux_loss_coef=0", f"model.router_bias_update_rate={args.rate}"]}
-    if "qwen3_5_moe_text" in MOE_ARCHS:
-        found["Qwen3.5 aux loss"] = ["model.arch=qwen3_5_moe_text", *moe, f"model.router_aux_loss_coef={args.aux}"]
+    found["Qwen3.5 aux loss"] = ["model.arch=qwen3_5_moe_text", *moe, f"model.router_aux_loss_coef={args.aux}"]
     return found
 
 

@@ -12,7 +12,6 @@ from helpers import LOSS_TOL, ROOT, TINY_OVERRIDES
 
 from lmrecipe.checkpoint.storage import step_dir_name
 from lmrecipe.config import load_config
-from lmrecipe.config.sections import MOE_ARCHS
 from lmrecipe.errors import UserError
 from lmrecipe.model.build import build_hf_config, build_model
 from lmrecipe.model.loss import training_loss
@@ -23,20 +22,16 @@ TINY = ROOT / "recipes" / "tiny.yaml"
 EXPERTS, TOP_K = 8, 2
 # Latent attention, one shared expert, 8 routed experts in 4 groups of which each token may use 2 (DeepSeek-V3's
 # shape, shrunk), every layer an MoE layer.
-DEEPSEEK_SHAPE = ("{n_group: 4, topk_group: 2, first_k_dense_replace: 0, q_lora_rank: null, kv_lora_rank: 16, "
-                  "qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 16, routed_scaling_factor: 1.0")
+DEEPSEEK = ["model.arch=deepseek_v3", "model.hidden_size=32", "model.num_heads=4", "model.intermediate_size=64",
+            "model.router_aux_loss_coef=0", f"model.num_experts={EXPERTS}", f"model.experts_per_token={TOP_K}",
+            "model.expert_intermediate_size=16", "model.shared_experts=1", "model.expert_groups=4",
+            "model.expert_groups_per_token=2", "model.dense_layers=0", "model.q_lora_rank=0", "model.kv_lora_rank=16",
+            "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
+            "model.routed_scaling_factor=1.0"]
 
 
 def deepseek_overrides() -> list[str]:
-    """A tiny DeepSeek-V3 from the recipe: through the model section's MoE keys where the recipe knows the
-    architecture, else through ``model.extra`` (AutoConfig's own keys)."""
-    common = ["model.arch=deepseek_v3", "model.hidden_size=32", "model.num_heads=4", "model.intermediate_size=64",
-              "model.router_aux_loss_coef=0"]
-    if "deepseek_v3" in MOE_ARCHS:
-        return [*common, f"model.num_experts={EXPERTS}", f"model.experts_per_token={TOP_K}",
-                "model.expert_intermediate_size=16", "model.shared_experts=1", f"model.extra={DEEPSEEK_SHAPE}}}"]
-    return [*common, f"model.extra={DEEPSEEK_SHAPE}, n_routed_experts: {EXPERTS}, num_experts_per_tok: {TOP_K}, "
-                     "moe_intermediate_size: 16, n_shared_experts: 1}"]
+    return list(DEEPSEEK)
 
 
 def tiny_deepseek(extra: tuple = ()):

@@ -21,6 +21,8 @@ which ``model.router_bias_update_rate`` moves."""
 DEEPSEEK_V3_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "expert_groups", "expert_groups_per_token", "routed_scaling_factor", "dense_layers")
 """The ``model`` keys of DeepSeek-V3 alone (``model.arch=deepseek_v3``): latent attention and group-limited routing."""
+# The keys whose 0 means something: queries projected directly, every layer with experts.
+ZERO_ALLOWED = {"q_lora_rank": "for queries projected directly", "dense_layers": "for experts in every layer"}
 QWEN3_5_MOE_KEYS = ("full_attention_every", "linear_key_heads", "linear_value_heads", "linear_key_head_dim",
                     "linear_value_head_dim")
 """The ``model`` keys of Qwen3.5-MoE alone (``model.arch=qwen3_5_moe_text``): its layer pattern and linear attention."""
@@ -107,7 +109,7 @@ class ModelConfig:
     """DeepSeek-V3: factor on the routed experts' combined output (their sigmoid weights); null: 2.5."""
     dense_layers: Optional[int] = fixed(None)
     """DeepSeek-V3: the first layers, whose MLP is dense (width ``intermediate_size``) instead of experts
-    (``first_k_dense_replace``); null: 3."""
+    (``first_k_dense_replace``; 0: every layer has experts); null: 3."""
     # Qwen3.5-MoE (model.arch=qwen3_5_moe_text): gated DeltaNet linear attention between gated full attention.
     full_attention_every: Optional[int] = fixed(None)
     """Qwen3.5-MoE: every this-many-th layer has full attention, the others gated DeltaNet linear attention (layer
@@ -152,14 +154,14 @@ class ModelConfig:
                        "for model.intermediate_size).")
 
     def validate_architecture_keys(self) -> None:
-        """The DeepSeek-V3 and Qwen3.5-MoE keys, each on its own: positive where set (``q_lora_rank`` may be 0).
+        """The DeepSeek-V3 and Qwen3.5-MoE keys, each on its own: positive where set (``q_lora_rank`` and ``dense_layers`` may be 0).
         Whether they fit the architecture and each other is ``lmrecipe/config/rules.py``'s."""
         for key in (*DEEPSEEK_V3_KEYS, *QWEN3_5_MOE_KEYS):
             value = getattr(self, key)
-            if value is None or (key == "q_lora_rank" and value == 0):
+            if value is None or (key in ZERO_ALLOWED and value == 0):
                 continue
             if not math.isfinite(value) or value <= 0:
-                zero = " (or 0 for queries projected directly)" if key == "q_lora_rank" else ""
+                zero = f" (or 0 {ZERO_ALLOWED[key]})" if key in ZERO_ALLOWED else ""
                 raise fail(f"model.{key}={value} must be positive{zero}, or null for the architecture's default.")
 
     def kv_heads(self) -> int:
