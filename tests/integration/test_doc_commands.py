@@ -15,8 +15,8 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
   recipe, the overrides, the DeepSpeed config and the launch's process count on a CPU. A data folder such a command
   names that the demo does not prepare (the user's own corpus) is stood in for by ``data/stdlib``;
 - checks the ``S3`` and ``NET`` blocks with ``bash -n`` only: their dry run would need the endpoint or the hub;
-- checks with ``bash -n`` only the CPU blocks of the benchmark pages (:data:`NOT_RUN`: each a benchmark of minutes
-  that the step cap does not shorten) and those that build the environment or run the suite (``make demo``,
+- checks with ``bash -n`` only the CPU blocks of the benchmark and mid-training pages (:data:`NOT_RUN`), those of a
+  ZeRO comparison (:data:`RUN_ELSEWHERE`) and those that build the environment or run the suite (``make demo``,
   ``make test``, ...: the state this test starts from, or this test itself).
 """
 
@@ -44,8 +44,14 @@ pytestmark = pytest.mark.slow
 
 STEP_CAP = 2
 """Optimizer steps a training command of a CPU block trains per session (LMRECIPE_MAX_STEPS)."""
-NOT_RUN = ("docs/benchmarks/",)
-"""Pages whose CPU blocks are benchmarks: checked with ``bash -n``, not run."""
+NOT_RUN = ("docs/benchmarks/", "docs/mid-training.md")
+"""Pages whose CPU blocks are checked with ``bash -n``, not run: the benchmarks (minutes each, which the step cap
+does not shorten) and mid-training, whose commands name the checkpoints of a 200-step run (steps 125 to 250) that a
+capped run never writes; tests/unit/test_branch.py, tests/unit/test_schedule_wsd.py and
+tests/integration/test_average.py run its branches, lengthened runs and averages."""
+RUN_ELSEWHERE = re.compile(r"tools/compare_zero\.py")
+"""Commands whose blocks are checked with ``bash -n``, not run: a ZeRO comparison trains every config of the
+comparison (each a launch the step cap does not spare); tests/integration/test_compare_zero.py runs it."""
 _MAKE_SETUP = re.compile(r"^\s*make\s+(?:demo|test|test-quick|test-unit|venv)\b", re.MULTILINE)
 BLOCK_TIMEOUT_S = 600
 PAGE_WORKERS = 2
@@ -88,7 +94,7 @@ def demo(tmp_path_factory, tiny_data) -> Path:
 
 def not_run(block: Block) -> bool:
     """A CPU block checked with ``bash -n`` only: a benchmark page's, or one that builds the environment."""
-    return block.page.startswith(NOT_RUN) or bool(_MAKE_SETUP.search(block.text))
+    return block.page.startswith(NOT_RUN) or bool(_MAKE_SETUP.search(block.text) or RUN_ELSEWHERE.search(block.text))
 
 
 def block_env(root: Path) -> dict:

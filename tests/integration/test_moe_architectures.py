@@ -9,8 +9,9 @@ import json
 import math
 
 import pytest
-from helpers import ROOT, assert_same_run, cached_run, metric_rows, run_script
+from helpers import ROOT, assert_same_run, cached_run, metric_rows, run_script, run_train
 
+from lmrecipe.checkpoint.storage import step_dir_name
 from lmrecipe.config import load_config
 from lmrecipe.model.build import build_hf_config
 from lmrecipe.planning.memory import model_shape, read_measured
@@ -21,21 +22,24 @@ DEEPSEEK = ["model.arch=deepseek_v3", "model.num_experts=4", "model.experts_per_
             "model.intermediate_size=64", "model.expert_intermediate_size=32", "model.shared_experts=1",
             "model.router_aux_loss_coef=0", "model.q_lora_rank=16", "model.kv_lora_rank=16",
             "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.expert_groups=2",
-            "model.expert_groups_per_token=1", "model.dense_layers=1", "model.num_layers=3"]
+            "model.expert_groups_per_token=1", "model.dense_layers=1", "model.num_layers=3",
+            "model.router_bias_update_rate=0.01"]
 QWEN = ["model.arch=qwen3_5_moe_text", "model.num_experts=4", "model.experts_per_token=2", "model.hidden_size=32",
         "model.num_kv_heads=2", "model.expert_intermediate_size=32", "model.shared_experts=1",
         "model.full_attention_every=2", "model.linear_key_heads=2", "model.linear_value_heads=4",
         "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "data.document_masking=false"]
 COMMON = [f"train.max_steps={STEPS}", "train.eval_every_steps=3", "train.precision=fp32", "checkpoint.every_steps=0"]
+HALF = STEPS // 2
 MEASURED = ((1, 1), (1, 2))
-"""(stage, expert-parallel size) of the DeepSeek-V3 runs that measure their model states (and export at the end)."""
+"""(stage, expert-parallel size) of the DeepSeek-V3 runs that measure their model states, save at step HALF and
+export at the end."""
 
 
 def autoep_run(tmp_path_factory, data, arch: str, stage: int, ep: int):
     """AutoEP at size ``ep`` on ``ep`` processes under ZeRO-``stage``."""
     keys = DEEPSEEK if arch == "deepseek_v3" else QWEN
-    extra = (["logging.measure_model_states=true", "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32"]
-             if arch == "deepseek_v3" and (stage, ep) in MEASURED else [])
+    extra = (["logging.measure_model_states=true", "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32",
+              f"checkpoint.every_steps={HALF}"] if arch == "deepseek_v3" and (stage, ep) in MEASURED else [])
     return cached_run(tmp_path_factory, f"{arch}_ep{ep}_zero{stage}", data, [
         *keys, *COMMON, f"distributed.deepspeed_config=zero{stage}", "distributed.expert_layer=autoep",
         f"distributed.expert_parallel_size={ep}", *extra], nproc=ep)
@@ -70,6 +74,28 @@ def test_deepseek_v3_expert_parallel_2_equals_one_process(tmp_path_factory, tiny
         print(f"deepseek_v3 ZeRO-{stage} ep2: max |{key} difference| = {max(abs(got[s] - want[s]) for s in want):.3g}")
     assert_same_run(run, deepseek_reference, 1e-5)
     assert "AutoEP expert parallel 2: expert groups [0-1]" in stderr
+
+
+def routing_biases_at(run, step: int) -> list:
+    return json.loads((run / "checkpoints" / step_dir_name(step) / "train_state.json").read_text())[
+        "extras"]["routing_bias"]["biases"]
+
+
+@pytest.mark.slow
+def test_deepseek_v3_resumes_onto_another_expert_parallel_size_with_its_routing_bias(
+        tmp_path, tmp_path_factory, tiny_data, deepseek_reference):
+    """The size-2 ZeRO-1 run's step-HALF checkpoint, resumed on 1 process at size 1, continues the one-process run:
+    its losses, and the routing biases the update moved every step (equal on every rank, so equal across sizes)."""
+    source, _ = autoep_run(tmp_path_factory, tiny_data, "deepseek_v3", 1, 2)
+    out = tmp_path / "resumed"
+    proc = run_train(out, tiny_data, [*DEEPSEEK, *COMMON, "distributed.deepspeed_config=zero1",
+                                      "distributed.expert_layer=autoep", "distributed.expert_parallel_size=1",
+                                      f"checkpoint.resume={source / 'checkpoints' / step_dir_name(HALF)}"])
+    assert "expert parallel 2 -> 1" in proc.stderr
+    assert_same_run(out, deepseek_reference, 1e-5, first_step=HALF + 1)
+    moved, start = routing_biases_at(out, STEPS), routing_biases_at(source, HALF)
+    assert moved != start, "the bias did not move after the resume"
+    assert moved == pytest.approx(routing_biases_at(deepseek_reference, STEPS), abs=1e-6)
 
 
 @pytest.mark.slow
