@@ -61,6 +61,7 @@ class DocumentAttention:
         kwargs = self._attention_kwargs(batch, device)
         if self.linear_attention:  # the cut of each linear-attention layer, from the host boundaries
             kwargs[LINEAR_KEYWORD] = document_segments(batch, device)
+            kwargs["use_cache"] = False  # an export's config asks for a cache, which no layer run per document fills
         return kwargs
 
     def _attention_kwargs(self, batch, device: torch.device | str) -> dict:

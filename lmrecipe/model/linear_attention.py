@@ -73,12 +73,12 @@ def check_linear_attention(hf_config) -> bool:
     if model_type in SPLITTABLE and kinds == ["linear_attention"]:
         return True
     raise fail(f"""
-        data.document_masking=true: model.arch={model_type} has {len(layers)} recurrent layers ({', '.join(kinds)};
-        layers {', '.join(map(str, layers))}) that carry a state along the whole packed window, which the document
-        masks of attention do not reach, so every document would see the ones before it in its window. The recipe
-        runs such layers per document only for {', '.join(sorted(SPLITTABLE))} (gated DeltaNet). Set
-        data.document_masking=false (documents then attend across their window's boundaries in every layer), or
-        choose an architecture whose layers are all attention, or one of those.""")
+        data.document_masking=true: model.arch={model_type} has {len(layers)} layers of kind {', '.join(kinds)}
+        (layers {', '.join(map(str, layers))}) that carry a state along the whole packed window, where the document
+        masks of attention do not reach: every document would see the ones before it in its window. The recipe runs
+        such layers per document only for the gated DeltaNet layers of model.arch {', '.join(sorted(SPLITTABLE))}.
+        Set data.document_masking=false (documents then see their window's earlier documents in every layer), or
+        choose one of those architectures or one whose layers are all attention.""")
 
 
 @dataclass(frozen=True)
@@ -184,3 +184,11 @@ def install_per_document(model: nn.Module) -> int:
         if not isinstance(module, PerDocumentLinearAttention):
             module.__class__ = _per_document_class(type(module))
     return len(layers)
+
+
+def remove_per_document(model: nn.Module) -> None:
+    """Undo :func:`install_per_document`: every per-document layer of ``model`` gets its own class back (e.g. to
+    generate with a cache after a masked evaluation)."""
+    for module in model.modules():
+        if isinstance(module, PerDocumentLinearAttention):
+            module.__class__ = module.__class__.__bases__[1]

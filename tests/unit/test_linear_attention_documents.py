@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ROOT, write_data
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.minimax.configuration_minimax import MiniMaxConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from lmrecipe.config import ModelConfig, TrainConfig
+from lmrecipe.config import ModelConfig, TrainConfig, load_config
 from lmrecipe.data.documents import document_batch
 from lmrecipe.errors import UserError
 from lmrecipe.model import linear_attention
@@ -23,6 +24,8 @@ from lmrecipe.model.attention import build_document_attention
 from lmrecipe.model.build import build_model
 from lmrecipe.model.linear_attention import (KEYWORD, PerDocumentLinearAttention, check_linear_attention,
                                              install_per_document, segment_plan)
+from lmrecipe.observe.host_syncs import HostSyncCounter
+from lmrecipe.train.preflight import preflight
 
 SEQ_LEN = 24
 ROWS = [[5, 12, 7], [9, 2, 13]]
@@ -142,6 +145,21 @@ def test_the_recipe_builds_the_per_document_layers_with_the_stock_names():
     assert not any(isinstance(m, PerDocumentLinearAttention) for m in plain.modules())
 
 
+def test_per_document_forward_and_backward_make_no_host_sync(monkeypatch):
+    monkeypatch.setattr(linear_attention, "MIN_GROUP_LEN", 4)  # several groups
+    config = tiny_qwen3_5_moe()
+    inputs, targets, batch = packed_batch()
+    attention = build_document_attention("sdpa", config)
+    model = stock_model(config, attention.name)
+    install_per_document(model)
+    kwargs = attention.forward_kwargs(batch.as_tensors(), "cpu")  # host work, before the forward
+    assert len(kwargs[KEYWORD].groups) > 1
+    with HostSyncCounter() as counter:
+        logits = model(input_ids=inputs, **kwargs).logits
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    assert counter.calls == {}, counter.sources
+
+
 def test_a_forward_without_the_segments_fails_loudly():
     config = tiny_qwen3_5_moe()
     inputs, _, batch = packed_batch()
@@ -190,3 +208,46 @@ def test_recurrent_layers_that_cannot_run_per_document_are_refused():
     message = " ".join(str(caught.value).split())
     assert "data.document_masking=false" in message and "model.arch=minimax" in message
     assert "layers 0" in message and "qwen3_5_moe_text" in message
+
+
+QWEN3_5_MOE_EXTRA = ("model.extra={head_dim: 32, linear_key_head_dim: 32, linear_value_head_dim: 32, "
+                     "linear_num_key_heads: 2, linear_num_value_heads: 4, num_experts: 4, num_experts_per_tok: 2, "
+                     "moe_intermediate_size: 64, shared_expert_intermediate_size: 64}")
+MINIMAX_EXTRA = "model.extra={layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
+
+
+@pytest.mark.parametrize(("arch", "extra", "masking", "refused"), [
+    ("qwen3_5_moe_text", QWEN3_5_MOE_EXTRA, "true", False),
+    ("minimax", MINIMAX_EXTRA, "true", True),
+    ("minimax", MINIMAX_EXTRA, "false", False),
+], ids=["qwen3_5_moe_text-split", "minimax-refused", "minimax-without-masking"])
+def test_the_start_up_checks_refuse_only_what_cannot_run_per_document(tmp_path, arch, extra, masking, refused):
+    data = write_data(tmp_path / "data", vocab=384)
+    cfg = load_config(str(ROOT / "recipes" / "tiny.yaml"),
+                      [f"out_dir={tmp_path / 'run'}", f"data.path={data}", f"model.arch={arch}", extra,
+                       f"data.document_masking={masking}"])
+    found = preflight(cfg, dry=True)
+    if refused:
+        assert len(found.problems) == 1 and "data.document_masking=false" in found.problems[0], found.problems
+    else:
+        assert found.problems == []
+        assert (found.attention is not None and found.attention.linear_attention) == (masking == "true")
+
+
+def test_evaluation_masks_with_the_per_document_layers_and_generates_with_the_stock_ones():
+    from lmrecipe.evaluation.evaluate import masking_attention
+    from lmrecipe.model.linear_attention import remove_per_document
+
+    config = tiny_qwen3_5_moe()
+    inputs, targets, batch = packed_batch()
+    model = stock_model(config)
+    model.config.use_cache = True  # as an export's config has it
+    stock_class = type(model.model.layers[0].linear_attn)
+    attention = masking_attention(model)
+    assert attention.linear_attention and isinstance(model.model.layers[0].linear_attn, PerDocumentLinearAttention)
+    with torch.no_grad():
+        logits = model(input_ids=inputs, **attention.forward_kwargs(batch, "cpu")).logits.flatten(0, 1)
+    reference, _ = documents_alone(stock_model(config), inputs, targets, batch)
+    assert (logits - reference).abs().max().item() < 1e-5
+    remove_per_document(model)
+    assert type(model.model.layers[0].linear_attn) is stock_class
