@@ -1,7 +1,7 @@
 """What running gated DeltaNet layers per document costs: tokens/s of a tiny Qwen3.5-MoE forward+backward.
 
-    bench/run.py linear_attention_documents                        # documents of about 64, 256 and 2,048 tokens
-    bench/run.py linear_attention_documents --doc-lens 128 --pairs 5
+    bench/run.py linear_attention_documents                        # documents of about 64 and 1,024 tokens
+    bench/run.py linear_attention_documents --doc-lens 128 --seq-len 1024 --rows 4
 
 Three sides on the same weights and the same batches, interleaved: ``per-document`` (data.document_masking: attention
 masked and every DeltaNet layer run per document, ``lmrecipe/model/linear_attention.py``), ``attention-only``
@@ -18,17 +18,17 @@ import time
 
 import _common as C
 
-PAIRS = 3
+PAIRS = 5
 DATA = None
 RECIPE = None
 SIDES = ("per-document", "attention-only", "plain")
 
 
 def options(parser) -> None:
-    parser.add_argument("--doc-lens", default="64,256,2048", help="mean document lengths, comma-separated")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--block-steps", type=int, default=2, help="forward+backward passes per timed block")
+    parser.add_argument("--doc-lens", default="64,1024", help="mean document lengths, comma-separated")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--block-steps", type=int, default=1, help="forward+backward passes per timed block")
 
 
 def name(args) -> str:
