@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from lmrecipe.model.attention import DocumentAttention, build_document_attention
+from lmrecipe.model.linear_attention import install_per_document, remove_per_document
 from lmrecipe.config import TrainConfig
 from lmrecipe.data.batches import ValBatches
 from lmrecipe.data.format import TokenWindows, load_meta
@@ -92,6 +93,7 @@ def evaluate_path(
     losses = [validation_loss(model, batches, accelerator, attention) for batches in sets]
     if attention is not None:
         model.set_attn_implementation(attention.requested)  # generation below runs the stock attention
+        remove_per_document(model)
     tokens = [int(len(batches.all_ids) * seq_len) for batches in sets]
     loss = sum(w * x for w, x in zip(shares, losses) if w > 0)
     result = {"loss": loss, "perplexity": perplexity(loss), "tokens": sum(tokens), "document_masking": document_masking}
@@ -174,14 +176,17 @@ def check_tokenizer(data_dir: Path, meta: dict, model, tokenizer, allow_other_to
 
 
 def masking_attention(model) -> DocumentAttention:
-    """Switch ``model`` to the document-masking variant of its attention implementation (refused with a message
-    naming ``--no-document-masking`` for a model that cannot mask)."""
+    """Switch ``model`` to the document-masking variant of its attention implementation, its linear-attention
+    layers run per document (refused with a message naming ``--no-document-masking`` for a model that cannot
+    mask)."""
     requested = model.config._attn_implementation or "sdpa"
     try:
         attention = build_document_attention(requested, model.config)
     except UserError as err:
         raise fail(f"{err} To evaluate the windows as plain streams instead, pass --no-document-masking.") from None
     model.set_attn_implementation(attention.name)
+    if attention.linear_attention:
+        install_per_document(model)
     return attention
 
 

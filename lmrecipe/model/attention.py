@@ -14,7 +14,9 @@ attention module -> attention function), so per-batch data reaches it without ch
 - ``flash_attention_2`` / ``flash_attention_3`` -> the names of :data:`DOCUMENT_FLASH`: the variable-length kernel
   with ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the host, over the batch flattened row-major.
 
-Every path passes ``position_ids`` restarting at each document. None runs transformers' mask builder or its
+Every path passes ``position_ids`` restarting at each document. A model with gated DeltaNet layers (Qwen3.5,
+Qwen3-Next) also gets the keyword ``linear_attention_documents``: those layers run per document
+(``lmrecipe/model/linear_attention.py``); other recurrent layers are refused. None runs transformers' mask builder or its
 packed-sequence detection, which read the device (a host sync per forward): our names have no mask function, and
 a 4D mask skips both. Anything else is refused with a UserError naming ``data.document_masking``.
 """
@@ -29,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from lmrecipe.errors import fail
+from lmrecipe.model.linear_attention import KEYWORD as LINEAR_KEYWORD
+from lmrecipe.model.linear_attention import check_linear_attention, document_segments
 
 DOCUMENT_SDPA = "lmrecipe_document_sdpa"
 """transformers' SDPA attention under the ``document_mask`` keyword argument (see :func:`document_sdpa_forward`)."""
@@ -41,10 +45,12 @@ _OFF = "or set data.document_masking=false"
 
 @dataclass(frozen=True)
 class DocumentAttention:
-    """``requested``: ``model.attn_implementation``; ``name``: the implementation to build the model with."""
+    """``requested``: ``model.attn_implementation``; ``name``: the implementation to build the model with;
+    ``linear_attention``: the model has linear-attention layers, run per document (``linear_attention.py``)."""
 
     requested: str
     name: str
+    linear_attention: bool = False
 
     def forward_kwargs(self, batch, device: torch.device | str) -> dict:
         """Keyword arguments for ``model(input_ids=..., **kwargs)`` of the batch ``batch`` (a DocumentBatch).
@@ -52,6 +58,13 @@ class DocumentAttention:
         Host arrays are copied with ``non_blocking=True`` (asynchronous from pinned memory, see
         ``DocumentBatch.as_tensors``); the masks are built on ``device``. Nothing is read back to the host.
         """
+        kwargs = self._attention_kwargs(batch, device)
+        if self.linear_attention:  # the cut of each linear-attention layer, from the host boundaries
+            kwargs[LINEAR_KEYWORD] = document_segments(batch, device)
+            kwargs["use_cache"] = False  # an export's config asks for a cache, which no layer run per document fills
+        return kwargs
+
+    def _attention_kwargs(self, batch, device: torch.device | str) -> dict:
         position_ids = _to_device(batch.position_ids, device)
         if self.requested in DOCUMENT_FLASH:
             return {"position_ids": position_ids, **flash_varlen_kwargs(batch, device)}
@@ -67,17 +80,18 @@ def build_document_attention(attn_implementation: str, hf_config) -> DocumentAtt
     without ``position_ids`` or whose attention does not go through transformers' ``AttentionInterface``)."""
     _check_supported(attn_implementation)
     model_class = _causal_lm_class(hf_config)
-    _check_model(model_class, attn_implementation, hf_config)
+    linear = check_linear_attention(hf_config)
+    _check_model(model_class, attn_implementation, hf_config, linear)
     from transformers import AttentionInterface
 
     if attn_implementation in DOCUMENT_FLASH:
         _load_flash_kernel(attn_implementation)
         AttentionInterface.register(DOCUMENT_FLASH[attn_implementation], document_flash_forward)
-        return DocumentAttention(attn_implementation, DOCUMENT_FLASH[attn_implementation])
+        return DocumentAttention(attn_implementation, DOCUMENT_FLASH[attn_implementation], linear)
     if attn_implementation == "eager":
-        return DocumentAttention("eager", "eager")
+        return DocumentAttention("eager", "eager", linear)
     AttentionInterface.register(DOCUMENT_SDPA, document_sdpa_forward)
-    return DocumentAttention("sdpa", DOCUMENT_SDPA)
+    return DocumentAttention("sdpa", DOCUMENT_SDPA, linear)
 
 
 FLASH_MODULES = {"flash_attention_2": ("flash_attn", "flash-attn"),
@@ -127,13 +141,15 @@ def _causal_lm_class(hf_config) -> type:
                    f"choose another model.arch, {_OFF}.") from None
 
 
-def _check_model(model_class: type, attn_implementation: str, hf_config) -> None:
+def _check_model(model_class: type, attn_implementation: str, hf_config, linear: bool = False) -> None:
+    """``linear``: the model's linear-attention layers run per document (``check_linear_attention``); transformers
+    calls such a model not backend-compatible for them, while its full-attention layers use AttentionInterface."""
     name = f"{model_class.__name__} (model.arch={hf_config.model_type})"
     if "position_ids" not in inspect.signature(model_class.forward).parameters:
         raise fail(f"""
             data.document_masking=true needs position ids that restart at each document, but {name} takes no
             position_ids in its forward. Use an architecture that does (llama, mistral, qwen2, gpt2, ...), {_OFF}.""")
-    if not model_class.is_backend_compatible():
+    if not (linear or model_class.is_backend_compatible()):
         raise fail(f"""
             data.document_masking=true: {name} does not route its attention through transformers'
             AttentionInterface, so the document boundaries cannot reach it. Use an architecture that does (llama,

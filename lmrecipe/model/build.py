@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmrecipe.model.attention import DocumentAttention, build_document_attention, check_flash_kernel
+from lmrecipe.model.linear_attention import install_per_document
 from lmrecipe.config import DataConfig, ModelConfig, TrainConfig
 from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
 from lmrecipe.errors import fail
@@ -243,17 +244,19 @@ def build_model(m: ModelConfig, train: TrainConfig, hf_config, attention: Docume
     """
     from transformers import AutoModelForCausalLM
 
-    attention = attention.name if attention is not None else training_attention(m.attn_implementation)
+    implementation = attention.name if attention is not None else training_attention(m.attn_implementation)
     if m.init_from is not None:
         # The router's logits, which its auxiliary loss is computed from (a model from elsewhere may not return
         # them; the expert load is counted from the routers' choices, model/routing.py); num_experts and experts_per_token agree with the folder's (check_init_from_experts).
         router = {"output_router_logits": True} if m.is_moe() else {}
-        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=attention, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(m.init_from, attn_implementation=implementation, dtype=torch.float32,
                                                      **router)
     else:
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=implementation, dtype=torch.float32)
         init_weights_(model, std=m.init_std, seed=train.seed)
     model.config.use_cache = False
+    if attention is not None and attention.linear_attention:
+        install_per_document(model)
     if train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": train.checkpointing_reentrant})
     return model

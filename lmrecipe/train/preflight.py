@@ -7,7 +7,8 @@ check that needs a failed one's result is skipped. It checks the output folder a
 attention kernel; the launch (``WORLD_SIZE`` as the launcher sets it, else 1) against the batch sizes, the parallel
 splits and the DeepSpeed JSON; ``checkpoint.remote`` (the dry run only: a run's own remote resume reads it); every
 data folder (``meta.json``, sizes, ``data.seq_len``, the vocabulary, the document index); the model against the data
-and its position limit, its parallel splits and its attention. It also gathers the notes a valid but surprising
+and its position limit, its parallel splits and its attention (with document masking, recurrent layers that cannot
+run per document: ``lmrecipe/model/linear_attention.py``). It also gathers the notes a valid but surprising
 configuration deserves (a warning in a run, a ``note:`` line in a dry run).
 
 The two modes differ only where a run acts and a dry run must not: a run stages a data folder given as a URL into
