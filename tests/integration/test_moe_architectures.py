@@ -95,7 +95,12 @@ def test_deepseek_v3_resumes_onto_another_expert_parallel_size_with_its_routing_
     assert_same_run(out, deepseek_reference, 1e-5, first_step=HALF + 1)
     moved, start = routing_biases_at(out, STEPS), routing_biases_at(source, HALF)
     assert moved != start, "the bias did not move after the resume"
-    assert moved == pytest.approx(routing_biases_at(deepseek_reference, STEPS), abs=1e-6)
+    want = routing_biases_at(deepseek_reference, STEPS)
+    flat = [v for layer in moved for v in layer]
+    print(f"deepseek_v3 ep2 -> ep1 resume: max |routing bias difference| = "
+          f"{max(abs(a - b) for a, b in zip(flat, [v for layer in want for v in layer])):.3g}")
+    assert [len(layer) for layer in moved] == [len(layer) for layer in want]
+    assert flat == pytest.approx([v for layer in want for v in layer], abs=1e-6)
 
 
 @pytest.mark.slow
