@@ -69,9 +69,8 @@ def command_line() -> str:
 
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
     return platform.processor() or "unknown"
 
 
@@ -106,11 +105,8 @@ class Report:
     """Prints lines as they come and saves them (and a JSON of the figures) under bench/results/."""
 
     def __init__(self, name: str, device: str = "cpu", output: str | None = None):
-        self.name = name
-        self.lines: list[str] = []
-        self.figures: dict = {}
-        self.output_dir = Path(output) if output else RESULTS
-        self.machine_start = machine(device)
+        self.name, self.lines, self.figures = name, [], {}
+        self.output_dir, self.machine_start = Path(output) if output else RESULTS, machine(device)
         self.line(f"# {name}")
         self.line(f"command: {command_line()}")
         self.line(f"machine: {json.dumps(self.machine_start)}")
@@ -168,17 +164,13 @@ def median_of(rows: list[dict], key: str) -> float:
 
 
 def set_threads(threads: int | None) -> None:
-    import torch
-
     if threads:
-        torch.set_num_threads(threads)
+        __import__("torch").set_num_threads(threads)
 
 
 def sync(device) -> None:
-    import torch
-
     if getattr(device, "type", str(device)).startswith("cuda"):
-        torch.cuda.synchronize(device)
+        __import__("torch").cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -213,12 +205,6 @@ def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str
     return load_config(recipe, [*fixed, *overrides])
 
 
-def wide_overrides(hidden_size: int, layers: int) -> list[str]:
-    """A Llama of ``hidden_size`` x ``layers`` (MLP width 8/3 of it, rounded to 64) over the recipe's model."""
-    return [f"model.hidden_size={hidden_size}", f"model.num_layers={layers}",
-            f"model.intermediate_size={(8 * hidden_size // 3 + 63) // 64 * 64}"]
-
-
 def folder_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 1e6
 
@@ -228,6 +214,8 @@ def check_data(path: str) -> None:
         raise Refusal(f"no prepared data at {path} (no meta.json there): prepare it with "
                       f".venv/bin/python tools/prepare_data.py --output {path} --vocab-size 8192, or pass --data "
                       "a folder tools/prepare_data.py wrote.")
+
+
 class Sections:
     """Seconds spent per named section, summed over the steps of a block."""
 
@@ -254,21 +242,14 @@ class OursLoop:
         from lmrecipe.train.trainer import build_trainer
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg = cfg
-        self.run_ = build_run(cfg, out_dir)
-        if self.run_.runtime.topology.zero.deepspeed:
-            raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
-                             "(the GPU kit, bench/gpu/run.py, does)")
-        self.accelerator = self.run_.accelerator
-        self.precision = self.run_.runtime.precision
-        self.layout = self.run_.runtime.batch
-        self.model, self.optimizer = self.run_.model, self.run_.optimizer
-        self.train_batches = self.run_.train_batches
-        self.n_params, self.flops_per_token = self.run_.n_params, self.run_.flops_per_token
-        self.tokens_per_step = self.run_.tokens_per_step
-        self.hf_config = self.accelerator.unwrap_model(self.model).config
+        self.cfg, run = cfg, build_run(cfg, out_dir)
+        if run.runtime.topology.zero.deepspeed:
+            raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py (the GPU kit does)")
+        self.accelerator, self.precision, self.layout = run.accelerator, run.runtime.precision, run.runtime.batch
+        self.train_batches, self.n_params, self.flops_per_token = run.train_batches, run.n_params, run.flops_per_token
+        self.tokens_per_step, self.hf_config = run.tokens_per_step, self.accelerator.unwrap_model(run.model).config
         self.sections = Sections()
-        self.trainer = build_trainer(self.run_, out_dir, timer=self.sections.add)
+        self.trainer = build_trainer(run, out_dir, timer=self.sections.add)
         self.trainer.start()
 
     @property
@@ -303,12 +284,9 @@ class RawLoop:
         self.model.train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(param_groups(self.model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        self.device = device
+        self.device, self.micro_batches, self.step, self.sections = device, micro_batches, 0, Sections()
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-        self.micro_batches = micro_batches
-        self.step = 0
-        self.sections = Sections()
 
     def run(self, n_steps: int) -> None:
         import torch
@@ -348,10 +326,8 @@ def fetched_batches(train_batches):
 
 
 class Timing(typing.NamedTuple):
-    wall_s: float
-    """Wall-clock seconds: what tokens/s is made of."""
-    cpu_s: float
-    """CPU seconds of this process (all its threads): blind to time spent descheduled by other processes' load."""
+    wall_s: float  # what tokens/s is made of
+    cpu_s: float  # this process's CPU seconds: blind to time descheduled by other processes' load
 
 
 def timed_block(loop, n_steps: int, device) -> Timing:
@@ -362,8 +338,6 @@ def timed_block(loop, n_steps: int, device) -> Timing:
         loop.run(n_steps)
     sync(device)
     return Timing(time.perf_counter() - start, time.process_time() - cpu_start)
-
-
 
 
 def add_wide_model_options(parser) -> None:
@@ -378,8 +352,9 @@ def build_wide_run(args, out_dir: Path, overrides: list[str]):
     """``build_run`` of ``args.recipe`` at ``--hidden-size`` x ``--layers``, saving every step it is asked to."""
     from lmrecipe.train.setup import build_run
 
-    cfg = bench_config(args.recipe, [*wide_overrides(args.hidden_size, args.layers), "checkpoint.every_steps=1",
-                                     *overrides], str(out_dir), args.data)
+    wide = [f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}",
+            f"model.intermediate_size={(8 * args.hidden_size // 3 + 63) // 64 * 64}"]  # 8/3 of the width, to 64
+    cfg = bench_config(args.recipe, [*wide, "checkpoint.every_steps=1", *overrides], str(out_dir), args.data)
     return build_run(cfg, out_dir)
 
 

@@ -5,14 +5,12 @@
    consumed micro-batches/s (the headroom), and the fetch's measured share of the training block.
 2. A real ``train.py`` run of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl. Target: < 1%.
 3. The loader alone at the 1B recipe's shape (seq_len 2048, micro-batch 8).
-4. ``TokenWindows.batch`` (one fancy index) against per-window memmap slices and ``np.stack``, same tensors, interleaved.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -58,8 +56,6 @@ def run(args, report) -> None:
                     f"{count / seconds:,.0f} micro-batches/s = {count * 8 * 2048 / seconds / 1e6:,.1f}M tokens/s, "
                     f"from {len(big)} windows (page cache warm)")
         report.figures["loader_seq2048_micro8_batches_per_sec"] = count / seconds
-    report.line()
-    report.figures["gather_vs_stacking"] = gather_vs_stacking(args, report)
 
 
 def in_process(args, report) -> None:
@@ -126,44 +122,3 @@ def real_run(args, report) -> None:
     report.figures["real_run"] = {"command": " ".join(cmd[1:]), "share_per_row": row_stats, "share_total": total,
                                   "rows": timed}
 
-
-def gather_vs_stacking(args, report) -> dict:
-    """TokenWindows.batch against the gather it replaced: one memmap slice per window, checked, then np.stack."""
-    import numpy as np
-    import torch
-
-    from lmrecipe.data.batches import BatchLayout, TrainBatches
-    from lmrecipe.data.format import TokenWindows
-
-    windows = TokenWindows(args.data, "train", 128)
-    batches = TrainBatches(windows, BatchLayout(8, 8, 1, 0), 0)
-    L = windows.seq_len
-
-    def stacking(ids):
-        rows = []
-        for i in ids:
-            tokens = windows.tokens[i * L : i * L + L + 1]
-            if len(tokens) and int(tokens.max()) > windows.max_token_id:
-                raise AssertionError(i)
-            rows.append(tokens)
-        rows = np.stack(rows).astype(np.int64)
-        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
-
-    ids = [batches.window_ids(step, 0) for step in range(500)]
-    for i in ids[:20]:
-        a, b = windows.batch(i), stacking(i)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-    def per_call(side: str) -> float:
-        fn, start = windows.batch if side == "gather" else stacking, time.perf_counter()
-        for i in ids:
-            fn(i)
-        return (time.perf_counter() - start) / len(ids)
-
-    got, stats = C.interleave(report, args.pairs, ("stacking", "gather"), per_call,
-                              {"speed-up": lambda g: g["stacking"] / g["gather"]})
-    stacking_us, gather_us = (1e6 * statistics.median(got[k]) for k in ("stacking", "gather"))
-    report.line(f"4. micro-batch 8 x seq_len 128: TokenWindows.batch (one fancy index) {gather_us:.0f} us/call, "
-                f"the earlier per-window memmap slices + np.stack {stacking_us:.0f} us/call (same tensors, both "
-                f"checked against max_token_id): {C.fmt_ratio(stats['speed-up'])} faster")
-    return {"stacking_us": stacking_us, "gather_us": gather_us, "speedup": stats["speed-up"]}

@@ -26,7 +26,6 @@ def options(parser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps of each side first (default: %(default)s)")
     parser.add_argument("--raw-data", choices=["prebuilt", "fetch"], default="prebuilt",
                         help="raw loop's batches: pre-built tensors (strict) or fetched from the memory map like ours")
-    parser.add_argument("--profile", action="store_true", help="also print a torch.profiler table of a block of each side")
 
 
 def run(args, report) -> None:
@@ -65,8 +64,6 @@ def run(args, report) -> None:
                           "tokens_per_sec": {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts]
                                              for side, ts in timings.items()},
                           "tokens_per_step": ours.tokens_per_step, "n_params": ours.n_params}
-        if args.profile:
-            profile(args, report, loops, device)
         ours.close()
 
 
@@ -90,14 +87,3 @@ def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:
     ours, raw = breakdown["ours"], breakdown["raw"]
     return breakdown, ours["data"] + ours["rest (bookkeeping)"] - raw["rest (bookkeeping)"]
 
-
-def profile(args, report, loops: dict, device) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for side, loop in loops.items():
-        with profile(activities=activities) as prof:
-            C.timed_block(loop, args.block_steps, device)
-        report.line(f"\ntorch.profiler, {args.block_steps} steps of {side}, top 15 ops by self CPU time:")
-        for row in prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15).splitlines():
-            report.line(row)

@@ -4,12 +4,11 @@
     bench/run.py mid_training --steps 20 --average 2 --set model.hidden_size=64 --set model.num_layers=2 \
         --set data.seq_len=32 --set model.intermediate_size=128 --set schedule.warmup_steps=2   # a quick check
 
-Four runs in this process, one after the other, validated every --steps/10 steps: **cosine** (the recipe's
-schedule); **wsd-90** (``schedule.decay_fraction=0.1``, every checkpoint kept: the stable trunk); **wsd-80** (a
-``checkpoint.branch_from`` of wsd-90's checkpoint at 80 % with ``schedule.decay_steps`` = 20 % of the run); **average**
-(the uniform average of wsd-90's last --average stable checkpoints, up to 90 %). The table compares ``evaluate_path``
-(eval.py) losses at equal tokens on the same validation windows; the figure draws the logged validation curves and
-learning rates. The averaging's peak memory: a fresh process averages 1 and then --average checkpoints (``VmHWM``).
+Four runs, validated every --steps/10 steps: **cosine**; **wsd-90** (``schedule.decay_fraction=0.1``, every
+checkpoint kept); **wsd-80** (``checkpoint.branch_from`` wsd-90's checkpoint at 80 %, decaying over the last 20 %);
+**average** (wsd-90's last --average stable checkpoints). The table compares eval.py's ``evaluate_path`` losses at
+equal tokens; the figure draws the validation curves and learning rates; a fresh process averages 1 and then
+--average checkpoints for the peak memory (``VmHWM``).
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ def options(parser) -> None:
     parser.add_argument("--average", type=int, default=4, help="checkpoints of the stable phase averaged (default: %(default)s)")
     parser.add_argument("--eval-batches", type=int, default=None,
                         help="validation batches of 8 windows (default: data.val_windows / 8, the training's windows)")
-    parser.add_argument("--work", default=None, help="folder for the runs, kept: a second call with the same "
-                        "arguments reuses the finished ones (default: a temporary folder, removed)")
+    parser.add_argument("--work", default=None, help="folder for the runs, kept (default: a temporary folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run")
     parser.add_argument("--checkpoints", nargs="*", default=[], help="worker: the checkpoints to average")
     parser.add_argument("--out", default=None, help="worker: the averaged checkpoint's folder")
@@ -39,7 +37,6 @@ def options(parser) -> None:
 def worker(args) -> dict:
     """Average ``--checkpoints`` into ``--out`` in this process: its resident floor and peak (MB)."""
     import lmrecipe.average as average  # imports first: they are the floor
-    import transformers  # noqa: F401  (the floor too)
 
     floor = C.status_kb("VmRSS")
     result = average.average_checkpoints([Path(c) for c in args.checkpoints], args.out, overwrite=True)
@@ -65,7 +62,7 @@ def rows(run: Path, key: str) -> dict[int, float]:
 
 def plot(path: Path, runs: dict[str, Path], lrs: dict[str, list[float]], tokens_per_step: int,
          average: tuple[int, float, float, int]) -> None:
-    """Validation curves (as logged) and learning rates of the runs against tokens, and the averaging's two points."""
+    """Validation curves and learning rates of the runs against tokens, and the averaging's two points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,18 +76,15 @@ def plot(path: Path, runs: dict[str, Path], lrs: dict[str, list[float]], tokens_
         top.plot([s * tokens_per_step for s in val], list(val.values()), marker=".", label=name)
         bottom.plot([(s + 1) * tokens_per_step for s in range(len(lrs[name]))], lrs[name], label=name)
     step, single, averaged, k = average
-    top.scatter([step * tokens_per_step], [single], marker="x", color="black", zorder=5,
-                label=f"stable checkpoint, step {step} (eval.py)")
-    top.scatter([step * tokens_per_step], [averaged], marker="*", s=80, color="red", zorder=5,
-                label=f"average of the last {k} stable checkpoints (eval.py)")
+    top.scatter([step * tokens_per_step], [single], marker="x", color="black", zorder=5, label=f"stable, step {step}")
+    top.scatter([step * tokens_per_step], [averaged], marker="*", s=80, color="red", zorder=5, label=f"average of {k}")
     top.set_ylabel("validation loss")
     finals = [v for run in runs.values() for v in rows(run, "val_loss").values()]
     top.set_ylim(min(finals + [single, averaged]) - 0.1, sorted(finals)[len(finals) // 2] + 0.5)
     top.legend()
-    top.grid(alpha=0.3)
-    bottom.set_ylabel("learning rate")
-    bottom.set_xlabel("training tokens")
-    bottom.grid(alpha=0.3)
+    bottom.set(ylabel="learning rate", xlabel="training tokens")
+    for axes in (top, bottom):
+        axes.grid(alpha=0.3)
     fig.suptitle("tiny recipe: cosine vs warmup-stable-decay branches; checkpoint averaging")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -154,25 +148,19 @@ def measure(args, report, tmp: Path) -> None:
     model_mb = sum(p.stat().st_size for p in averaged.out.glob("model-*.safetensors")) / 2**20
     report.figures = {**figures, "steps": n, "tokens_per_step": tokens_per_step, "averaged": [c.name for c in stable],
                       "memory": memory, "model_fp32_mb": model_mb}
-    report.line()
-    report.line(f"{n} optimizer steps of {tokens_per_step} tokens; validation loss by eval.py's evaluate_path on "
-                f"{eval_batches} batches of 8 windows")
-    report.line()
+    report.line(f"{n} steps of {tokens_per_step} tokens; validation loss of evaluate_path on {eval_batches} x 8 windows")
     report.line("| tokens | run | validation loss |")
     report.line("|---:|---|---:|")
     end, at = f"{n * tokens_per_step:,}", f"{at90 * tokens_per_step:,}"
-    for label, key, tokens in (("cosine (decay over the whole run)", "cosine_end", end),
-                               ("WSD, decay over the last 10 %", "wsd90_end", end),
+    for label, key, tokens in (("cosine", "cosine_end", end), ("WSD, decay over the last 10 %", "wsd90_end", end),
                                ("WSD branch at 80 %, decay over the last 20 %", "wsd80_end", end),
-                               (f"WSD stable phase, last checkpoint ({stable[-1].name})", "stable_last", at),
-                               (f"WSD stable phase, uniform average of {len(stable)} ({', '.join(c.name for c in stable)})",
-                                "stable_average", at),
-                               (f"cosine at the same step (step_{at90:08d})", "cosine_at90", at)):
+                               (f"WSD stable, last checkpoint ({stable[-1].name})", "stable_last", at),
+                               (f"WSD stable, average of the last {len(stable)}", "stable_average", at),
+                               ("cosine, same step", "cosine_at90", at)):
         report.line(f"| {tokens} | {label} | {figures[key]:.4f} |")
-    report.line()
     for k, m in memory.items():
-        report.line(f"averaging {k} checkpoint(s): resident {m['floor_mb']:.0f} MB after imports, peak "
-                    f"{m['peak_mb']:.0f} MB (the model's weights in fp32: {model_mb:.1f} MB)")
+        report.line(f"averaging {k} checkpoint(s): {m['floor_mb']:.0f} MB after imports, peak {m['peak_mb']:.0f} MB "
+                    f"(fp32 weights {model_mb:.1f} MB)")
     report.output_dir.mkdir(parents=True, exist_ok=True)
     trunk_lrs = schedule(args.recipe, [*args.set, "schedule.decay_fraction=0.1"], n)
     lrs = {"cosine": schedule(args.recipe, args.set, n), "wsd-90": trunk_lrs,

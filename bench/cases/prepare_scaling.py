@@ -5,13 +5,11 @@
 
 Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(tokenizer=DIR, num_proc=1 or 2)``, meta.json's
 ``timing.tokens_per_sec``; ``--prepare-tokenizer trained``: prepare trains its BPE, not timed) and *map*
-(``datasets.Dataset.map``, same tokenizer and documents). Last, in this process: prepare's encoder through
-transformers' ``__call__`` against the tokenizers library, bytes checked equal. Method: docs/benchmarks/04-preparation.md.
+(``datasets.Dataset.map``, same tokenizer and documents). Method: docs/benchmarks/04-preparation.md.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -31,8 +29,6 @@ def options(parser) -> None:
                         help="TOKENIZERS_PARALLELISM for every side (default: leave the environment as it is)")
     parser.add_argument("--prepare-tokenizer", choices=["given", "trained"], default="given",
                         help="p1/p2: given = --tokenizer; trained = prepare trains its BPE (not timed), prepare_data's default")
-    parser.add_argument("--encoder-documents", type=int, default=150,
-                        help="documents of the in-process encoder comparison; 0 skips it (default: %(default)s)")
 
 
 def check(args) -> None:
@@ -95,48 +91,6 @@ def corpus_texts(max_documents: int | None) -> list[str]:
     return [doc.text for doc in DocumentSource(max_documents=max_documents).documents()]
 
 
-def chunk_texts(texts: list[str], max_chars: int, max_docs: int) -> list[list[str]]:
-    """Consecutive documents in chunks as prepare() cuts them: about ``max_chars`` characters, ``max_docs`` at most."""
-    chunks, current, chars = [], [], 0
-    for text in texts:
-        current.append(text)
-        chars += len(text)
-        if chars >= max_chars or len(current) >= max_docs:
-            chunks.append(current)
-            current, chars = [], 0
-    return chunks + ([current] if current else [])
-
-
-def encoder_paths(args, report) -> dict:
-    """prepare's two encoders, transformers' __call__ and the tokenizers library, on the same tokenizer.json, in this
-    process, interleaved; the bytes must be identical."""
-    from lmrecipe.data.prepare import pipeline as P
-    from lmrecipe.data.prepare.tokenize import ChunkEncoder, EncoderSpec
-
-    texts = corpus_texts(args.encoder_documents)
-    chunks = chunk_texts(texts, P._CHUNK_CHARS, P._CHUNK_DOCS)
-    meta = json.loads((Path(args.tokenizer) / "meta.json").read_text())
-    encoders = {
-        name: ChunkEncoder(EncoderSpec(args.tokenizer, name == "tokenizers", meta["eos_id"], meta["vocab_size"],
-                                       meta["dtype"]))
-        for name in ("transformers", "tokenizers")
-    }
-    seconds = {name: [] for name in encoders}
-    outputs = {}
-    for order in C.pair_orders(args.pairs, tuple(encoders)):
-        for name in order:
-            start = time.perf_counter()
-            outputs[name] = b"".join(encoders[name](chunk)[0] for chunk in chunks)
-            seconds[name].append(time.perf_counter() - start)
-    identical = outputs["transformers"] == outputs["tokenizers"]
-    stats = C.ratio_stats([t / k for t, k in zip(seconds["transformers"], seconds["tokenizers"])])
-    n_tokens = len(outputs["tokenizers"]) // (2 if meta["dtype"] == "uint16" else 4)
-    report.line(f"encoders, {len(texts)} documents ({n_tokens:,} tokens) in this process: the tokenizers library "
-                f"(prepare's path for a fast tokenizer) against transformers' __call__ (its fallback): "
-                f"{C.fmt_ratio(stats)} faster, identical bytes: {identical}")
-    return {"speedup": stats, "identical": identical, "seconds": seconds}
-
-
 def run(args, report) -> None:
     env = dict(os.environ)
     if args.tokenizers_parallelism != "default":
@@ -162,5 +116,3 @@ def run(args, report) -> None:
                 f"so on 2 idle cores the whole prepare() on 2 processes could be at most "
                 f"{2 * walls['p1'] / cpus['p2']:.2f}x as fast as on 1")
     report.figures = {"ratios": stats, "runs": runs, "prepare_cpu_seconds": cpus, "cores_used": cores}
-    if args.encoder_documents:
-        report.figures["encoder_paths"] = encoder_paths(args, report)

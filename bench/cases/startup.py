@@ -3,12 +3,10 @@
     bench/run.py startup                                                   # data/stdlib (3M tokens) against 1B
     bench/run.py startup --sparse --large-tokens 100000000000 --pairs 3    # 100B tokens, without writing 200 GB
 
-The large folder is made from the small one (--data): its train.bin and val.bin written N times over, the document
-indexes shifted and meta.json updated; with --sparse, train.bin is the small one's followed by a sparse tail of zeros
-(one more document; no disk). Each round launches ``train.py`` on each folder (fresh processes, rotated order) and
-polls its metrics.jsonl: the figure is the wall time from the launch to the first row, with the process's peak
-resident memory then (``VmHWM``); large / small per round, target 1.0 within the spread. Then, in this process:
-``open_data``, the first epoch's order (``SampleOrder``) and, for reference, the full scan start-up once ran.
+The large folder is --data written N times over (indexes shifted, meta.json updated); with --sparse, its train.bin
+followed by a sparse tail of zeros (one more document, no disk). Each round launches ``train.py`` on each folder and
+polls its metrics.jsonl: the wall time from the launch to the first row, and the peak resident memory then
+(``VmHWM``); large / small per round, target 1.0 within the spread.
 """
 
 from __future__ import annotations
@@ -51,8 +49,6 @@ def run(args, report) -> None:
 
 
 def measure(args, report, workdir: Path) -> None:
-    from lmrecipe.config import load_config
-
     start, small = time.perf_counter(), Path(args.data).resolve()
     folders = {"small": small, "large": (build_sparse if args.sparse else build_large)(small, workdir / "large",
                                                                                       args.large_tokens)}
@@ -75,11 +71,7 @@ def measure(args, report, workdir: Path) -> None:
     rss_gain = statistics.median(rss["large"]) - statistics.median(rss["small"])
     report.line(f"peak RSS at the first step, median: small {statistics.median(rss['small']) / 1e9:.3f} GB, large "
                 f"{statistics.median(rss['large']) / 1e9:.3f} GB ({rss_gain / 1e9:+.3f} GB)")
-    report.line()
-    cfg = load_config(args.recipe, [])
-    vocab = cfg.model.vocab_size or int(json.loads((small / "meta.json").read_text())["vocab_size"])
-    report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats["large/small"], "large_gb": size_gb,
-                      "in_process": in_process(folders, cfg.data.seq_len, vocab, report)}
+    report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats["large/small"], "large_gb": size_gb}
 
 
 def build_sparse(small: Path, dest: Path, tokens: int) -> Path:
@@ -155,38 +147,3 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
         proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
 
-
-def in_process(folders: dict[str, Path], seq_len: int, vocab: int, report) -> dict:
-    """``open_data``, the order's first windows and the old full scan, in this process (page cache warm)."""
-    from lmrecipe.data.format import open_data
-    from lmrecipe.data.order import SampleOrder
-
-    figures = {}
-    for name, folder in folders.items():
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            _, train, _ = open_data(folder, seq_len, vocab)
-            times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        SampleOrder(len(train), seed=0).windows(0, 1024)
-        first_windows = time.perf_counter() - start
-        figures[name] = {"open_data_s": statistics.median(times), "first_1024_windows_s": first_windows,
-                         "windows": len(train), "tokens": len(train.tokens)}
-        line = (f"{name}: {len(train.tokens):,} train tokens; open_data {1e3 * statistics.median(times):.1f} ms "
-                f"(median of 5); the order's first 1,024 windows of {len(train):,} {1e3 * first_windows:.2f} ms")
-        if len(train) <= 50_000_000:  # the earlier order (version 1) materialises the epoch: only where it fits
-            start = time.perf_counter()
-            SampleOrder(len(train), seed=0, version=1).permutation(0)
-            figures[name]["v1_permutation_s"] = time.perf_counter() - start
-            line += f"; order version 1's first-epoch permutation {1e3 * figures[name]['v1_permutation_s']:.0f} ms"
-        report.line(line)
-    tokens = open_data(folders["large"], seq_len, vocab)[1].tokens
-    if len(tokens) <= 5_000_000_000:
-        start = time.perf_counter()
-        top = max(int(tokens[i : i + (1 << 26)].max()) for i in range(0, len(tokens), 1 << 26))
-        scan = time.perf_counter() - start
-        figures["full_scan_large_s"] = scan
-        report.line(f"reference: a full scan of the large train.bin for its largest id ({top}), as start-up did "
-                    f"before format 2: {scan:.2f} s (page cache warm), per process and per split")
-    return figures

@@ -1,11 +1,10 @@
 """Against transformers.Trainer: train.py's loop and Trainer on the same model, data, batch, accumulation, clipping,
 optimizer and learning-rate schedule, tokens/s.
 
-Each side is a fresh process (each builds an Accelerator, a per-process singleton), in alternating order: *ours* is
-``lmrecipe.train(cfg)`` as train.py calls it; *trainer* is ``transformers.Trainer`` with the same initial weights, a
-Dataset over the same memmap windows, our optimizer and our schedule as a LambdaLR. Both log every --log-every
-steps. The figure is tokens/s from the end of step --warmup-steps to the last step; timers split each side's step
-into forward+loss, backward, clip, optimizer.step and the rest. Target: ours >= 1.0x Trainer's tokens/s.
+Each side is a fresh process, in alternating order: *ours* is ``lmrecipe.train(cfg)`` as train.py calls it;
+*trainer* is ``transformers.Trainer`` with the same initial weights, a Dataset over the same memmap windows, our
+optimizer and our schedule as a LambdaLR. The figure is tokens/s from the end of step --warmup-steps to the last
+step. Target: ours >= 1.0x Trainer's tokens/s.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import time
 import _common as C
 
 DEVICE = True
-KEYS = ["forward+loss", "backward", "clip", "optimizer.step", "outside fwd/bwd/clip/step", "data", "step"]
 
 
 def options(parser) -> None:
@@ -29,85 +27,39 @@ def options(parser) -> None:
     parser.add_argument("--log-every", type=int, default=10, help="log interval of both sides (default: %(default)s)")
 
 
-class Timers:
-    """Wall seconds per section, patched around the calls both sides make (and a snapshot at each step end)."""
+class StepMarks:
+    """Wall and CPU time at the end of each optimizer step."""
 
     def __init__(self):
-        self.seconds = {"forward+loss": 0.0, "backward": 0.0, "clip": 0.0, "optimizer.step": 0.0, "data": 0.0}
-        self.step_marks: list[tuple[float, float, dict]] = []
+        self.marks: list[tuple[float, float]] = []
 
-    def wrap(self, owner, name: str, section: str) -> None:
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[section] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
-
-    def hook_optimizer(self, optimizer) -> None:
-        state = {}
-        def pre(*_):
-            state["t"] = time.perf_counter()
-
-        def post(*_):
-            self.seconds["optimizer.step"] += time.perf_counter() - state["t"]
-
-        optimizer.register_step_pre_hook(pre)
-        optimizer.register_step_post_hook(post)
-
-    def mark_step_end(self, device) -> None:
+    def step_end(self, device) -> None:
         C.sync(device)
-        self.step_marks.append((time.perf_counter(), time.process_time(), dict(self.seconds)))
+        self.marks.append((time.perf_counter(), time.process_time()))
 
     def result(self, warmup: int, tokens_per_step: int) -> dict:
-        (t0, c0, s0), (t1, c1, s1) = self.step_marks[warmup - 1], self.step_marks[-1]
-        steps = len(self.step_marks) - warmup
-        wall = t1 - t0
-        per_step = {k: 1000 * (s1[k] - s0[k]) / steps for k in s1}
-        inside = sum(per_step[k] for k in ("forward+loss", "backward", "clip", "optimizer.step"))
-        per_step["outside fwd/bwd/clip/step"] = 1000 * wall / steps - inside
-        per_step["step"] = 1000 * wall / steps
-        return {"tokens_per_sec": steps * tokens_per_step / wall, "tokens_per_cpu_sec": steps * tokens_per_step / (c1 - c0),
-                "steps": steps, "ms_per_step": per_step}
+        (t0, c0), (t1, c1) = self.marks[warmup - 1], self.marks[-1]
+        steps = len(self.marks) - warmup
+        return {"tokens_per_sec": steps * tokens_per_step / (t1 - t0), "tokens_per_cpu_sec": steps * tokens_per_step / (c1 - c0),
+                "steps": steps, "ms_per_step": 1000 * (t1 - t0) / steps}
 
 
-def worker_ours(cfg, timers: Timers, warmup: int) -> dict:
-    import accelerate
-
-    from lmrecipe import optim as optim_mod
-    from lmrecipe.data import format as data_format
+def worker_ours(cfg, marks: StepMarks, warmup: int) -> dict:
     from lmrecipe.observe import console
-    from lmrecipe.train import setup, trainer
-    from lmrecipe.train import step as step_module
+    from lmrecipe.train import trainer
 
-    timers.wrap(step_module, "training_loss", "forward+loss")
-    timers.wrap(accelerate.Accelerator, "backward", "backward")
-    timers.wrap(accelerate.Accelerator, "clip_grad_norm_", "clip")
-    timers.wrap(data_format.TokenWindows, "batch", "data")
-    original_build = optim_mod.build_optimizer
-
-    def build_optimizer(*args, **kwargs):
-        opt = original_build(*args, **kwargs)
-        timers.hook_optimizer(opt)
-        return opt
-
-    setup.build_optimizer = build_optimizer
     original_step_done = console.Reporter.step_done
 
     def step_done(self, state, *args, **kwargs):
         original_step_done(self, state, *args, **kwargs)
-        timers.mark_step_end(self.accelerator.device)
+        marks.step_end(self.accelerator.device)
 
     console.Reporter.step_done = step_done
     trainer.train(cfg)
-    return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
+    return marks.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
 
 
-def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: str) -> dict:
+def worker_trainer(cfg, marks: StepMarks, warmup: int, device_name: str, out_dir: str) -> dict:
     import torch
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -132,7 +84,6 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.train, hf_config)
     optimizer = build_optimizer(model, cfg.optim, cpu_offload=False)
-    timers.hook_optimizer(optimizer)
     schedule = LambdaLR(optimizer, lambda step: lr_at(step, cfg.train.max_steps, cfg.optim, cfg.schedule) / cfg.optim.lr)
     precision = resolve_precision(cfg.train.precision)
     args = TrainingArguments(
@@ -154,31 +105,12 @@ def worker_trainer(cfg, timers: Timers, warmup: int, device_name: str, out_dir: 
         seed=cfg.train.seed,
     )
 
-    class Timed(Trainer):
-        def compute_loss(self, *a, **kw):
-            start = time.perf_counter()
-            try:
-                return super().compute_loss(*a, **kw)
-            finally:
-                timers.seconds["forward+loss"] += time.perf_counter() - start
-
-        def get_batch_samples(self, *a, **kw):
-            start = time.perf_counter()
-            try:
-                return super().get_batch_samples(*a, **kw)
-            finally:
-                timers.seconds["data"] += time.perf_counter() - start
-
     class StepEnd(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            timers.mark_step_end(args.device)
+            marks.step_end(args.device)
 
-    import accelerate
-
-    timers.wrap(accelerate.Accelerator, "backward", "backward")
-    timers.wrap(accelerate.Accelerator, "clip_grad_norm_", "clip")
-    Timed(model=model, args=args, train_dataset=Windows(), optimizers=(optimizer, schedule), callbacks=[StepEnd()]).train()
-    return timers.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
+    Trainer(model=model, args=args, train_dataset=Windows(), optimizers=(optimizer, schedule), callbacks=[StepEnd()]).train()
+    return marks.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
 
 
 def worker(args) -> dict:
@@ -189,8 +121,8 @@ def worker(args) -> dict:
         overrides = [*args.overrides, f"train.max_steps={args.steps}", f"logging.log_every_steps={args.log_every}"]
         cfg = C.bench_config(args.recipe, overrides, out_dir=tmp, data_path=args.data)
         if args.worker == "ours":
-            return worker_ours(cfg, Timers(), args.warmup_steps)
-        return worker_trainer(cfg, Timers(), args.warmup_steps, args.device, tmp)
+            return worker_ours(cfg, StepMarks(), args.warmup_steps)
+        return worker_trainer(cfg, StepMarks(), args.warmup_steps, args.device, tmp)
 
 
 def run(args, report) -> None:
@@ -206,10 +138,6 @@ def run(args, report) -> None:
     report.line()
     report.line(f"ours / Trainer tokens/s: {C.fmt_ratio(ratio)}   target >= 1.0: {'MET' if ratio['median'] >= 1.0 else 'MISSED'}")
     report.line(f"same, per CPU second of the process (less sensitive to other processes): {C.fmt_ratio(cpu)}")
-    report.line("per optimizer step (ms, median over runs):")
-    report.line(f"  {'section':<28}{'ours':>10}{'trainer':>10}")
-    medians = {side: {k: statistics.median(r["ms_per_step"][k] for r in runs[side]) for k in KEYS} for side in runs}
-    for k in KEYS:
-        label = "  of which data fetch" if k == "data" else k
-        report.line(f"  {label:<28}{medians['ours'][k]:>10.2f}{medians['trainer'][k]:>10.2f}")
+    medians = {side: statistics.median(r["ms_per_step"] for r in runs[side]) for side in runs}
+    report.line(f"ms per optimizer step, median: ours {medians['ours']:.2f}, trainer {medians['trainer']:.2f}")
     report.figures = {"ratio_ours_over_trainer": ratio, "cpu_time_ratio": cpu, "runs": runs, "ms_per_step_median": medians}

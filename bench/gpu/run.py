@@ -69,8 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def argument_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the numbers and the data folder given, with the fix; None when nothing is. Checked before
-    anything is installed or run: a bad value would otherwise cost the install and a worker per side, each failing."""
+    """What is wrong with the numbers and folders given, with the fix; None when nothing is (checked before the install)."""
     if args.steps is not None and args.steps < 1:
         return f"--steps {args.steps}: the measured steps per side must be 1 or more (default: 20; dry run 2)."
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -95,8 +94,7 @@ def argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def folder_problem(flag: str, folder: Path) -> str | None:
-    """What stops the kit from writing into ``folder`` (made where missing), with the fix; None when nothing does.
-    Checked at start-up: a folder that cannot be written would otherwise fail after the install, or in every worker."""
+    """What stops the kit from writing into ``folder`` (made where missing), with the fix; None when nothing does."""
     fix = f"Pass {flag} a folder you can write to (it is made if missing)."
     if folder.exists() and not folder.is_dir():
         return f"{flag} {folder} is a file, not a folder. {fix}"
@@ -112,20 +110,14 @@ def folder_problem(flag: str, folder: Path) -> str | None:
 
 
 def commit(packed: Path) -> str:
-    """The commit measured. The tree's own git HEAD where it is the one pack.sh recorded; else what pack.sh recorded,
-    with the HEAD beside it: a copy of the tree on a GPU node may hold no ``.git``, or an older one than its
-    files."""
-    recorded = packed / "commit.txt"
-    packed_commit = recorded.read_text().strip() if recorded.is_file() else None
+    """The tree's git HEAD, or where a copy of the tree holds no ``.git``, the commit pack.sh recorded."""
     proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    head = proc.stdout.strip() if proc.returncode == 0 else None
-    if head and (packed_commit is None or packed_commit.split()[0] == head):
+    if proc.returncode == 0:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
-        return head + (" (with uncommitted changes)" if dirty else "")
-    if packed_commit:
-        return f"{packed_commit} (recorded by pack.sh; the tree's git HEAD: {head or 'none'})"
-    return "unknown"
+        return proc.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    recorded = packed / "commit.txt"
+    return f"{recorded.read_text().strip()} (recorded by pack.sh)" if recorded.is_file() else "unknown"
 
 
 class Record:
@@ -157,12 +149,10 @@ class Record:
                  f"accelerate {v.get('accelerate')}, deepspeed {v.get('deepspeed')}, torchao {v.get('torchao')}, "
                  f"flash-attn {v.get('flash_attn')}; commit {d['commit']}; {d['recipe']} {' '.join(d['base_overrides'])}, "
                  f"{d['warmup_steps']} warm-up + {d['steps']} measured steps per side; started {d['started']}", "",
-                 "| stage | what | figure | target | met | planner: measured / predicted | status |",
-                 "| --- | --- | --- | --- | --- | --- | --- |"]
+                 "| stage | figure | target | met | status |", "| --- | --- | --- | --- | --- |"]
         for row in d["stages"]:
             met = {True: "yes", False: "no", None: ""}[row.get("met")]
-            lines.append(f"| {row['stage']} | {row['what']} | {row.get('figure', '')} | {row['target']} | {met} | "
-                         f"{row.get('planner', '')} | {row['status']} |")
+            lines.append(f"| {row['stage']} | {row.get('figure', '')} | {row['target']} | {met} | {row['status']} |")
         return "\n".join(lines) + "\n"
 
 
@@ -198,8 +188,7 @@ def setup(args: argparse.Namespace, record: Record) -> dict:
 
 
 def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
-    """The embedded corpus (Python's standard library) prepared once under --work: its first 1,000 documents, millions
-    of tokens, far more than the kit's steps read (the dry run: 100 documents)."""
+    """The embedded corpus prepared once under --work: 1,000 documents, more than the kit's steps read (dry run: 100)."""
     data = args.work / ("data_dry" if args.dry_run else "data")
     if (data / "meta.json").is_file():
         return data
@@ -252,8 +241,6 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
     versions = results.pop("_versions", None)
     text = log.read_text(errors="replace") if log.is_file() else ""
     tail = text[-1500:]
-    # The work folder stays on the node; the end of each worker's log goes into one file beside the results, so
-    # --out holds three files however many workers ran.
     with open(args.out / LOG_NAME, "a") as logs:
         logs.write(f"\n===== {name}: {', '.join(g['label'] for g in groups)} =====\n{text[-200_000:]}")
     for group in groups:
@@ -272,20 +259,6 @@ def measure_sides(args, env: dict, record: Record, groups: list[dict], name: str
     return results
 
 
-def planner_text(results: list[dict]) -> str:
-    parts = []
-    for r in results:
-        ratio = r.get("measured_over_predicted") or {}
-        prediction = r.get("prediction") or {}
-        if ratio.get("tokens_per_sec") is None:
-            continue
-        memory = "" if ratio.get("peak_mem") is None else (
-            f", peak memory {ratio['peak_mem']:.2f}x of {prediction['peak_mem_gb']:.1f} GB")
-        parts.append(f"{r['label']}: tokens/s {ratio['tokens_per_sec']:.2f}x of {prediction['tokens_per_sec']:,.0f}"
-                     f"{memory}")
-    return "; ".join(parts)
-
-
 def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
     results = {side.label: done[" ".join(side.overrides)] for side in stage.sides}
     row = {"stage": stage.name, "what": stage.what, "target": stage.target, "sides": results}
@@ -302,7 +275,6 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
         row.update(status=f"failed: summary ({type(exc).__name__}: {exc})" + (f"; {'; '.join(stopped)}" if stopped else ""),
                    met=None, figure="")
         return row
-    row["planner"] = planner_text(list(results.values()))
     row["status"] = "dry run (CPU, tiny recipe, not a GPU figure)" if dry_run else "measured"
     if dry_run:
         row["met"] = None

@@ -26,20 +26,10 @@ class Side:
 
     label: str
     overrides: tuple[str, ...] = ()
-    count_syncs: bool = False
-    """Count host synchronisations over the measured steps (slows them: their time is not a throughput figure)."""
-    checkpoint_stall: bool = False
-    """Measure the loop time blocked by one synchronous and one background checkpoint instead of throughput."""
-    profile: bool = False
-    """Profile one step after the timed ones: the GPU's busy share of it and the kernels that took the most time."""
-    needs: str | None = None
-    """A module the side needs (``flash_attn``); without it the side is skipped, and says so."""
-
-    @property
-    def key(self) -> str:
-        flags = ("syncs" if self.count_syncs else "") + ("ckpt" if self.checkpoint_stall else "") + \
-            ("profile" if self.profile else "")
-        return " ".join(self.overrides) + (f" [{flags}]" if flags else "")
+    count_syncs: bool = False  # count host syncs over a few steps after the timed ones
+    checkpoint_stall: bool = False  # time the loop blocked by one synchronous and one background checkpoint
+    profile: bool = False  # profile one step after the timed ones
+    needs: str | None = None  # a module the side needs (flash_attn); without it the side is skipped, and says so
 
 
 @dataclass(frozen=True)
@@ -48,8 +38,7 @@ class Stage:
     what: str
     target: str
     sides: tuple[Side, ...]
-    summarize: Callable[[dict[str, dict]], dict] = field(repr=False)
-    """Results by side label -> {"figure": text, "value": number or None, "met": bool or None}."""
+    summarize: Callable[[dict[str, dict]], dict] = field(repr=False)  # results by label -> figure, value, met
 
 
 def _pct(x: float | None) -> str:
@@ -99,8 +88,9 @@ def _syncs(results):
     parts, met = [], None
     for label, r in results.items():
         s = r["host_syncs"]
-        parts.append(f"{label}: {s['per_step']:g} per step (counter, {s['by_kind'] or 'none'}), "
-                     f"torch.cuda sync warnings {_num(s['cuda_per_step'], 'g')} per step")
+        kinds = ", ".join(f"`{kind}` {n:g}" for kind, n in s["by_kind"].items() if n) or "none"
+        parts.append(f"{label}: {s['per_step']:g} per step ({kinds}), torch.cuda sync warnings "
+                     f"{_num(s['cuda_per_step'], 'g')} per step")
     sync_free = results["no DeepSpeed"]["host_syncs"]
     met = sync_free["per_step"] == 0 and sync_free["cuda_per_step"] in (0, None)
     return {"figure": "; ".join(parts), "value": sync_free["per_step"], "met": met}
@@ -175,10 +165,8 @@ STAGES = (
     Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
           "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )
+# Four runs (bf16 ZeRO-2, no DeepSpeed, compiled bf16 and fp8); the other stages add a run or more each.
 DEFAULT_STAGES = ("mfu_zero2", "host_syncs", "data_wait", "profile", "compile", "checkpoint_stall")
-"""What a run of the kit measures when no stage is named, in four runs (bf16 ZeRO-2, no DeepSpeed, compiled bf16 and
-compiled fp8): the MFU figure, what the same runs tell besides it (host syncs, data wait, ``profile``: why the MFU is
-what it is), ``compile`` and ``checkpoint_stall``. The other stages add a run or more each: name them, or ``all``."""
 BY_NAME = {stage.name: stage for stage in STAGES}
 
 

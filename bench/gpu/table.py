@@ -53,23 +53,35 @@ def _cell(text) -> str:
     return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")
 
 
+def figure(row: dict) -> str:
+    """The row's figure as the stage's summary writes it today (the sides' numbers are the run's); the recorded text
+    where the summary no longer reads them."""
+    try:
+        return S.BY_NAME[row["stage"]].summarize(row["sides"])["figure"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return row.get("figure", "")
+
+
+def _gpu(run: dict) -> str:
+    return run["versions"].get("device", {}).get("name", "?").removeprefix("NVIDIA ")
+
+
 def render(runs: list[dict]) -> str:
     rows = latest_rows(runs)
-    lines = ["| stage | what | figure | target | met | planner: measured / predicted | run |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    number = {run["file"]: i for i, run in enumerate(runs, start=1)}
+    lines = ["| stage | figure | target | GPU (run) |", "| --- | --- | --- | --- |"]
     for stage in S.STAGES:
         if stage.name not in rows:
-            lines.append(f"| `{stage.name}` | {_cell(stage.what)} | not measured | {_cell(stage.target)} | | | |")
+            lines.append(f"| `{stage.name}` | not measured | {_cell(stage.target)} | |")
             continue
         row, run = rows[stage.name]
-        met = {True: "yes", False: "**no**", None: ""}[row.get("met")]
-        device = run["versions"].get("device", {}).get("name", "?")
-        lines.append(f"| `{stage.name}` | {_cell(row['what'])} | {_cell(row.get('figure'))} | {_cell(row['target'])} | "
-                     f"{met} | {_cell(row.get('planner'))} | {device}, {run['started'][:10]} (`{run['file']}`) |")
-    sources = [f"`{run['file']}`: {run['versions'].get('device', {}).get('name', '?')}, torch {run['versions'].get('torch')}, "
-               f"DeepSpeed {run['versions'].get('deepspeed')}, transformers {run['versions'].get('transformers')}, "
-               f"torchao {run['versions'].get('torchao')}; commit {run['commit']}; `{run['command']}`" for run in runs]
-    return "\n".join([BEGIN, "", *lines, "", "Runs:", "", *(f"- {s}" for s in sources), "", END])
+        met = {True: " (met)", False: " (**not met**)", None: ""}[row.get("met")]
+        lines.append(f"| `{stage.name}` | {_cell(figure(row))} | {_cell(row['target'])}{met} | {_gpu(run)} "
+                     f"({number[run['file']]}) |")
+    sources = [f"{number[run['file']]}. `{run['file']}`: {_gpu(run)}, torch {run['versions'].get('torch')}, DeepSpeed "
+               f"{run['versions'].get('deepspeed')}, transformers {run['versions'].get('transformers')}; commit "
+               f"{run['commit']}; `{run['command']}`" for run in runs]
+    return "\n".join([BEGIN, "", *lines, "", "Runs:", "", *sources, "", END])
 
 
 def page_with(table: str, page: str) -> str:

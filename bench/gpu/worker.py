@@ -1,11 +1,10 @@
 """One side of a GPU-kit stage, measured in this process: ``build_run`` and ``train_step`` of ``lmrecipe.train``.
 
-After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs, so the time is the loop's as
-it trains. Figures: tokens/s and MFU (``lmrecipe.observe.device``); the step peak (``max_memory_allocated`` less what
-was allocated before); data wait (``StepResult.data_time_s``); host syncs (``HostSyncCounter`` and
-``torch.cuda.set_sync_debug_mode("warn")``); the checkpoint stall (``_common.save_round``, sync and background); one
-profiled step (GPU busy share, top kernels); the planner's prediction. The result so far is written after the timed
-steps and after each slow measurement, so a worker stopped by the kit's ``--budget-s`` keeps its timed figures.
+After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs. Figures: tokens/s and MFU;
+the step peak (``max_memory_allocated`` less what was held before); data wait; host syncs (``HostSyncCounter`` and
+torch.cuda's sync debug mode); the checkpoint stall (``_common.save_round``); one profiled step; the planner's
+prediction. The result so far is written after the timed steps and after each slow measurement, so a worker stopped
+by ``--budget-s`` keeps its timed figures.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import logging
 import shutil
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -24,26 +22,22 @@ ROOT = Path(__file__).resolve().parents[2]
 import _common as C  # noqa: E402 - bench/, on the PYTHONPATH run.py gives the workers
 
 GIB = 1024**3
-SYNC_STEPS = 5
-"""Steps whose host syncs are counted (after the timed ones: counting slows every tensor call)."""
-PROFILE_TOP = 15
-"""Kernels (operators on a CPU) kept from a profiled step, by time."""
+SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
+PROFILE_TOP = 15  # kernels (operators on a CPU) kept from a profiled step, by time
 
 
 def _count_syncs(run, first_step: int, steps: int) -> dict:
-    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings (with the
-    Python stack of the first few, so a sync inside torch or a library is found at its caller)."""
+    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings."""
     import torch
 
     from lmrecipe.observe.host_syncs import HostSyncCounter
     from lmrecipe.train.step import train_step
 
     device = run.accelerator.device
-    caught: list[tuple[str, str]] = []
+    caught: list[str] = []
 
     def keep(message, category, filename, lineno, file=None, line=None):
-        stack = "" if len(caught) >= 8 else "".join(traceback.format_stack(limit=16)[:-1])
-        caught.append((f"{Path(filename).name}:{lineno}: {str(message)[:200]}", stack))
+        caught.append(f"{Path(filename).name}:{lineno}: {str(message)[:200]}")
 
     C.sync(device)
     with warnings.catch_warnings():
@@ -58,12 +52,11 @@ def _count_syncs(run, first_step: int, steps: int) -> dict:
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
-    cuda_syncs = [(where, stack) for where, stack in caught if "synchroniz" in where.lower()]
+    cuda_syncs = [where for where in caught if "synchroniz" in where.lower()]
     return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
             "sources": counter.sources, "in_optimizer": counter.in_optimizer,
             "cuda_per_step": len(cuda_syncs) / steps if device.type == "cuda" else None,
-            "cuda_sources": sorted({where.split(": ")[0] for where, _ in cuda_syncs})[:20],
-            "cuda_stacks": [stack for _, stack in cuda_syncs if stack][:4]}
+            "cuda_sources": sorted({where.split(": ")[0] for where in cuda_syncs})[:20]}
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -77,8 +70,8 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
-    """One step under ``torch.profiler``: the step's wall time, the share of it the GPU was busy (the union of its
-    kernels and copies), and the kernels (on a CPU: the operators) that took the most time, by name."""
+    """One step under ``torch.profiler``: its wall time, the GPU's busy share of it and the kernels (on a CPU: the
+    operators) that took the most time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,8 +87,7 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
         wall_s = time.perf_counter() - start
     by_name: dict[str, float] = {}
     if cuda:
-        # The device's kernels and copies; record_function ranges (lmrecipe/forward, ...) have device-side copies
-        # that span the step, and are left out.
+        # record_function ranges (lmrecipe/forward, ...) have device-side copies spanning the step: left out
         kernels = [e for e in prof.events()
                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         for e in kernels:
@@ -115,13 +107,12 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
 
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
-    """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall``, once per side)."""
+    """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall`` each)."""
     from lmrecipe.train.state import TrainState
 
     state, result = TrainState(step=first_step), {"steps_between": steps_between}
     for kind in ("sync", "background"):
         result[kind] = C.save_round(run, C.side_checkpointer(run, out_dir / kind, kind == "background"), state, steps_between)
-        # A 1B checkpoint with its optimizer state is 15-20 GB: one at a time on the node's disk.
         result["checkpoint_gb"] = C.folder_mb(out_dir / kind) / 1e3
         shutil.rmtree(out_dir / kind)
     return result
@@ -133,9 +124,7 @@ def _prediction(run, peak_tflops: float) -> dict:
 
     from lmrecipe.planning.prediction import predict_run
 
-    # As the trainer's report does once training is over: a live ZeRO-3 config would make building the shape on the
-    # meta device enter zero.Init.
-    unset_hf_deepspeed_config()
+    unset_hf_deepspeed_config()  # a live ZeRO-3 config would make the meta-device shape enter zero.Init
     device = run.accelerator.device
     runtime = run.runtime
     return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, topology=runtime.topology,
@@ -145,8 +134,8 @@ def _prediction(run, peak_tflops: float) -> dict:
 
 
 def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=lambda result: None) -> dict:
-    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks; ``save`` is called
-    with the result so far after its timed steps and after each slow measurement that follows."""
+    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks; ``save`` gets the result
+    so far after the timed steps and after each slow measurement."""
     import torch
 
     from lmrecipe.observe.device import device_peak_tflops, mfu
@@ -190,7 +179,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
             "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds,
             "loss": float(last.loss),
         }
-        save(result)  # the timed figures stay even if what follows runs out of the kit's budget
+        save(result)
         next_step = warmup_steps + steps
         if side["count_syncs"]:
             sync_steps = min(steps, SYNC_STEPS)
@@ -216,8 +205,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
 
 
 def _forget_run() -> None:
-    """Let the next side of this process build its own Accelerator and DeepSpeed engine (the dry run's sides share
-    a process; on a GPU every side has a process of its own)."""
+    """Let the next side of this process (the dry run's sides share one) build its own Accelerator and engine."""
     import gc
 
     from accelerate.state import AcceleratorState, GradientState
