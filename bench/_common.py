@@ -1,9 +1,6 @@
-"""The benchmarks' shared pieces, owned by ``bench/run.py``: the machine description, the report (printed, then
-written to ``bench/results/<name>.txt`` and ``.json`` with the command that reproduces it), the interleaved rounds
-and their median-of-ratios statistics, worker processes, and the two training loops the in-process cases drive.
-
-Every case measures its sides in one run, interleaved (A B, B A, ...), and reports the median of the per-round
-ratios with their min and max: drift of a shared machine then hits both sides of a round alike.
+"""The benchmarks' shared pieces: the machine description, the report (``bench/results/<name>.txt`` and ``.json``
+with the command that reproduces it), interleaved rounds (A B, B A, ...: a shared machine's drift hits both sides
+of a round alike) and their median-of-ratios statistics, worker processes, and the two loops the cases drive.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 RUNNER = ROOT / "bench" / "run.py"
 
-#: Line prefix a worker process prints before its JSON result.
-RESULT_PREFIX = "BENCH_RESULT "
+RESULT_PREFIX = "BENCH_RESULT "  # a worker prints it before its JSON result
 
 
 class Refusal(Exception):
@@ -136,8 +132,7 @@ def fmt_ratio(stats: dict, unit: str = "x") -> str:
 
 
 def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Side order per round, rotated each round (A B, B A, ... / A B C, B C A, C A B, ...) so that no side
-    always runs first, right after the other side warmed the caches."""
+    """Side order per round, rotated (A B, B A, ... / A B C, B C A, ...): no side always runs right after another."""
     k = len(sides)
     return [tuple(sides[(i + j) % k] for j in range(k)) for i in range(n_pairs)]
 
@@ -175,7 +170,7 @@ def sync(device) -> None:
 
 @contextlib.contextmanager
 def quiet_stdout():
-    """Swallow the loop's own progress lines (the Reporter's log lines) while a timed block runs."""
+    """Swallow the loop's own progress lines while a timed block runs."""
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         yield
 
@@ -268,9 +263,7 @@ class OursLoop:
 class RawLoop:
     """A minimal PyTorch loop on the same Hugging Face model: forward, fp32 cross-entropy, ``(loss / accum).backward()``,
     ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. No Accelerate, no bookkeeping.
-
-    ``batches`` yields the micro-batches of a step: pre-built tensors (the strict comparison) or the same
-    ``TrainBatches`` fetch as ours.
+    ``micro_batches(step)``: the micro-batches of a step (``prebuilt_batches``).
     """
 
     def __init__(self, cfg, hf_config, device, precision: str, micro_batches):
@@ -318,11 +311,6 @@ def prebuilt_batches(train_batches, n_steps: int):
     """The micro-batches of the first ``n_steps`` steps, built once; step ``s`` reuses those of ``s % n_steps``."""
     cache = [list(train_batches.micro_batches(s)) for s in range(n_steps)]
     return lambda step: cache[step % n_steps]
-
-
-def fetched_batches(train_batches):
-    """Fetch each step's micro-batches from the memory map, as the training loop does."""
-    return lambda step: list(train_batches.micro_batches(step))
 
 
 class Timing(typing.NamedTuple):

@@ -1,15 +1,10 @@
 """The CPU benchmarks, one runner: ``bench/run.py CASE [options]``; ``bench/run.py`` alone lists the cases.
 
-    .venv/bin/python bench/run.py loop_overhead --threads 1 --pairs 20
-    .venv/bin/python bench/run.py CASE --help        # the case's own options
-
-Each case is a module of ``bench/cases/``: its docstring (the first line is its summary), the defaults of the common
-options (``PAIRS``; ``DATA`` and ``RECIPE``, None where it has no such option; ``DEVICE``, true to offer ``--device
-cuda``), ``options(parser)`` for its own, ``run(args, report)`` that measures its sides and fills the report, and
-where it needs fresh processes ``worker(args)``, run by ``--worker KIND`` (``_common.worker_command``). The runner
-owns the rest: the common options, torch threads and device, the data check, the report (machine, reproduce
-command, ``bench/results/<name>.txt`` and ``.json``; ``name(args)`` where a case writes a variant). Bad input (an
-unknown case, no prepared data) exits 2 with one message, before anything is measured.
+Each case is a module of ``bench/cases/``: its docstring (first line: its summary), the defaults of the common
+options (``PAIRS``, ``DATA``, ``RECIPE``: None where it has no such option; ``DEVICE``: true to offer ``--device
+cuda``), ``options(parser)``, ``run(args, report)``, and where it needs fresh processes ``worker(args)`` (run by
+``--worker KIND``). The runner owns the rest: common options, threads, the data check, the report. Bad input exits
+2 with one message, before anything is measured.
 """
 
 from __future__ import annotations

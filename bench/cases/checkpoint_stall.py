@@ -1,11 +1,9 @@
 """How long the training loop is blocked per checkpoint: synchronous writes against background writes, in one run.
 
-One process, one model (``build_run`` of the recipe at --hidden-size x --layers; no DeepSpeed, or --deepspeed's config
-on one process), two checkpointers from the trainer's own ``build_checkpointer``, ``checkpoint.background_save`` false
-and true, each writing into its own folder. A round of a side is what the loop does around a save: ``maybe_save``
-(timed: save call), --steps-between ``train_step`` calls (timed: steps; with background writes these share the CPU
-with the writer), ``wait`` (timed). The loop is blocked for save call + wait; the figure is the median ratio sync /
-background of it, and of the whole round. Files go to --tmp through the page cache, as the trainer writes them.
+One process, the recipe at --hidden-size x --layers (--deepspeed: that config on one process), two checkpointers of
+the trainer's own ``build_checkpointer``, ``checkpoint.background_save`` false and true. A round is what the loop does
+around a save: ``maybe_save``, --steps-between ``train_step`` calls, ``wait``. The loop is blocked for save + wait;
+the figure is the median ratio sync / background of it, and of the whole round.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Data path: what the memmap loader delivers against what a training step consumes, and data_time_s in a real run.
 
-1. In this process, alternating blocks: the loader alone (``TrainBatches.micro_batches`` and the loop's
-   ``.to(device)``) for --loader-steps steps against ``_common.OursLoop`` for --block-steps steps: loader over
-   consumed micro-batches/s (the headroom), and the fetch's measured share of the training block.
-2. A real ``train.py`` run of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl. Target: < 1%.
+1. In this process, alternating blocks: the loader alone (``TrainBatches.micro_batches`` and ``.to(device)``) against
+   ``_common.OursLoop``: loader over consumed micro-batches/s (the headroom), and the fetch's share of the block.
+2. A ``train.py`` run of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl. Target: < 1%.
 3. The loader alone at the 1B recipe's shape (seq_len 2048, micro-batch 8).
 """
 

@@ -3,8 +3,6 @@
     bench/run.py document_masking step          # train_step masked and plain, tiny and 34M models, interleaved blocks
     bench/run.py document_masking mask-memory   # bytes of the SDPA, eager and flash masks at seq_len 2k / 8k / 32k
     bench/run.py document_masking val-loss      # recipes/tiny.yaml --steps steps masked and plain, then eval.py both ways
-
-Method: docs/benchmarks/10-document-masking.md.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ def time_steps(run, first_step: int, n_steps: int) -> float:
     start = time.perf_counter()
     for step in range(first_step, first_step + n_steps):
         result = train_step(run, step)
-    result.loss.item()  # the last step's work is done (a no-op wait on CPU)
+    result.loss.item()
     return (time.perf_counter() - start) / n_steps
 
 
@@ -65,8 +63,8 @@ def bench_step(args, report) -> dict:
             runs = {side: build_run(C.bench_config(args.recipe, [f"data.document_masking={str(side == 'masked').lower()}",
                                                                  *overrides], f"{tmp}/{side}", args.data), Path(tmp) / side)
                     for side in ("masked", "plain")}
-            for run in runs.values():  # warm-up (allocator, first-call costs)
-                time_steps(run, 0, 2)
+            for run in runs.values():
+                time_steps(run, 0, 2)  # warm-up
             first = {side: iter(range(2, 10**9, args.block_steps)) for side in runs}
             seconds, stats = C.interleave(
                 report, args.pairs, ("masked", "plain"),

@@ -1,10 +1,9 @@
 """Loop overhead: train.py's step (Trainer.step over train_step) against a minimal raw PyTorch loop, tokens/s.
 
-Both sides in this process, in alternating blocks of --block-steps optimizer steps: *ours* is ``_common.OursLoop``
-(the trainer's own ``build_run`` / ``build_trainer``, every callback a run has); *raw* is ``_common.RawLoop`` (the
-same model, initial weights, AdamW groups and micro-batches; forward, fp32 cross-entropy, backward, clip, step,
-zero_grad). Its batches are pre-built (the fetch counts as ours' overhead) unless ``--raw-data fetch``. Target: the
-median ours / raw >= 0.97; the CPU-seconds ratio and a per-section breakdown are printed beside it.
+Both sides in this process, in alternating blocks of --block-steps steps: *ours* is ``_common.OursLoop`` (every
+callback a run has); *raw* is ``_common.RawLoop`` (the same model, weights, AdamW groups and pre-built micro-batches:
+forward, fp32 cross-entropy, backward, clip, step). Target: median ours / raw >= 0.97; the CPU-seconds ratio and a
+per-section breakdown beside it.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ def options(parser) -> None:
     parser.add_argument("--overrides", nargs="*", default=TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
     parser.add_argument("--block-steps", type=int, default=10, help="optimizer steps per timed block (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps of each side first (default: %(default)s)")
-    parser.add_argument("--raw-data", choices=["prebuilt", "fetch"], default="prebuilt",
-                        help="raw loop's batches: pre-built tensors (strict) or fetched from the memory map like ours")
 
 
 def run(args, report) -> None:
@@ -33,13 +30,12 @@ def run(args, report) -> None:
         cfg = C.bench_config(args.recipe, args.overrides, out_dir=tmp, data_path=args.data)
         ours = C.OursLoop(cfg, Path(tmp))
         device = ours.accelerator.device
-        batches = (C.prebuilt_batches(ours.train_batches, 16) if args.raw_data == "prebuilt"
-                   else C.fetched_batches(ours.train_batches))
+        batches = C.prebuilt_batches(ours.train_batches, 16)
         loops = {"ours": ours, "raw": C.RawLoop(cfg, ours.hf_config, device, ours.precision, batches)}
         report.line(f"model: {ours.n_params / 1e6:.2f}M params, {cfg.model.num_layers} layers x {cfg.model.hidden_size} "
                     f"wide, seq_len {cfg.data.seq_len}, micro-batch {cfg.train.micro_batch_size} x accumulation "
                     f"{ours.layout.accum_steps} = {ours.tokens_per_step} tokens/step, precision {ours.precision}, "
-                    f"grad_clip {cfg.optim.grad_clip}, device {device}; raw batches: {args.raw_data}")
+                    f"grad_clip {cfg.optim.grad_clip}, device {device}")
         for loop in loops.values():
             C.timed_block(loop, args.warmup_steps, device)
             loop.sections.reset()
@@ -60,7 +56,7 @@ def run(args, report) -> None:
                     f"{100 * share:.2f}% of its step, i.e. {1 - share:.3f}x raw's tokens/s if the shared sections ran "
                     "equally fast")
         report.figures = {"ratio_ours_over_raw": ratio, "extra_ms_per_step": extra_ms, "implied_ratio": 1 - share,
-                          "cpu_time_ratio": cpu, "ms_per_step": breakdown, "raw_data": args.raw_data,
+                          "cpu_time_ratio": cpu, "ms_per_step": breakdown,
                           "tokens_per_sec": {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts]
                                              for side, ts in timings.items()},
                           "tokens_per_step": ours.tokens_per_step, "n_params": ours.n_params}

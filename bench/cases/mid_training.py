@@ -7,8 +7,7 @@
 Four runs, validated every --steps/10 steps: **cosine**; **wsd-90** (``schedule.decay_fraction=0.1``, every
 checkpoint kept); **wsd-80** (``checkpoint.branch_from`` wsd-90's checkpoint at 80 %, decaying over the last 20 %);
 **average** (wsd-90's last --average stable checkpoints). The table compares eval.py's ``evaluate_path`` losses at
-equal tokens; the figure draws the validation curves and learning rates; a fresh process averages 1 and then
---average checkpoints for the peak memory (``VmHWM``).
+equal tokens; a fresh process averages 1 and then --average checkpoints for the peak memory (``VmHWM``).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ def options(parser) -> None:
 def worker(args) -> dict:
     """Average ``--checkpoints`` into ``--out`` in this process: its resident floor and peak (MB)."""
     import lmrecipe.average as average  # imports first: they are the floor
+    import transformers  # noqa: F401
 
     floor = C.status_kb("VmRSS")
     result = average.average_checkpoints([Path(c) for c in args.checkpoints], args.out, overwrite=True)
@@ -54,52 +54,6 @@ def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> Path:
     return out
 
 
-def rows(run: Path, key: str) -> dict[int, float]:
-    from lmrecipe.observe.metrics_log import read_metrics
-
-    return {r["step"]: r[key] for r in read_metrics(run / "metrics.jsonl") if key in r}
-
-
-def plot(path: Path, runs: dict[str, Path], lrs: dict[str, list[float]], tokens_per_step: int,
-         average: tuple[int, float, float, int]) -> None:
-    """Validation curves and learning rates of the runs against tokens, and the averaging's two points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    for name, run in runs.items():
-        val = rows(run, "val_loss")
-        if name == "wsd-80":  # the branch's curve starts where it leaves its trunk
-            val = {**{s: v for s, v in rows(runs["wsd-90"], "val_loss").items() if s < min(val)}, **val}
-        top.plot([s * tokens_per_step for s in val], list(val.values()), marker=".", label=name)
-        bottom.plot([(s + 1) * tokens_per_step for s in range(len(lrs[name]))], lrs[name], label=name)
-    step, single, averaged, k = average
-    top.scatter([step * tokens_per_step], [single], marker="x", color="black", zorder=5, label=f"stable, step {step}")
-    top.scatter([step * tokens_per_step], [averaged], marker="*", s=80, color="red", zorder=5, label=f"average of {k}")
-    top.set_ylabel("validation loss")
-    finals = [v for run in runs.values() for v in rows(run, "val_loss").values()]
-    top.set_ylim(min(finals + [single, averaged]) - 0.1, sorted(finals)[len(finals) // 2] + 0.5)
-    top.legend()
-    bottom.set(ylabel="learning rate", xlabel="training tokens")
-    for axes in (top, bottom):
-        axes.grid(alpha=0.3)
-    fig.suptitle("tiny recipe: cosine vs warmup-stable-decay branches; checkpoint averaging")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def schedule(recipe: str, overrides: list[str], n: int) -> list[float]:
-    """The learning rate of each step of a run of ``recipe`` with ``overrides`` (``optim.lr_at``)."""
-    from lmrecipe.config import load_config
-    from lmrecipe.optim import lr_at
-
-    cfg = load_config(recipe, [*overrides, f"train.max_steps={n}"])
-    return [lr_at(s, n, cfg.optim, cfg.schedule) for s in range(n)]
-
-
 def run(args, report) -> None:
     logging.disable(logging.INFO)
     with contextlib.ExitStack() as stack:
@@ -107,17 +61,16 @@ def run(args, report) -> None:
         measure(args, report, tmp)
 
 
-def train_all(args, tmp: Path, n: int, every: int, at80: int) -> dict[str, Path]:
+def train_all(args, tmp: Path, n: int, every: int, at80: int) -> None:
     from lmrecipe.checkpoint.storage import step_dir_name
 
     common = [*args.set, f"train.max_steps={n}", f"train.eval_every_steps={every}"]
     kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
-    runs = {"cosine": train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept]),
-            "wsd-90": train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])}
-    runs["wsd-80"] = train_run(args.recipe, args.data, tmp / "wsd80", [
+    train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept])
+    train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])
+    train_run(args.recipe, args.data, tmp / "wsd80", [
         *common, f"schedule.decay_steps={n - at80}", "checkpoint.every_steps=0",
         f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"])
-    return runs
 
 
 def measure(args, report, tmp: Path) -> None:
@@ -128,7 +81,7 @@ def measure(args, report, tmp: Path) -> None:
 
     n = args.steps
     every, at80, at90 = max(1, n // 10), round(0.8 * n), round(0.9 * n)
-    runs = train_all(args, tmp, n, every, at80)
+    train_all(args, tmp, n, every, at80)
     trunk = tmp / "wsd90" / "checkpoints"
     stable = [c.path for c in complete_checkpoints(trunk) if c.step <= at90][-args.average:]
     averaged = average_checkpoints(stable, tmp / "average", overwrite=True)
@@ -161,10 +114,3 @@ def measure(args, report, tmp: Path) -> None:
     for k, m in memory.items():
         report.line(f"averaging {k} checkpoint(s): {m['floor_mb']:.0f} MB after imports, peak {m['peak_mb']:.0f} MB "
                     f"(fp32 weights {model_mb:.1f} MB)")
-    report.output_dir.mkdir(parents=True, exist_ok=True)
-    trunk_lrs = schedule(args.recipe, [*args.set, "schedule.decay_fraction=0.1"], n)
-    lrs = {"cosine": schedule(args.recipe, args.set, n), "wsd-90": trunk_lrs,
-           "wsd-80": trunk_lrs[:at80] + schedule(args.recipe, [*args.set, f"schedule.decay_steps={n - at80}"], n)[at80:]}
-    plot(report.output_dir / "mid_training.png", runs, lrs, tokens_per_step,
-         (at90, figures["stable_last"], figures["stable_average"], len(stable)))
-    report.line(f"figure: {report.output_dir / 'mid_training.png'}")

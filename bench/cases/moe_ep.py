@@ -1,11 +1,9 @@
 """Expert parallelism 2 against 1 (DeepSpeed AutoEP) on 2 processes: step time and model states per rank, interleaved.
 
-Both sides train ``recipes/tiny_moe.yaml`` widened so that the experts hold about 3/4 of the weights (4 layers of 8
-experts of width 512 on a 128-wide model) on 2 processes with ``distributed.expert_layer=autoep``: at
-``expert_parallel_size=1`` each rank holds every expert, at 2 each holds 4 of every layer's 8 and the tokens travel by
-all-to-all; same global batch, data and losses (``tests/integration/test_moe.py``). Each side is one
-``tools/compare_zero.py`` run (``run_comparison``), in alternating order. Per round: tokens/s of each side and EP2 /
-EP1; per rank: the model states measured during the second step beside ``lmrecipe.planning.memory``'s estimate.
+``recipes/tiny_moe.yaml`` widened so that the experts hold about 3/4 of the weights (4 layers of 8 experts of width
+512), ``distributed.expert_layer=autoep``: at ``expert_parallel_size=1`` each rank holds every expert, at 2 half of
+them. Each side is one ``tools/compare_zero.py`` run (``run_comparison``), in alternating order: tokens/s, EP2 / EP1,
+and the model states measured per rank beside ``lmrecipe.planning.memory``'s estimate.
 """
 
 from __future__ import annotations

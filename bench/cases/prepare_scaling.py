@@ -1,11 +1,9 @@
 """Preparation: tokens/s of tools/prepare_data.py's tokenization on 1 and 2 processes, and a datasets.map baseline.
 
     bench/run.py prepare_scaling --max-documents 0 --pairs 3         # the whole corpus
-    bench/run.py prepare_scaling --tokenizers-parallelism false      # no Rust threads inside a process
 
-Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(tokenizer=DIR, num_proc=1 or 2)``, meta.json's
-``timing.tokens_per_sec``; ``--prepare-tokenizer trained``: prepare trains its BPE, not timed) and *map*
-(``datasets.Dataset.map``, same tokenizer and documents). Method: docs/benchmarks/04-preparation.md.
+Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(num_proc=1 or 2)``, meta.json's
+``timing.tokens_per_sec``) and *map* (``datasets.Dataset.map``, same tokenizer and documents).
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ SIDES = ("p1", "p2", "map")
 def options(parser) -> None:
     parser.add_argument("--tokenizer", default="data/stdlib", help="tokenizer folder (default: %(default)s)")
     parser.add_argument("--max-documents", type=int, default=300, help="first N documents of the embedded corpus; 0 = all")
-    parser.add_argument("--tokenizers-parallelism", choices=["default", "true", "false"], default="default",
-                        help="TOKENIZERS_PARALLELISM for every side (default: leave the environment as it is)")
     parser.add_argument("--prepare-tokenizer", choices=["given", "trained"], default="given",
                         help="p1/p2: given = --tokenizer; trained = prepare trains its BPE (not timed), prepare_data's default")
 
@@ -39,8 +35,7 @@ def check(args) -> None:
 
 
 def name(args) -> str:
-    return "".join(["prepare_scaling", f"_{args.prepare_tokenizer}" if args.prepare_tokenizer != "given" else "",
-                    f"_parallelism_{args.tokenizers_parallelism}" if args.tokenizers_parallelism != "default" else ""])
+    return "prepare_scaling" + ("_trained" if args.prepare_tokenizer == "trained" else "")
 
 
 def worker(args) -> dict:
@@ -92,16 +87,13 @@ def corpus_texts(max_documents: int | None) -> list[str]:
 
 
 def run(args, report) -> None:
-    env = dict(os.environ)
-    if args.tokenizers_parallelism != "default":
-        env["TOKENIZERS_PARALLELISM"] = args.tokenizers_parallelism
-    parallelism = env.get("TOKENIZERS_PARALLELISM", "unset")
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM", "unset")
     report.line(f"corpus: embedded stdlib, {f'first {args.max_documents}' if args.max_documents else 'all'} documents; "
                 f"prepare's tokenizer: {'trained' if args.prepare_tokenizer == 'trained' else args.tokenizer}; map's: "
                 f"{args.tokenizer}; TOKENIZERS_PARALLELISM={parallelism}")
     ratios = {key: (lambda a, b: lambda g: g[a]["tokens_per_sec"] / g[b]["tokens_per_sec"])(*key.split("/"))
               for key in ("p2/p1", "p1/map", "p2/map")}
-    runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side, env),
+    runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side),
                                ratios, lambda g: "  ".join(f"{side} {r['tokens_per_sec']:,.0f}" for side, r in g.items())
                                + f" tokens/s ({g['p1']['tokens']:,} tokens)")
     report.line()

@@ -1,18 +1,11 @@
-"""What the straggler instrument and the goodput ledger add to an unlogged step (main thread), in this process:
+"""What the straggler instrument and the goodput ledger add to an unlogged step (main thread), in this process.
 
-    .venv/bin/python bench/run.py stragglers
-
-A stand-in trainer steps 7 blocks of 100,000 unlogged steps of one micro-batch through the hooks the two callbacks
-use (``StragglerClock``'s clock around the forward and ``after_step``; ``GoodputLedger``'s ``before_step``,
-``on_step_end`` and ``on_save`` of a step that saves nothing); the median block's microseconds per step, on a CPU
-(the host clock; a GPU records two CUDA events instead). Whether a step makes host syncs is tested, not timed here
-(``tests/unit/test_step.py::test_unlogged_steps_make_no_host_sync``).
+A stand-in trainer steps 7 blocks of 100,000 unlogged steps through the hooks of ``StragglerClock`` and
+``GoodputLedger``: the median block's microseconds per step, on a CPU (the host clock; a GPU records CUDA events).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +13,8 @@ import torch
 
 from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.stragglers import StragglerClock
+
+from .watchdog import us_per_call
 
 PAIRS = None
 DATA = None
@@ -47,13 +42,7 @@ def us_per_step(cfg) -> float:
         ledger.on_save(trainer)
 
     ledger.before_step(trainer)  # the session's first step opens the ledger
-    blocks = []
-    for _ in range(BLOCKS):
-        start = time.perf_counter()
-        for _ in range(STEPS):
-            step()
-        blocks.append((time.perf_counter() - start) / STEPS * 1e6)
-    return statistics.median(blocks)
+    return us_per_call(step, BLOCKS, STEPS)
 
 
 def run(args, report) -> None:

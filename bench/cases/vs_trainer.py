@@ -87,23 +87,11 @@ def worker_trainer(cfg, marks: StepMarks, warmup: int, device_name: str, out_dir
     schedule = LambdaLR(optimizer, lambda step: lr_at(step, cfg.train.max_steps, cfg.optim, cfg.schedule) / cfg.optim.lr)
     precision = resolve_precision(cfg.train.precision)
     args = TrainingArguments(
-        output_dir=out_dir,
-        max_steps=cfg.train.max_steps,
-        per_device_train_batch_size=cfg.train.micro_batch_size,
+        output_dir=out_dir, max_steps=cfg.train.max_steps, per_device_train_batch_size=cfg.train.micro_batch_size,
         gradient_accumulation_steps=cfg.train.global_batch_size // cfg.train.micro_batch_size,
-        max_grad_norm=cfg.optim.grad_clip,
-        learning_rate=cfg.optim.lr,
-        logging_steps=cfg.logging.log_every_steps,
-        report_to=[],
-        save_strategy="no",
-        eval_strategy="no",
-        use_cpu=device_name == "cpu",
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=cfg.train.seed,
-    )
+        max_grad_norm=cfg.optim.grad_clip, learning_rate=cfg.optim.lr, logging_steps=cfg.logging.log_every_steps,
+        report_to=[], save_strategy="no", eval_strategy="no", use_cpu=device_name == "cpu", bf16=precision == "bf16",
+        fp16=precision == "fp16", dataloader_num_workers=0, disable_tqdm=True, seed=cfg.train.seed)
 
     class StepEnd(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -1,12 +1,9 @@
 """The hang watchdog's own cost: what its hooks add to every step and what one beat of a watcher costs, in this
 process, with the recipe's default budgets.
 
-hooks: ``Watchdog.before_step``, ``pre_optim_step``, ``after_step``, ``on_step_end`` and ``on_save`` (a step that
-saves nothing) on a stand-in trainer, 7 blocks of 100,000 steps: the median block's microseconds per step. A beat:
-a ``HangWatcher`` of a 2-rank world on a local ``TCPStore`` publishes its record, checks for a verdict and reads both
-records, 7 blocks of 2,000 beats: wall and thread CPU microseconds per beat, and the share of one core at a beat
-every 5 s (the defaults) and every 0.25 s (4 s budgets). The freeze-to-exit time is printed by
-``pytest -m slow tests/integration/test_hangs.py -s``.
+hooks: the five ``Watchdog`` hooks of a step on a stand-in trainer, microseconds per step (median of 7 blocks of
+100,000). A beat: a ``HangWatcher`` of a 2-rank world on a local ``TCPStore`` publishes, checks for a verdict and
+reads both records: wall and CPU microseconds, and the share of a core at a beat every 5 s and every 0.25 s.
 """
 
 from __future__ import annotations
@@ -38,13 +35,18 @@ def hooks_us_per_step(section) -> float:
         watchdog.on_step_end(trainer, None)
         watchdog.on_save(trainer)
 
-    blocks = []
-    for _ in range(BLOCKS):
+    return us_per_call(step)
+
+
+def us_per_call(fn, blocks: int = BLOCKS, calls: int = 100_000) -> float:
+    """Microseconds per call of ``fn``: the median of ``blocks`` blocks of ``calls`` calls."""
+    times = []
+    for _ in range(blocks):
         start = time.perf_counter()
-        for _ in range(100_000):
-            step()
-        blocks.append((time.perf_counter() - start) / 100_000 * 1e6)
-    return statistics.median(blocks)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
 
 
 def beat_us(section) -> tuple[float, float]:

@@ -1,11 +1,8 @@
 """What an offline GPU node lacks, installed from the packed folder (``bench/gpu/pack.sh``) with no network.
 
-Everything goes into one folder (``--target``) that the kit's processes put first on ``PYTHONPATH``, so the
-node's own packages (torch, accelerate, triton) stay as they are and an older transformers of its own is shadowed by
-the pinned one. pip's ``--target`` ignores what is installed, hence ``--no-deps`` and the exact file list of the pack.
-DeepSpeed comes as its sdist, built there with ``DS_BUILD_OPS=0`` (no CUDA op compiled, so no nvcc needed; ops would
-be built at first use, and the recipe's ZeRO stages use none) and without build isolation (its setup.py imports
-torch), with the packed setuptools on the path.
+Everything goes into one folder (``--target``) first on the kit's ``PYTHONPATH``, so the node's own torch,
+accelerate and triton stay and an older transformers is shadowed (hence ``--no-deps`` and the pack's exact file
+list). DeepSpeed's sdist is built there with ``DS_BUILD_OPS=0`` (no nvcc) and without build isolation.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ them as it goes; on an offline node it first installs what the node lacks from a
     python3 bench/gpu/run.py --out runs/gpu_kit                  # on the GPU node: the default stages
     .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # on a CPU: every stage, tiny recipe, 2 steps
 
-Steps: install the pack (``install.py``), prepare the data, measure each stage's sides (``stages.py``) in fresh
-processes (``worker.py``), and rewrite ``gpu_kit.json`` and ``gpu_kit.md`` under ``--out`` after every stage. Exit
-status: 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
+It installs the pack (``install.py``), prepares the data, measures each stage's sides (``stages.py``) in fresh
+processes (``worker.py``) and rewrites ``gpu_kit.json`` and ``gpu_kit.md`` under ``--out`` after every stage. Exit
+status 0 (also when a stage failed: its row says why), 2 for a bad argument or no GPU without --dry-run.
 """
 
 from __future__ import annotations
@@ -144,11 +144,9 @@ class Record:
     def markdown(self) -> str:
         d, v = self.data, self.data["versions"]
         device = v.get("device", {}).get("name", "no GPU")
-        lines = [f"# GPU kit: {d['mode']}", "",
-                 f"{device}; torch {v.get('torch')} (CUDA {v.get('cuda')}), transformers {v.get('transformers')}, "
-                 f"accelerate {v.get('accelerate')}, deepspeed {v.get('deepspeed')}, torchao {v.get('torchao')}, "
-                 f"flash-attn {v.get('flash_attn')}; commit {d['commit']}; {d['recipe']} {' '.join(d['base_overrides'])}, "
-                 f"{d['warmup_steps']} warm-up + {d['steps']} measured steps per side; started {d['started']}", "",
+        versions = ", ".join(f"{k} {v.get(k)}" for k in ("torch", "cuda", "transformers", "deepspeed", "torchao", "flash_attn"))
+        lines = [f"# GPU kit: {d['mode']}", "", f"{device}; {versions}; commit {d['commit']}; {d['recipe']} "
+                 f"{' '.join(d['base_overrides'])}, {d['warmup_steps']} + {d['steps']} steps per side; started {d['started']}", "",
                  "| stage | figure | target | met | status |", "| --- | --- | --- | --- | --- |"]
         for row in d["stages"]:
             met = {True: "yes", False: "no", None: ""}[row.get("met")]

@@ -1,9 +1,7 @@
 """The GPU kit's stages: which runs each one measures (its sides) and the figure it turns them into.
 
-A side is one configuration of the recipe (``key=value`` overrides on top of the kit's base), trained for a few
-steps by ``lmrecipe.train``'s own ``build_run`` and ``train_step`` (``bench/gpu/worker.py``). Sides with the same
-overrides are measured once per invocation and shared by the stages that name them (the bf16 ZeRO-2 run is the MFU
-stage's, the fp8 stage's baseline and the data-wait stage's).
+A side is ``key=value`` overrides on top of the kit's base, trained by ``bench/gpu/worker.py``. Sides with the same
+overrides are measured once per invocation and shared by the stages that name them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""The GPU table of docs/benchmarks/gpu.md, generated from the kit's own output, never typed by hand.
+"""The GPU table of docs/benchmarks/gpu.md, generated from the kit's committed records, never typed by hand.
 
     python bench/gpu/table.py                 # print the table from bench/gpu/results/*.json
     python bench/gpu/table.py --write         # put it into docs/benchmarks/gpu.md, between its markers
     python bench/gpu/table.py --check         # exit 1 if the page's table is not the one the results give
 
-A GPU run's ``gpu_kit.json`` (under its ``--out``) is committed as written, under ``bench/gpu/results/`` named by
-its start time and GPU (``2026-11-26T161627-h100.json``). For each stage the table takes the row of the latest run
-that measured it; a stage no GPU run has measured says so. Dry runs (CPU) are refused: their figures are not GPU
-figures.
+A GPU run's ``gpu_kit.json`` is committed as ``bench/gpu/results/<start time>-<gpu>.json``. Each stage's row is the
+latest run that measured it; dry runs (CPU) are refused.
 """
 
 from __future__ import annotations

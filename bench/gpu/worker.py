@@ -163,22 +163,17 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         seconds = time.perf_counter() - start
         peak_tflops, peak_source = device_peak_tflops(device, run.runtime.precision, None)
         tokens_per_sec = steps * run.tokens_per_step / seconds
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
         result = {
-            "label": side["label"], "overrides": side["overrides"], "device": str(device),
-            "precision": run.runtime.precision, "zero": run.runtime.topology.zero.describe(),
-            "attention": cfg.model.attn_implementation, "document_masking": cfg.data.document_masking,
-            "n_params": run.n_params, "tokens_per_step": run.tokens_per_step,
+            "label": side["label"], "overrides": side["overrides"], "device": str(device), "precision": run.runtime.precision,
+            "zero": run.runtime.topology.zero.describe(), "attention": cfg.model.attn_implementation,
+            "document_masking": cfg.data.document_masking, "n_params": run.n_params, "tokens_per_step": run.tokens_per_step,
             "micro_batch_size": cfg.train.micro_batch_size, "accum_steps": run.runtime.batch.accum_steps,
             "warmup_steps": warmup_steps, "steps": steps, "build_s": build_s, "step_time_s": seconds / steps,
-            "tokens_per_sec": tokens_per_sec,
-            "mfu": mfu(tokens_per_sec, run.flops_per_token, 1, peak_tflops) if cuda else None,
-            "peak_tflops": peak_tflops, "peak_source": peak_source,
-            "step_peak_gib": (torch.cuda.max_memory_allocated(device) - held) / GIB if cuda else None,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-            "held_gib": held / GIB if cuda else None,
-            "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds,
-            "loss": float(last.loss),
-        }
+            "tokens_per_sec": tokens_per_sec, "mfu": mfu(tokens_per_sec, run.flops_per_token, 1, peak_tflops) if cuda else None,
+            "peak_tflops": peak_tflops, "peak_source": peak_source, "step_peak_gib": (peak - held) / GIB if cuda else None,
+            "peak_gib": peak / GIB if cuda else None, "held_gib": held / GIB if cuda else None,
+            "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds, "loss": float(last.loss)}
         save(result)
         next_step = warmup_steps + steps
         if side["count_syncs"]:
