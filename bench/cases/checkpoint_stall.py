@@ -8,6 +8,7 @@ the figure is the median ratio sync / background of it, and of the whole round.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -27,8 +28,6 @@ def name(args) -> str:
 
 
 def run(args, report) -> None:
-    import logging
-
     from lmrecipe.train.state import TrainState
     from lmrecipe.train.step import train_step
 
@@ -60,9 +59,8 @@ def run(args, report) -> None:
                                  f"step {1e3 * r['step_s']:,.0f} ms" for side, r in g.items()))
         for side in SIDES:
             ms = {key: 1e3 * C.median_of(rounds[side], key) for key in ("blocked_s", "save_s", "wait_s", "step_s")}
-            report.line(f"{side:>10}: loop blocked {ms['blocked_s']:,.0f} ms per checkpoint (save call "
-                        f"{ms['save_s']:,.0f} ms, wait {ms['wait_s']:,.0f} ms); median training step after the save "
-                        f"{ms['step_s']:,.0f} ms")
+            report.line(f"{side:>10}: loop blocked {ms['blocked_s']:,.0f} ms per checkpoint (save {ms['save_s']:,.0f} ms "
+                        f"+ wait {ms['wait_s']:,.0f} ms); step after the save {ms['step_s']:,.0f} ms")
         report.line(f"blocked time per checkpoint, sync / background: {C.fmt_ratio(stats['blocked ratio'])}")
         report.line(f"whole round (save + {args.steps_between} steps + wait), sync / background: "
                     f"{C.fmt_ratio(stats['round ratio'])}")

@@ -42,86 +42,58 @@ def name(args) -> str:
 def run(args, report) -> None:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_startup_"))
     try:
-        measure(args, report, workdir)
+        start, small = time.perf_counter(), Path(args.data).resolve()
+        folders = {"small": small, "large": build_large(small, workdir / "large", args.large_tokens, args.sparse)}
+        size_gb = C.folder_mb(folders["large"]) / 1e3
+        report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
+                    f"tokens), built in {time.perf_counter() - start:.1f} s")
+        rounds = iter(range(10**9))
+        got, stats = C.interleave(
+            report, args.pairs, ("small", "large"),
+            lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe, args.timeout),
+            {"large/small": lambda g: g["large"][0] / g["small"][0]},
+            lambda g: ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)" for side, (s, rss) in g.items()))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def measure(args, report, workdir: Path) -> None:
-    start, small = time.perf_counter(), Path(args.data).resolve()
-    folders = {"small": small, "large": (build_sparse if args.sparse else build_large)(small, workdir / "large",
-                                                                                      args.large_tokens)}
-    size_gb = sum(p.stat().st_size for p in folders["large"].iterdir()) / 1e9
-    report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
-                f"tokens), built in {time.perf_counter() - start:.1f} s")
-    rounds = iter(range(10**9))
-    got, stats = C.interleave(
-        report, args.pairs, ("small", "large"),
-        lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe, args.timeout),
-        {"large/small": lambda g: g["large"][0] / g["small"][0]},
-        lambda g: "launch to first step: " + ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)"
-                                                       for side, (s, rss) in g.items()))
     runs = {side: [s for s, _ in rows] for side, rows in got.items()}
     rss = {side: [r for _, r in rows] for side, rows in got.items()}
-    report.line()
     report.line("median launch to first step: " + ", ".join(
-        f"{side} {statistics.median(v):.2f} s (min {min(v):.2f}, max {max(v):.2f})" for side, v in runs.items()))
-    report.line(f"large / small: {C.fmt_ratio(stats['large/small'])}")
-    rss_gain = statistics.median(rss["large"]) - statistics.median(rss["small"])
-    report.line(f"peak RSS at the first step, median: small {statistics.median(rss['small']) / 1e9:.3f} GB, large "
-                f"{statistics.median(rss['large']) / 1e9:.3f} GB ({rss_gain / 1e9:+.3f} GB)")
+        f"{side} {statistics.median(v):.2f} s (peak RSS {statistics.median(rss[side]) / 1e9:.3f} GB)"
+        for side, v in runs.items()) + f"; large / small {C.fmt_ratio(stats['large/small'])}")
     report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats["large/small"], "large_gb": size_gb}
 
 
-def build_sparse(small: Path, dest: Path, tokens: int) -> Path:
-    """``small`` with its train.bin extended by a sparse tail of zeros to ``tokens`` tokens; returns ``dest``."""
-    import numpy as np
-
-    from lmrecipe.data.format import INDEX_DTYPE, load_meta
-
-    meta = load_meta(small)
-    dest.mkdir(parents=True)
-    for path in small.iterdir():
-        if path.name not in ("train.bin", "train.idx", "meta.json"):
-            shutil.copy2(path, dest / path.name)
-    info = meta["splits"]["train"]
-    shutil.copy2(small / "train.bin", dest / "train.bin")
-    with open(dest / "train.bin", "r+b") as f:
-        f.truncate(tokens * np.dtype(meta["dtype"]).itemsize)  # a hole: no disk blocks, reads as zeros
-    index = np.fromfile(small / "train.idx", dtype=INDEX_DTYPE)
-    np.append(index, np.array([tokens], dtype=INDEX_DTYPE)).tofile(dest / "train.idx")
-    info.update(n_tokens=tokens, n_documents=info["n_documents"] + 1, sha256=f"sparse extension of {info['sha256']}")
-    meta["source"] = f"{small} with a sparse tail to {tokens:,} tokens"
-    (dest / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    load_meta(dest)
-    return dest
-
-
-def build_large(small: Path, dest: Path, tokens: int) -> Path:
-    """``small`` replicated until train.bin holds at least ``tokens`` tokens; returns ``dest``."""
+def build_large(small: Path, dest: Path, tokens: int, sparse: bool) -> Path:
+    """``small`` replicated until train.bin holds at least ``tokens`` tokens, or (``sparse``) its train.bin extended by
+    a sparse tail of zeros to ``tokens`` tokens (a hole: no disk blocks); returns ``dest``."""
     import numpy as np
 
     from lmrecipe.data.format import INDEX_DTYPE, SPLITS, load_meta
 
     meta = load_meta(small)
-    copies = -(-tokens // int(meta["splits"]["train"]["n_tokens"]))
     dest.mkdir(parents=True)
     for path in small.iterdir():  # the tokenizer files
         if path.suffix not in (".bin", ".idx") and path.name != "meta.json":
             shutil.copy2(path, dest / path.name)
+    copies = 1 if sparse else -(-tokens // int(meta["splits"]["train"]["n_tokens"]))
     for split in SPLITS:
-        info = meta["splits"][split]
-        data = (small / f"{split}.bin").read_bytes()
+        info, data = meta["splits"][split], (small / f"{split}.bin").read_bytes()
         index = np.fromfile(small / f"{split}.idx", dtype=INDEX_DTYPE)
         with open(dest / f"{split}.bin", "wb") as bin_file, open(dest / f"{split}.idx", "wb") as idx_file:
             idx_file.write(index[:1].tobytes())
             for copy in range(copies):
                 bin_file.write(data)
                 idx_file.write((index[1:] + np.uint64(copy * int(info["n_tokens"]))).astype(INDEX_DTYPE).tobytes())
-        info.update(n_tokens=info["n_tokens"] * copies, n_documents=info["n_documents"] * copies,
-                    sha256=f"{copies} copies of {info['sha256']}")
-    meta["source"] = f"{copies} copies of {small} ({meta['source']})"
+            if sparse and split == "train":
+                bin_file.truncate(tokens * np.dtype(meta["dtype"]).itemsize)
+                idx_file.write(np.array([tokens], dtype=INDEX_DTYPE).tobytes())
+        n_tokens, n_documents = info["n_tokens"] * copies, info["n_documents"] * copies
+        if sparse and split == "train":
+            n_tokens, n_documents = tokens, n_documents + 1
+        info.update(n_tokens=n_tokens, n_documents=n_documents, sha256=f"{copies} copies of {info['sha256']}"
+                    + (", with a sparse tail" if sparse and split == "train" else ""))
+    meta["source"] = f"{small}, extended to {tokens:,} train tokens ({meta['source']})"
     (dest / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     load_meta(dest)
     return dest
@@ -146,4 +118,3 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
             proc.send_signal(signal.SIGKILL)
         proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
-

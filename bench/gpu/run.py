@@ -217,9 +217,9 @@ def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
     return groups
 
 
-def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, timeout_s: float) -> tuple[dict, dict | None]:
-    """Measure ``groups`` in one worker process: their results by key (an error for each that gave none), and the
-    versions the worker imported."""
+def run_job(args, env: dict, record: Record, groups: list[dict], name: str, timeout_s: float) -> dict:
+    """Measure ``groups`` in one worker process: their results by key (an error for each that gave none); the first
+    versions a worker imported go into the record."""
     work = args.work / "runs" / name
     work.mkdir(parents=True, exist_ok=True)
     job = {"recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base": list(args.base), "data": str(args.data),
@@ -237,6 +237,8 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
         failure = f"worker stopped after {timeout_s:.0f} s (--budget-s)"
     results = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
     versions = results.pop("_versions", None)
+    if versions and not record.data["versions"]:
+        record.data["versions"] = versions
     text = log.read_text(errors="replace") if log.is_file() else ""
     tail = text[-1500:]
     with open(args.out / LOG_NAME, "a") as logs:
@@ -245,15 +247,6 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
         result = results.setdefault(group["key"], {"label": group["label"], "error": f"{failure or 'no result'}: {tail}"})
         if result.get("partial"):  # its timed steps were measured, what followed them was not
             result["stopped"] = f"{failure or 'stopped'} after its timed steps: {tail[-300:]}"
-    return results, versions
-
-
-def measure_sides(args, env: dict, record: Record, groups: list[dict], name: str, timeout_s: float) -> dict:
-    """``run_job``, recording the versions its worker imported the first time."""
-    results, versions = run_job(args, env, groups, name, timeout_s)
-    if versions and not record.data["versions"]:
-        record.data["versions"] = versions
-        record.log(f"versions: {json.dumps(versions)}")
     return results
 
 
@@ -263,9 +256,8 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
     problems = [f"{label}: {r['error'].splitlines()[0][:300]}" for label, r in results.items() if "error" in r]
     skipped = [f"{label}: {r['skipped']}" for label, r in results.items() if "skipped" in r]
     if problems or skipped:
-        row.update(status=("failed: " + "; ".join(problems)) if problems else "skipped: " + "; ".join(skipped),
-                   met=None, figure="")
-        return row
+        return {**row, "status": ("failed: " + "; ".join(problems)) if problems else "skipped: " + "; ".join(skipped),
+                "met": None, "figure": ""}
     try:
         row.update(stage.summarize(results))
     except (KeyError, TypeError, ZeroDivisionError) as exc:
@@ -273,10 +265,9 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
         row.update(status=f"failed: summary ({type(exc).__name__}: {exc})" + (f"; {'; '.join(stopped)}" if stopped else ""),
                    met=None, figure="")
         return row
-    row["status"] = "dry run (CPU, tiny recipe, not a GPU figure)" if dry_run else "measured"
     if dry_run:
-        row["met"] = None
-    return row
+        return {**row, "status": "dry run (CPU, tiny recipe, not a GPU figure)", "met": None}
+    return {**row, "status": "measured"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = side_groups(args.selected)
     done: dict[str, dict] = {}
     if args.dry_run:  # one process for every side: each starts its own Accelerator (worker._forget_run)
-        done.update(measure_sides(args, env, record, list(groups.values()), "dry_run", args.budget_s))
+        done.update(run_job(args, env, record, list(groups.values()), "dry_run", args.budget_s))
     for stage in args.selected:
         for side in stage.sides:
             key = " ".join(side.overrides)
@@ -308,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 done[key] = {"label": side.label, "error": f"not run: --budget-s {args.budget_s:.0f} was spent"}
                 continue
             record.log(f"{stage.name}: measuring {side.label} ({key or 'the base recipe'})")
-            done.update(measure_sides(args, env, record, [groups[key]], f"side{len(done)}", left))
+            done.update(run_job(args, env, record, [groups[key]], f"side{len(done)}", left))
         row = stage_row(stage, done, args.dry_run)
         record.data["stages"].append(row)
         record.data["elapsed_s"] = round(time.perf_counter() - start, 1)
