@@ -7,7 +7,8 @@
 Four runs, validated every --steps/10 steps: **cosine**; **wsd-90** (``schedule.decay_fraction=0.1``, every
 checkpoint kept); **wsd-80** (``checkpoint.branch_from`` wsd-90's checkpoint at 80 %, decaying over the last 20 %);
 **average** (wsd-90's last --average stable checkpoints). The table compares eval.py's ``evaluate_path`` losses at
-equal tokens; a fresh process averages 1 and then --average checkpoints for the peak memory (``VmHWM``).
+equal tokens (plotted in ``mid_training.png``); a fresh process averages 1 and then --average checkpoints for the
+peak memory (``VmHWM``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,32 @@ def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> Path:
     with C.quiet_stdout():
         train(cfg)
     return out
+
+
+def plot(path: Path, tmp: Path, tokens_per_step: int, at: int, single: float, averaged: float, k: int) -> None:
+    """The runs' logged validation losses and learning rates against tokens, and the averaging's two points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lmrecipe.observe.metrics_log import read_metrics
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for name, folder in (("cosine", "cosine"), ("wsd-90", "wsd90"), ("wsd-80", "wsd80")):
+        rows = read_metrics(tmp / folder / "metrics.jsonl")
+        for axes, key in ((top, "val_loss"), (bottom, "lr")):
+            points = [(r["step"] * tokens_per_step, r[key]) for r in rows if key in r]
+            axes.plot(*zip(*points), marker="." if key == "val_loss" else None, label=name)
+    top.scatter([at * tokens_per_step], [single], marker="x", color="black", zorder=5, label=f"stable, step {at}")
+    top.scatter([at * tokens_per_step], [averaged], marker="*", s=80, color="red", zorder=5, label=f"average of {k}")
+    top.set(ylabel="validation loss")
+    bottom.set(ylabel="learning rate", xlabel="training tokens")
+    top.legend()
+    fig.suptitle("tiny recipe: cosine vs warmup-stable-decay branches; checkpoint averaging")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(args, report) -> None:
@@ -114,3 +141,6 @@ def measure(args, report, tmp: Path) -> None:
     for k, m in memory.items():
         report.line(f"averaging {k} checkpoint(s): {m['floor_mb']:.0f} MB after imports, peak {m['peak_mb']:.0f} MB "
                     f"(fp32 weights {model_mb:.1f} MB)")
+    report.output_dir.mkdir(parents=True, exist_ok=True)
+    plot(report.output_dir / "mid_training.png", tmp, tokens_per_step, at90, figures["stable_last"],
+         figures["stable_average"], len(stable))
