@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 import typing
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 RUNNER = ROOT / "bench" / "run.py"
-
 RESULT_PREFIX = "BENCH_RESULT "  # a worker prints it before its JSON result
 
 
@@ -63,14 +63,7 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", shlex.quote(str(script)), *map(shlex.quote, sys.argv[1:])])
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    return platform.processor() or "unknown"
-
-
-def _version(module: str) -> str:
+def version(module: str) -> str:
     try:
         return __import__(module).__version__
     except Exception:  # not installed, or no __version__: the description says so rather than failing
@@ -81,19 +74,18 @@ def machine(device: str = "cpu") -> dict:
     """What the figures were measured on: CPU, cores, torch threads, load, GPU, library versions."""
     import torch
 
-    desc = {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-        "python": platform.python_version(),
-        "versions": {m: _version(m) for m in
-                     ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")},
-    }
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    desc = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+            "python": platform.python_version(),
+            "versions": {m: version(m) for m in
+                         ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")}}
     if device.startswith("cuda") and torch.cuda.is_available():
-        desc["gpu"] = torch.cuda.get_device_name(0)
-        desc["gpu_count"] = torch.cuda.device_count()
+        desc.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count())
     return desc
 
 
@@ -103,22 +95,21 @@ class Report:
     def __init__(self, name: str, device: str = "cpu", output: str | None = None):
         self.name, self.lines, self.figures = name, [], {}
         self.output_dir, self.machine_start = Path(output) if output else RESULTS, machine(device)
-        self.line(f"# {name}")
-        self.line(f"command: {command_line()}")
-        self.line(f"machine: {json.dumps(self.machine_start)}")
+        for text in (f"# {name}", f"command: {command_line()}", f"machine: {json.dumps(self.machine_start)}"):
+            self.line(text)
 
     def line(self, text: str = "") -> None:
         print(text, flush=True)
         self.lines.append(text)
 
     def save(self) -> Path:
-        self.line(f"load average at the end: {[round(x, 2) for x in os.getloadavg()]}")
+        load = [round(x, 2) for x in os.getloadavg()]
+        self.line(f"load average at the end: {load}")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         text_path = self.output_dir / f"{self.name}.txt"
         text_path.write_text("\n".join(self.lines) + "\n")
-        data = {"command": command_line(), "machine": self.machine_start,
-                "load_avg_end": [round(x, 2) for x in os.getloadavg()], "figures": self.figures}
-        (self.output_dir / f"{self.name}.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+        data = {"command": command_line(), "machine": self.machine_start, "load_avg_end": load, "figures": self.figures}
+        text_path.with_suffix(".json").write_text(json.dumps(data, indent=2, default=float) + "\n")
         print(f"saved {text_path} and {text_path.with_suffix('.json')}", flush=True)
         return text_path
 
@@ -133,8 +124,7 @@ def fmt_ratio(stats: dict, unit: str = "x") -> str:
 
 def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
     """Side order per round, rotated (A B, B A, ... / A B C, B C A, ...): no side always runs right after another."""
-    k = len(sides)
-    return [tuple(sides[(i + j) % k] for j in range(k)) for i in range(n_pairs)]
+    return [tuple(sides[(i + j) % len(sides)] for j in range(len(sides))) for i in range(n_pairs)]
 
 
 def interleave(report: Report, pairs: int, sides: tuple[str, ...], measure: typing.Callable[[str], typing.Any],
@@ -177,10 +167,8 @@ def quiet_stdout():
 
 def status_kb(field: str, pid: int | str = "self") -> int:
     """A field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``, ...) in KiB; 0 if absent."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next((int(line.split()[1]) for line in lines if line.startswith(field + ":")), 0)
 
 
 def free_port() -> int:
@@ -195,9 +183,7 @@ def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str
 
     fixed = [f"out_dir={out_dir}", "train.max_steps=1000000000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
              "checkpoint.export_at_end=false", "checkpoint.resume=none", "logging.progress_bar=false", "logging.trackers=[]"]
-    if data_path:
-        fixed.append(f"data.path={data_path}")
-    return load_config(recipe, [*fixed, *overrides])
+    return load_config(recipe, [*fixed, *([f"data.path={data_path}"] if data_path else []), *overrides])
 
 
 def folder_mb(path: Path) -> float:
@@ -211,26 +197,24 @@ def check_data(path: str) -> None:
                       "a folder tools/prepare_data.py wrote.")
 
 
-class Sections:
+def check_tokenizer(path: str, alternative: str = "") -> None:
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise Refusal(f"no tokenizer at {path} (no tokenizer.json): prepare data/stdlib with .venv/bin/python "
+                      f"tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass --tokenizer a tokenizer "
+                      f"folder{alternative}.")
+
+
+class Sections(Counter):
     """Seconds spent per named section, summed over the steps of a block."""
 
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
     def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def reset(self) -> None:
-        self.seconds = {}
+        self[name] += seconds
 
 
 class OursLoop:
-    """The trainer of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps.
-
-    Built by the trainer's own ``build_run`` / ``build_trainer``; each step is :meth:`Trainer.step`, the same method
-    ``Trainer.fit`` calls (``train_step``, then every callback: log, evaluation, save, the spike rule, ...).
-    ``train_step`` reports its sections to ``self.sections``.
-    """
+    """The trainer of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps: built by its own
+    ``build_run`` / ``build_trainer``, each step is ``Trainer.step`` (``train_step``, then every callback), and
+    ``train_step`` reports its sections to ``self.sections``."""
 
     def __init__(self, cfg, out_dir: Path):
         from lmrecipe.train.setup import build_run
@@ -246,25 +230,17 @@ class OursLoop:
         self.sections = Sections()
         self.trainer = build_trainer(run, out_dir, timer=self.sections.add)
         self.trainer.start()
-
-    @property
-    def state(self):
-        return self.trainer.state
+        self.state, self.close = self.trainer.state, self.trainer.close  # close: no export, no report
 
     def run(self, n_steps: int) -> None:
         for _ in range(n_steps):
             self.trainer.step()
 
-    def close(self) -> None:
-        """Close the run's logs (without the end of a run: no export, no report)."""
-        self.trainer.close()
-
 
 class RawLoop:
     """A minimal PyTorch loop on the same Hugging Face model: forward, fp32 cross-entropy, ``(loss / accum).backward()``,
-    ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. No Accelerate, no bookkeeping.
-    ``micro_batches(step)``: the micro-batches of a step (``prebuilt_batches``).
-    """
+    ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``; no Accelerate, no bookkeeping. ``micro_batches(step)``: the
+    micro-batches of a step (``prebuilt_batches``)."""
 
     def __init__(self, cfg, hf_config, device, precision: str, micro_batches):
         import torch
@@ -273,8 +249,7 @@ class RawLoop:
         from lmrecipe.optim import param_groups
 
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, cfg.train, hf_config).to(device)
-        self.model.train()
+        self.model = build_model(cfg.model, cfg.train, hf_config).to(device).train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(param_groups(self.model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         self.device, self.micro_batches, self.step, self.sections = device, micro_batches, 0, Sections()
@@ -360,8 +335,7 @@ def save_round(run, checkpointer, state, steps_between: int) -> dict:
     """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
     from lmrecipe.train.step import train_step
 
-    device = run.accelerator.device
-    sync(device)
+    sync(run.accelerator.device)
     start = time.perf_counter()
     checkpointer.maybe_save(run.model, state)
     save_s, steps_s = time.perf_counter() - start, []
@@ -369,7 +343,7 @@ def save_round(run, checkpointer, state, steps_between: int) -> dict:
         step_start = time.perf_counter()
         state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
         steps_s.append(time.perf_counter() - step_start)
-    sync(device)
+    sync(run.accelerator.device)
     start = time.perf_counter()
     checkpointer.wait()
     wait_s = time.perf_counter() - start

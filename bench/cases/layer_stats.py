@@ -69,7 +69,6 @@ def run(args, report) -> None:
 
         got, stats = C.interleave(report, args.pairs, ("off", "on"), measure,
                                   {f"{kind} {what}": ratio(kind, j) for kind in KINDS for j, what in ((0, "CPU"), (1, "wall"))})
-        report.line()
         figures = {}
         for kind in KINDS:
             median = {side: statistics.median(ms for r in got[side] for ms in r["cpu_ms"][kind]) for side in loops}

@@ -62,16 +62,12 @@ def worker(args) -> None:
     for step in range(STEPS):
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
-        before = C.status_kb("VmRSS")
-        start = time.perf_counter()
-        result = train_step(run, step)
-        float(result.loss)
+        before, start = C.status_kb("VmRSS"), time.perf_counter()
+        loss = float(train_step(run, step).loss)
         seconds.append(time.perf_counter() - start)
         peaks.append((C.status_kb("VmHWM") - before) * 1024)
-    n_params = sum(p.numel() for p in run.accelerator.unwrap_model(run.model).parameters())
     (args.out / f"rank{run.accelerator.process_index}.json").write_text(json.dumps({
-        "peak_bytes": max(peaks[2:]), "step_s": statistics.median(seconds[2:]), "loss": float(result.loss),
-        "n_params": n_params}))
+        "peak_bytes": max(peaks[2:]), "step_s": statistics.median(seconds[2:]), "loss": loss}))
     run.prefetcher.close()
     run.accelerator.wait_for_everyone()
 
@@ -87,18 +83,9 @@ def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
         C.run_checked(cmd, {**os.environ, "PYTHONPATH": str(C.ROOT), "MALLOC_MMAP_THRESHOLD_": "65536",
                             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))})
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(nproc)]
-    cfg = C.bench_config(args.recipe, overrides, "unused", args.data)
     return {"name": name, "peak_bytes": max(r["peak_bytes"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
             "loss": statistics.mean(r["loss"] for r in ranks), "nproc": nproc,
-            "estimate_bytes": estimated_step_bytes(cfg, nproc, ranks[0]["n_params"])}
-
-
-def row(result: dict, baseline: dict) -> str:
-    gib = 1024**3
-    return (f"| {result['name']} | {result['nproc']} | {result['peak_bytes'] / gib:.2f} | "
-            f"{result['peak_bytes'] / baseline['peak_bytes']:.2f}x | {result['estimate_bytes'] / gib:.2f} | "
-            f"{result['estimate_bytes'] / result['peak_bytes']:.2f} | {result['step_s']:.2f} | "
-            f"{result['step_s'] / baseline['step_s']:.2f}x | {result['loss']:.4f} |")
+            "estimate_bytes": estimated_step_bytes(C.bench_config(args.recipe, overrides, "unused", args.data))}
 
 
 def run(args, report) -> None:
@@ -106,14 +93,16 @@ def run(args, report) -> None:
     for config, overrides, nproc in configs(args.what):
         results.append(measure(args, config, overrides, nproc))
         report.line(f"measured {config}: {json.dumps(results[-1])}")
-    report.line()
     report.line(HEADER)
-    for i, result in enumerate(results):
-        report.line(row(result, results[0] if args.what == "loss" else results[i - i % 2]))
+    for i, r in enumerate(results):
+        base, gib = results[0] if args.what == "loss" else results[i - i % 2], 1024**3
+        report.line(f"| {r['name']} | {r['nproc']} | {r['peak_bytes'] / gib:.2f} | {r['peak_bytes'] / base['peak_bytes']:.2f}x | "
+                    f"{r['estimate_bytes'] / gib:.2f} | {r['estimate_bytes'] / r['peak_bytes']:.2f} | {r['step_s']:.2f} | "
+                    f"{r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} |")
     report.figures = {r["name"]: r for r in results}
 
 
-def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
+def estimated_step_bytes(cfg) -> float:
     """lmrecipe.planning.memory's step peak on one rank: one micro-batch's activations with the output layer's."""
     from lmrecipe.data.format import load_meta
     from lmrecipe.planning.memory import estimate_activations, model_shape

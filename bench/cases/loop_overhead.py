@@ -38,7 +38,7 @@ def run(args, report) -> None:
                     f"grad_clip {cfg.optim.grad_clip}, device {device}")
         for loop in loops.values():
             C.timed_block(loop, args.warmup_steps, device)
-            loop.sections.reset()
+            loop.sections.clear()
         timings, stats = C.interleave(
             report, args.pairs, ("ours", "raw"), lambda side: C.timed_block(loops[side], args.block_steps, device),
             {"ours/raw tokens/s": lambda got: got["raw"].wall_s / got["ours"].wall_s,
@@ -46,7 +46,6 @@ def run(args, report) -> None:
             lambda got: "  ".join(f"{side} {args.block_steps * ours.tokens_per_step / t.wall_s:,.0f} tok/s"
                                   for side, t in got.items()))
         ratio, cpu = stats["ours/raw tokens/s"], stats["CPU-time ratio"]
-        report.line()
         report.line(f"ours / raw tokens/s: {C.fmt_ratio(ratio)}   target >= 0.97: "
                     f"{'MET' if ratio['median'] >= 0.97 else 'MISSED'}")
         report.line(f"same, from CPU seconds per step (raw / ours; less sensitive to other processes): {C.fmt_ratio(cpu)}")
@@ -64,17 +63,15 @@ def run(args, report) -> None:
 
 
 def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:
-    """Milliseconds per step of each section, and ours' extra time: its data fetch and bookkeeping over raw's.
-
-    The sections both loops share run the same kernels, so the extra time is a steadier overhead figure than the
-    ratio of two noisy step times when other processes share the machine."""
+    """Milliseconds per step of each section, and ours' extra time: its data fetch and bookkeeping over raw's (the
+    sections both loops share run the same kernels: a steadier figure than the ratio of two noisy step times)."""
     n_steps = args.pairs * args.block_steps
     report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):")
     report.line(f"  {'section':<20}{'ours':>10}{'raw':>10}")
     breakdown = {}
     for side, loop in loops.items():
         seconds = sum(t.wall_s for t in timings[side])
-        parts = dict(loop.sections.seconds)
+        parts = dict(loop.sections)
         parts.setdefault("data", 0.0)  # raw: inside its fetch, not timed apart
         parts["rest (bookkeeping)"] = seconds - sum(parts.values())
         breakdown[side] = {k: 1000 * v / n_steps for k, v in parts.items()} | {"step": 1000 * seconds / n_steps}

@@ -44,7 +44,7 @@ def worker(args) -> dict:
     return {"floor_mb": floor / 1024, "peak_mb": C.status_kb("VmHWM") / 1024, "k": len(result.checkpoints)}
 
 
-def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> Path:
+def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> None:
     from lmrecipe.config import load_config
     from lmrecipe.train.trainer import train
 
@@ -52,7 +52,6 @@ def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> Path:
                                "logging.trackers=[]", "checkpoint.export_at_end=false", *overrides])
     with C.quiet_stdout():
         train(cfg)
-    return out
 
 
 def plot(path: Path, tmp: Path, tokens_per_step: int, at: int, single: float, averaged: float, k: int) -> None:
@@ -88,18 +87,6 @@ def run(args, report) -> None:
         measure(args, report, tmp)
 
 
-def train_all(args, tmp: Path, n: int, every: int, at80: int) -> None:
-    from lmrecipe.checkpoint.storage import step_dir_name
-
-    common = [*args.set, f"train.max_steps={n}", f"train.eval_every_steps={every}"]
-    kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
-    train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept])
-    train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])
-    train_run(args.recipe, args.data, tmp / "wsd80", [
-        *common, f"schedule.decay_steps={n - at80}", "checkpoint.every_steps=0",
-        f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"])
-
-
 def measure(args, report, tmp: Path) -> None:
     from lmrecipe.average import average_checkpoints
     from lmrecipe.checkpoint.storage import complete_checkpoints, step_dir_name
@@ -108,7 +95,13 @@ def measure(args, report, tmp: Path) -> None:
 
     n = args.steps
     every, at80, at90 = max(1, n // 10), round(0.8 * n), round(0.9 * n)
-    train_all(args, tmp, n, every, at80)
+    common = [*args.set, f"train.max_steps={n}", f"train.eval_every_steps={every}"]
+    kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
+    train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept])
+    train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])
+    train_run(args.recipe, args.data, tmp / "wsd80", [
+        *common, f"schedule.decay_steps={n - at80}", "checkpoint.every_steps=0",
+        f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"])
     trunk = tmp / "wsd90" / "checkpoints"
     stable = [c.path for c in complete_checkpoints(trunk) if c.step <= at90][-args.average:]
     averaged = average_checkpoints(stable, tmp / "average", overwrite=True)
@@ -129,8 +122,7 @@ def measure(args, report, tmp: Path) -> None:
     report.figures = {**figures, "steps": n, "tokens_per_step": tokens_per_step, "averaged": [c.name for c in stable],
                       "memory": memory, "model_fp32_mb": model_mb}
     report.line(f"{n} steps of {tokens_per_step} tokens; validation loss of evaluate_path on {eval_batches} x 8 windows")
-    report.line("| tokens | run | validation loss |")
-    report.line("|---:|---|---:|")
+    report.line("| tokens | run | validation loss |\n|---:|---|---:|")
     end, at = f"{n * tokens_per_step:,}", f"{at90 * tokens_per_step:,}"
     for label, key, tokens in (("cosine", "cosine_end", end), ("WSD, decay over the last 10 %", "wsd90_end", end),
                                ("WSD branch at 80 %, decay over the last 20 %", "wsd80_end", end),

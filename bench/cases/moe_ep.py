@@ -73,16 +73,13 @@ def run(args, report) -> None:
     tokens = {side: [r.tokens_per_sec for r in rs] for side, rs in results.items()}
     states = {side: (rs[0].model_states_measured_mb, rs[0].model_states_estimated_mb, rs[0].final_loss)
               for side, rs in results.items()}
-    report.line()
-    report.line("| side | tokens/s (median of rounds) | step time (ms) | model states per rank, measured (MB) | "
-                "estimated (MB) | final loss |")
-    report.line("| --- | ---: | ---: | ---: | ---: | ---: |")
+    report.line("| side | tokens/s (median) | step time (ms) | model states per rank, measured (MB) | estimated (MB) | "
+                "final loss |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for side in sides:
         median = statistics.median(tokens[side])
         measured, estimated, loss = states[side]
         report.line(f"| {side} ({sides[side]}) | {median:,.0f} | {1e3 * tokens_per_step / median:.1f} | "
                     f"{measured:.2f} | {estimated:.2f} | {loss:.4f} |")
-    report.line()
     report.line(f"EP2 / EP1 tokens/s: {C.fmt_ratio(stats['EP2/EP1'])}; model states per rank EP2 / EP1: "
                 f"{states['EP2'][0] / states['EP1'][0]:.3f} (estimated {states['EP2'][1] / states['EP1'][1]:.3f})")
     report.figures = {"zero": args.zero, "steps": args.steps, "tokens_per_step": tokens_per_step, "params": total,

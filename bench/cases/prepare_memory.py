@@ -39,10 +39,8 @@ def options(parser) -> None:
 
 
 def check(args) -> None:
-    if "given" in args.modes and not (Path(args.tokenizer) / "tokenizer.json").is_file():
-        raise C.Refusal(f"no tokenizer at {args.tokenizer} (no tokenizer.json) for the given mode: prepare data/stdlib "
-                        "with .venv/bin/python tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass "
-                        "--tokenizer a tokenizer folder, or --modes trained.")
+    if "given" in args.modes:
+        C.check_tokenizer(args.tokenizer, " (for the given mode), or --modes trained")
 
 
 def name(args) -> str:

@@ -8,7 +8,9 @@ Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(num_p
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -28,39 +30,30 @@ def options(parser) -> None:
 
 
 def check(args) -> None:
-    if not (Path(args.tokenizer) / "tokenizer.json").is_file():
-        raise C.Refusal(f"no tokenizer at {args.tokenizer} (no tokenizer.json): prepare data/stdlib with "
-                        ".venv/bin/python tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass "
-                        "--tokenizer a tokenizer folder.")
+    C.check_tokenizer(args.tokenizer)
 
 
 def name(args) -> str:
     return "prepare_scaling" + ("_trained" if args.prepare_tokenizer == "trained" else "")
 
 
-def worker(args) -> dict:
-    return measure_side(args.worker, args.tokenizer, args.max_documents or None, args.prepare_tokenizer == "trained")
-
-
 def cpu_seconds() -> float:
     """CPU seconds of this process and of its finished children (prepare's tokenizer workers)."""
-    import resource
-
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def measure_side(side: str, tokenizer: str, max_documents: int | None, train_tokenizer: bool) -> dict:
-    import logging
+def worker(args) -> dict:
+    from lmrecipe.data.prepare.pipeline import prepare
+    from lmrecipe.data.prepare.read import DocumentSource
 
     logging.basicConfig(level=logging.WARNING)
-    from lmrecipe.data.prepare.pipeline import prepare
-
+    side, tokenizer, max_documents = args.worker, args.tokenizer, args.max_documents or None
     if side in ("p1", "p2"):
         with tempfile.TemporaryDirectory(prefix="bench_prep_") as tmp:
             start, cpu_start = time.perf_counter(), cpu_seconds()
-            meta = prepare(output=Path(tmp) / "out", tokenizer=None if train_tokenizer else tokenizer, vocab_size=8192,
-                           num_proc=int(side[1]), max_documents=max_documents)
+            meta = prepare(output=Path(tmp) / "out", tokenizer=None if args.prepare_tokenizer == "trained" else tokenizer,
+                           vocab_size=8192, num_proc=int(side[1]), max_documents=max_documents)
             wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
         n_tokens = sum(s["n_tokens"] for s in meta["splits"].values())
         return {"tokens_per_sec": meta["timing"]["tokens_per_sec"], "tokens": n_tokens,
@@ -71,19 +64,13 @@ def measure_side(side: str, tokenizer: str, max_documents: int | None, train_tok
 
     datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    ds = datasets.Dataset.from_dict({"text": corpus_texts(max_documents)})
+    # The documents prepare() reads by default, in its reading order, held in memory.
+    ds = datasets.Dataset.from_dict({"text": [doc.text for doc in DocumentSource(max_documents=max_documents).documents()]})
     start = time.perf_counter()
     out = ds.map(lambda batch: tok(batch["text"], add_special_tokens=False, verbose=False), batched=True, remove_columns=["text"])
     seconds = time.perf_counter() - start
     n_tokens = sum(len(ids) for ids in out["input_ids"])
     return {"tokens_per_sec": n_tokens / seconds, "tokens": n_tokens, "tokenize_seconds": seconds}
-
-
-def corpus_texts(max_documents: int | None) -> list[str]:
-    """The documents prepare() reads by default (the embedded corpus), in its reading order, held in memory."""
-    from lmrecipe.data.prepare.read import DocumentSource
-
-    return [doc.text for doc in DocumentSource(max_documents=max_documents).documents()]
 
 
 def run(args, report) -> None:
@@ -96,10 +83,9 @@ def run(args, report) -> None:
     runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side),
                                ratios, lambda g: "  ".join(f"{side} {r['tokens_per_sec']:,.0f}" for side, r in g.items())
                                + f" tokens/s ({g['p1']['tokens']:,} tokens)")
-    report.line()
-    report.line(f"2 processes / 1 process (scaling):       {C.fmt_ratio(stats['p2/p1'])}")
-    report.line(f"prepare 1 process / datasets.map:        {C.fmt_ratio(stats['p1/map'])}")
-    report.line(f"prepare 2 processes / datasets.map:      {C.fmt_ratio(stats['p2/map'])}")
+    for key, label in (("p2/p1", "2 processes / 1 process"), ("p1/map", "1 process / datasets.map"),
+                       ("p2/map", "2 processes / datasets.map")):
+        report.line(f"{label}: {C.fmt_ratio(stats[key])}")
     walls, cpus, cores = ({side: C.median_of(runs[side], key) for side in ("p1", "p2")}
                           for key in ("prepare_wall_seconds", "prepare_cpu_seconds", "cores_used"))
     report.line("whole prepare() (corpus read, split, tokenizer, tokenization, writes), median: " + "; ".join(

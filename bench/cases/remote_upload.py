@@ -9,7 +9,9 @@ thread as ``RemoteUpload.on_save`` does. The figure is the median ratio on / off
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 import statistics
 import tempfile
@@ -36,26 +38,21 @@ def check(args) -> None:
 
 
 def run(args, report) -> None:
-    import logging
-
     logging.disable(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="bench_remote_", dir=args.tmp) as tmp:
-        server, bucket = None, args.bucket
-        if args.endpoint is None:
+    with tempfile.TemporaryDirectory(prefix="bench_remote_", dir=args.tmp) as tmp, contextlib.ExitStack() as stack:
+        bucket = args.bucket
+        if args.endpoint is None:  # the tests' local SeaweedFS
             spec = importlib.util.spec_from_file_location("s3_server", C.ROOT / "tests" / "s3_server.py")
             s3_server = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(s3_server)
             server = s3_server.S3Server(Path(tmp) / "server")
             server.start()
+            stack.callback(server.stop)
             os.environ.update(server.env())
             bucket = server.make_bucket(f"bench-{uuid.uuid4().hex[:8]}")
         else:
             os.environ["AWS_ENDPOINT_URL"] = args.endpoint
-        try:
-            measure(args, report, Path(tmp), f"s3://{bucket}/bench")
-        finally:
-            if server is not None:
-                server.stop()
+        measure(args, report, Path(tmp), f"s3://{bucket}/bench")
 
 
 def measure(args, report, tmp: Path, url: str) -> None:
@@ -84,19 +81,16 @@ def measure(args, report, tmp: Path, url: str) -> None:
                 f"between saves, threads {args.threads or 'default'}, object storage {os.environ.get('AWS_ENDPOINT_URL')}")
     mirror, speeds = CheckpointMirror(store, checkpointer.root, rank=0, world_size=1, keep_last=2), []
     for i in range(args.uploads):
-        folder = save()
-        start = time.perf_counter()
+        folder, start = save(), time.perf_counter()
         mirror.upload(folder)
-        seconds = time.perf_counter() - start
-        speeds.append(size_mb / seconds)
-        report.line(f"upload {i + 1}: {size_mb:,.1f} MB in {seconds:.2f} s = {speeds[-1]:,.1f} MB/s")
+        speeds.append(size_mb / (time.perf_counter() - start))
+        report.line(f"upload {i + 1}: {size_mb:,.1f} MB at {speeds[-1]:,.1f} MB/s")
     report.line(f"upload throughput: {C.fmt_ratio(C.ratio_stats(speeds), ' MB/s')}")
     uploader = Uploader(CheckpointMirror(store, checkpointer.root, rank=0, world_size=1, keep_last=2))
     uploader.pinned = checkpointer.store.pinned
 
     def one_round(side: str) -> float:
-        start = time.perf_counter()
-        folder = save()
+        start, folder = time.perf_counter(), save()
         with C.quiet_stdout():
             if side == "on":
                 uploader.submit(folder)

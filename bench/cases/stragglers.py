@@ -42,7 +42,7 @@ def us_per_step(cfg) -> float:
         ledger.on_save(trainer)
 
     ledger.before_step(trainer)  # the session's first step opens the ledger
-    return us_per_call(step, BLOCKS, STEPS)
+    return us_per_call(step, STEPS, BLOCKS)[0]
 
 
 def run(args, report) -> None:

@@ -3,12 +3,13 @@ optimizer and learning-rate schedule, tokens/s.
 
 Each side is a fresh process, in alternating order: *ours* is ``lmrecipe.train(cfg)`` as train.py calls it;
 *trainer* is ``transformers.Trainer`` with the same initial weights, a Dataset over the same memmap windows, our
-optimizer and our schedule as a LambdaLR. The figure is tokens/s from the end of step --warmup-steps to the last
-step. Target: ours >= 1.0x Trainer's tokens/s.
+optimizer and our schedule as a LambdaLR. The figure is tokens/s (and tokens per CPU second) from the end of step
+--warmup-steps to the last step. Target: ours >= 1.0x Trainer's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import tempfile
@@ -27,50 +28,19 @@ def options(parser) -> None:
     parser.add_argument("--log-every", type=int, default=10, help="log interval of both sides (default: %(default)s)")
 
 
-class StepMarks:
-    """Wall and CPU time at the end of each optimizer step."""
-
-    def __init__(self):
-        self.marks: list[tuple[float, float]] = []
-
-    def step_end(self, device) -> None:
-        C.sync(device)
-        self.marks.append((time.perf_counter(), time.process_time()))
-
-    def result(self, warmup: int, tokens_per_step: int) -> dict:
-        (t0, c0), (t1, c1) = self.marks[warmup - 1], self.marks[-1]
-        steps = len(self.marks) - warmup
-        return {"tokens_per_sec": steps * tokens_per_step / (t1 - t0), "tokens_per_cpu_sec": steps * tokens_per_step / (c1 - c0),
-                "steps": steps, "ms_per_step": 1000 * (t1 - t0) / steps}
-
-
-def worker_ours(cfg, marks: StepMarks, warmup: int) -> dict:
-    from lmrecipe.observe import console
-    from lmrecipe.train import trainer
-
-    original_step_done = console.Reporter.step_done
-
-    def step_done(self, state, *args, **kwargs):
-        original_step_done(self, state, *args, **kwargs)
-        marks.step_end(self.accelerator.device)
-
-    console.Reporter.step_done = step_done
-    trainer.train(cfg)
-    return marks.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
-
-
-def worker_trainer(cfg, marks: StepMarks, warmup: int, device_name: str, out_dir: str) -> dict:
+def trainer_run(cfg, step_end, device_name: str, out_dir: str) -> None:
+    """``transformers.Trainer`` on our model, windows, optimizer and schedule, calling ``step_end(device)`` per step."""
     import torch
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lmrecipe.data.format import load_meta, open_data
-    from lmrecipe.parallel.precision import resolve_precision
     from lmrecipe.model.build import build_hf_config, build_model
     from lmrecipe.optim import build_optimizer, lr_at
+    from lmrecipe.parallel.precision import resolve_precision
 
-    meta = load_meta(cfg.data.path)
-    hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(meta["vocab_size"]), cfg.data.seq_len)
+    hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"]),
+                                cfg.data.seq_len)
     _, windows, _ = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
 
     class Windows(torch.utils.data.Dataset):
@@ -80,6 +50,10 @@ def worker_trainer(cfg, marks: StepMarks, warmup: int, device_name: str, out_dir
         def __getitem__(self, i):
             inputs, _ = windows.batch([i])
             return {"input_ids": inputs[0], "labels": inputs[0]}
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_end(args.device)
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.train, hf_config)
@@ -92,25 +66,33 @@ def worker_trainer(cfg, marks: StepMarks, warmup: int, device_name: str, out_dir
         max_grad_norm=cfg.optim.grad_clip, learning_rate=cfg.optim.lr, logging_steps=cfg.logging.log_every_steps,
         report_to=[], save_strategy="no", eval_strategy="no", use_cpu=device_name == "cpu", bf16=precision == "bf16",
         fp16=precision == "fp16", dataloader_num_workers=0, disable_tqdm=True, seed=cfg.train.seed)
-
-    class StepEnd(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.step_end(args.device)
-
     Trainer(model=model, args=args, train_dataset=Windows(), optimizers=(optimizer, schedule), callbacks=[StepEnd()]).train()
-    return marks.result(warmup, cfg.train.global_batch_size * cfg.data.seq_len)
 
 
 def worker(args) -> dict:
-    import logging
+    from lmrecipe.observe import console
+    from lmrecipe.train import trainer
 
     logging.basicConfig(level=logging.WARNING)
+    marks: list[tuple[float, float]] = []  # wall and CPU time at the end of each optimizer step
+
+    def step_end(device) -> None:
+        C.sync(device)
+        marks.append((time.perf_counter(), time.process_time()))
+
     with tempfile.TemporaryDirectory(prefix=f"bench_{args.worker}_") as tmp:
         overrides = [*args.overrides, f"train.max_steps={args.steps}", f"logging.log_every_steps={args.log_every}"]
         cfg = C.bench_config(args.recipe, overrides, out_dir=tmp, data_path=args.data)
-        if args.worker == "ours":
-            return worker_ours(cfg, StepMarks(), args.warmup_steps)
-        return worker_trainer(cfg, StepMarks(), args.warmup_steps, args.device, tmp)
+        if args.worker == "ours":  # the loop's own step end, timed like Trainer's callback
+            step_done = console.Reporter.step_done
+            console.Reporter.step_done = lambda self, *a, **kw: (step_done(self, *a, **kw), step_end(self.accelerator.device))
+            trainer.train(cfg)
+        else:
+            trainer_run(cfg, step_end, args.device, tmp)
+    (t0, c0), (t1, c1) = marks[args.warmup_steps - 1], marks[-1]
+    steps, tokens_per_step = len(marks) - args.warmup_steps, cfg.train.global_batch_size * cfg.data.seq_len
+    return {"tokens_per_sec": steps * tokens_per_step / (t1 - t0), "tokens_per_cpu_sec": steps * tokens_per_step / (c1 - c0),
+            "steps": steps, "ms_per_step": 1000 * (t1 - t0) / steps}
 
 
 def run(args, report) -> None:
@@ -123,7 +105,6 @@ def run(args, report) -> None:
          "CPU-time ratio": lambda got: got["ours"]["tokens_per_cpu_sec"] / got["trainer"]["tokens_per_cpu_sec"]},
         lambda got: "  ".join(f"{side} {r['tokens_per_sec']:,.0f} tok/s" for side, r in got.items()))
     ratio, cpu = stats["ratio"], stats["CPU-time ratio"]
-    report.line()
     report.line(f"ours / Trainer tokens/s: {C.fmt_ratio(ratio)}   target >= 1.0: {'MET' if ratio['median'] >= 1.0 else 'MISSED'}")
     report.line(f"same, per CPU second of the process (less sensitive to other processes): {C.fmt_ratio(cpu)}")
     medians = {side: statistics.median(r["ms_per_step"] for r in runs[side]) for side in runs}

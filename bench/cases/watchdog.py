@@ -35,18 +35,19 @@ def hooks_us_per_step(section) -> float:
         watchdog.on_step_end(trainer, None)
         watchdog.on_save(trainer)
 
-    return us_per_call(step)
+    return us_per_call(step)[0]
 
 
-def us_per_call(fn, blocks: int = BLOCKS, calls: int = 100_000) -> float:
-    """Microseconds per call of ``fn``: the median of ``blocks`` blocks of ``calls`` calls."""
-    times = []
+def us_per_call(fn, calls: int = 100_000, blocks: int = BLOCKS) -> tuple[float, float]:
+    """Wall and thread-CPU microseconds per call of ``fn``: the medians of ``blocks`` blocks of ``calls`` calls."""
+    walls, cpus = [], []
     for _ in range(blocks):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+        walls.append((time.perf_counter() - start) / calls * 1e6)
+        cpus.append((time.thread_time() - cpu) / calls * 1e6)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def beat_us(section) -> tuple[float, float]:
@@ -65,15 +66,7 @@ def beat_us(section) -> tuple[float, float]:
     for watcher in watchers:
         watcher._publish()
     watcher = watchers[0]
-    blocks = []
-    for _ in range(BLOCKS):
-        start, cpu = time.perf_counter(), time.thread_time()
-        for _ in range(2000):
-            watcher._publish()
-            watcher._posted_verdict()
-            watcher._look()
-        blocks.append(((time.perf_counter() - start) / 2000 * 1e6, (time.thread_time() - cpu) / 2000 * 1e6))
-    return statistics.median(b[0] for b in blocks), statistics.median(b[1] for b in blocks)
+    return us_per_call(lambda: (watcher._publish(), watcher._posted_verdict(), watcher._look()), calls=2000)
 
 
 def run(args, report) -> None:

@@ -81,26 +81,3 @@ def install(packed: Path, target: Path, log) -> dict:
                                f"{proc.stderr[-3000:]}")
     marker.write_text(_digest(packed))
     return {**info, "installed": f"in {time.perf_counter() - start:.0f} s"}
-
-
-def versions() -> dict:
-    """The versions this process imports (the worker's, with the installed folder first on its path), and the device."""
-    import importlib
-    import platform
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers", "triton", "flash_attn",
-                 "safetensors", "numpy", "pydantic"):
-        try:
-            out[name] = importlib.import_module(name).__version__
-        except Exception as exc:  # a missing or broken package is a fact to record, not a reason to stop
-            out[name] = f"missing ({type(exc).__name__})"
-    import torch
-
-    out["cuda"] = torch.version.cuda
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        out["device"] = {"name": props.name, "count": torch.cuda.device_count(),
-                         "memory_gib": round(props.total_memory / 2**30, 1),
-                         "capability": list(torch.cuda.get_device_capability(0))}
-    return out

@@ -30,30 +30,26 @@ import stages as S  # noqa: E402
 
 GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"
 GPU_BASE = ("model.vocab_size=128256", "model.vocab_beyond_data=true", "train.global_batch_size=16", "train.micro_batch_size=8")
-# The tests' tiny model (tests/helpers.py: TINY_OVERRIDES): on a CPU, fp8's emulated float8 matmuls are slow at
-# the tiny recipe's own width.
+# The tests' tiny model: on a CPU, fp8's emulated float8 matmuls are slow at the tiny recipe's own width.
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
 JSON_NAME, MD_NAME, LOG_NAME = "gpu_kit.json", "gpu_kit.md", "workers.log"
-MIN_LEFT_S = 30
-"""No side starts with this many seconds of --budget-s left, or fewer."""
+MIN_LEFT_S = 30  # no side starts with this many seconds of --budget-s left, or fewer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_kit.json and gpu_kit.md")
-    parser.add_argument("--stages", default="default",
-                        help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' ({', '.join(S.DEFAULT_STAGES)}) "
-                             "or 'all' (default: %(default)s)")
+    parser.add_argument("--stages", default="default", help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' "
+                        f"({', '.join(S.DEFAULT_STAGES)}) or 'all' (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe, 2 steps: check every stage builds and runs")
     parser.add_argument("--packed", type=Path, default=HERE / "packed", help="the folder pack.sh filled")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="installed packages, data, runs (default: %(default)s)")
     parser.add_argument("--data", type=Path, default=None, help="a prepared data folder (default: prepared under --work)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per side (default: 20; dry run 2)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps before measuring (default: 5; dry run 0)")
-    parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="start no side after this many seconds, and stop a running worker when they are spent; "
-                             "if your time on the node is limited, a minute under it (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="start no side after this many seconds, stop a "
+                        "worker when they are spent: a minute under your time on the node (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         args.selected = S.select(args.stages)
@@ -146,7 +142,7 @@ class Record:
         device = v.get("device", {}).get("name", "no GPU")
         versions = ", ".join(f"{k} {v.get(k)}" for k in ("torch", "cuda", "transformers", "deepspeed", "torchao", "flash_attn"))
         lines = [f"# GPU kit: {d['mode']}", "", f"{device}; {versions}; commit {d['commit']}; {d['recipe']} "
-                 f"{' '.join(d['base_overrides'])}, {d['warmup_steps']} + {d['steps']} steps per side; started {d['started']}", "",
+                 f"{' '.join(d['base_overrides'])}, {d['warmup_steps']} + {d['steps']} steps per side; {d['started']}", "",
                  "| stage | figure | target | met | status |", "| --- | --- | --- | --- | --- |"]
         for row in d["stages"]:
             met = {True: "yes", False: "no", None: ""}[row.get("met")]
@@ -154,21 +150,9 @@ class Record:
         return "\n".join(lines) + "\n"
 
 
-def worker_env(args: argparse.Namespace, target: Path | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": I.pythonpath(target), "ACCELERATE_DISABLE_RICH": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    if args.dry_run:
-        env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-                   TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
-    return env
-
-
 def setup(args: argparse.Namespace, record: Record) -> dict:
-    """Install (GPU) or check the pack (dry run), read the versions, prepare the data; returns the workers' env."""
-    setup_info = record.data["setup"]
-    target = None
+    """Install (GPU) or check the pack (dry run), prepare the data; returns the workers' environment."""
+    setup_info, target = record.data["setup"], None
     try:
         if args.dry_run:
             setup_info["install"] = {"checked": I.check_packed(args.packed), "installed": "no (dry run)"}
@@ -178,7 +162,12 @@ def setup(args: argparse.Namespace, record: Record) -> dict:
     except (ValueError, RuntimeError) as exc:
         setup_info["install"] = {"error": str(exc)}
         record.log(f"install: {exc}")
-    env = worker_env(args, target)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=I.pythonpath(target), ACCELERATE_DISABLE_RICH="1", TOKENIZERS_PARALLELISM="false")
+    if args.dry_run:
+        env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+                   TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
     args.data = args.data or prepare_data(args, env, record)
     setup_info["data"] = str(args.data)
     record.save()
@@ -190,11 +179,10 @@ def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
     data = args.work / ("data_dry" if args.dry_run else "data")
     if (data / "meta.json").is_file():
         return data
-    cmd = [sys.executable, "tools/prepare_data.py", "--output", str(data), "--overwrite"]
-    cmd += (["--vocab-size", "384", "--max-documents", "100", "--val-fraction", "0.1"] if args.dry_run
-            else ["--vocab-size", "8192", "--max-documents", "1000"])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "tools/prepare_data.py", "--output", str(data), "--overwrite",
+           *(["--vocab-size", "384", "--max-documents", "100", "--val-fraction", "0.1"] if args.dry_run
+             else ["--vocab-size", "8192", "--max-documents", "1000"])]
+    start, proc = time.perf_counter(), subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         record.data["setup"]["data_error"] = proc.stderr[-4000:]
         record.save()
@@ -204,16 +192,15 @@ def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
 
 
 def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
-    """The distinct runs the selected stages need, keyed by overrides; a run that several stages name measures
-    what each of them asks for (its syncs, its checkpoint stall) after its timed steps."""
+    """The distinct runs the selected stages need, keyed by overrides; a run several stages name measures what each
+    asks for (its syncs, its checkpoint stall, its profile) after its timed steps."""
     groups: dict[str, dict] = {}
     for stage in selected:
         for side in stage.sides:
             key = " ".join(side.overrides)
             group = groups.setdefault(key, {**dataclasses.asdict(side), "key": key, "overrides": list(side.overrides)})
-            group["count_syncs"] |= side.count_syncs
-            group["checkpoint_stall"] |= side.checkpoint_stall
-            group["profile"] |= side.profile
+            for flag in ("count_syncs", "checkpoint_stall", "profile"):
+                group[flag] |= getattr(side, flag)
     return groups
 
 
@@ -273,12 +260,9 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.base = DRY_BASE if args.dry_run else GPU_BASE
-    if not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("run.py: no CUDA device is visible: on a machine without a GPU, run with --dry-run", file=sys.stderr)
-            return 2
+    if not args.dry_run and not __import__("torch").cuda.is_available():
+        print("run.py: no CUDA device is visible: on a machine without a GPU, run with --dry-run", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     record = Record(args.out, args)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import platform
 import shutil
 import sys
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-import _common as C  # noqa: E402 - bench/, on the PYTHONPATH run.py gives the workers
+import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
 
 GIB = 1024**3
 SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
@@ -33,30 +33,23 @@ def _count_syncs(run, first_step: int, steps: int) -> dict:
     from lmrecipe.observe.host_syncs import HostSyncCounter
     from lmrecipe.train.step import train_step
 
-    device = run.accelerator.device
-    caught: list[str] = []
-
-    def keep(message, category, filename, lineno, file=None, line=None):
-        caught.append(f"{Path(filename).name}:{lineno}: {str(message)[:200]}")
-
+    device, cuda = run.accelerator.device, run.accelerator.device.type == "cuda"
     C.sync(device)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warnings.showwarning = keep  # restored by catch_warnings
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
             with HostSyncCounter() as counter:
                 for step in range(first_step, first_step + steps):
                     train_step(run, step)
         finally:
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.set_sync_debug_mode(0)
-    cuda_syncs = [where for where in caught if "synchroniz" in where.lower()]
+    cuda_syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
     return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
             "sources": counter.sources, "in_optimizer": counter.in_optimizer,
-            "cuda_per_step": len(cuda_syncs) / steps if device.type == "cuda" else None,
-            "cuda_sources": sorted({where.split(": ")[0] for where in cuda_syncs})[:20]}
+            "cuda_per_step": len(cuda_syncs) / steps if cuda else None, "cuda_sources": sorted(set(cuda_syncs))[:20]}
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -77,8 +70,7 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
 
     from lmrecipe.train.step import train_step
 
-    device = run.accelerator.device
-    cuda = device.type == "cuda"
+    device, cuda = run.accelerator.device, run.accelerator.device.type == "cuda"
     C.sync(device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start = time.perf_counter()
@@ -153,9 +145,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        held = torch.cuda.memory_allocated(device) if cuda else None
-        data_s, last = 0.0, None
-        start = time.perf_counter()
+        held, data_s, start = torch.cuda.memory_allocated(device) if cuda else None, 0.0, time.perf_counter()
         for step in range(warmup_steps, warmup_steps + steps):
             last = train_step(run, step)
             data_s += last.data_time_s
@@ -189,11 +179,10 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
             save(result)
         if side["checkpoint_stall"]:
             result["checkpoint_stall"] = _checkpoint_stall(run, out_dir / "checkpoints", next_step, 2)
-        prediction = _prediction(run, peak_tflops)
-        result["prediction"] = prediction
+        prediction = result["prediction"] = _prediction(run, peak_tflops)
         result["measured_over_predicted"] = {
             "tokens_per_sec": tokens_per_sec / prediction["tokens_per_sec"],
-            "peak_mem": (result["peak_gib"] * GIB / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
+            "peak_mem": (peak / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
         return result
     finally:
         run.prefetcher.close()
@@ -214,28 +203,36 @@ def _forget_run() -> None:
 
 def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
-    job = json.loads(Path(argv[0]).read_text())
-    import install
+    import torch
 
+    job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
-    results = {"_versions": install.versions()}
+    versions = {m: C.version(m) for m in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers",
+                                           "triton", "flash_attn", "safetensors", "numpy", "pydantic")}
+    versions.update(python=platform.python_version(), cuda=torch.version.cuda)
+    if torch.cuda.is_available():  # the device the figures are of
+        props = torch.cuda.get_device_properties(0)
+        versions["device"] = {"name": props.name, "count": torch.cuda.device_count(), "capability":
+                              list(torch.cuda.get_device_capability(0)), "memory_gib": round(props.total_memory / 2**30, 1)}
+    results = {"_versions": versions}
+
+    def write() -> None:
+        Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+
     for i, side in enumerate(job["sides"]):
-        out_dir = Path(job["work"]) / f"side{i}"
+        out_dir, key = Path(job["work"]) / f"side{i}", side["key"]
         cfg = C.bench_config(job["recipe"], [*job["base"], *side["overrides"]], str(out_dir), job["data"])
         if side["needs"] and importlib.util.find_spec(side["needs"]) is None:
-            results[side["key"]] = {"label": side["label"], "skipped": f"{side['needs']} is not installed"}
-            Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+            results[key] = {"label": side["label"], "skipped": f"{side['needs']} is not installed"}
+            write()
             continue
-        def save(result, key=side["key"]):
-            results[key] = {**result, "partial": True}
-            Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
-
         try:
-            results[side["key"]] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"], save)
+            results[key] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"],
+                                   lambda result, key=key: (results.update({key: {**result, "partial": True}}), write()))
         except Exception as exc:  # one side's failure is a figure too: the stage reports it
             logging.getLogger(__name__).exception("side %s failed", side["label"])
-            results[side["key"]] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+            results[key] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        write()
         if i + 1 < len(job["sides"]):
             _forget_run()
     return 0
