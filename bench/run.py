@@ -40,16 +40,16 @@ def listing() -> str:
 def build_parser(name: str, case) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"bench/run.py {name}", description=case.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    if getattr(case, "PAIRS", 3) is not None:  # None: a case without rounds
-        parser.add_argument("--pairs", type=int, default=getattr(case, "PAIRS", 3),
-                            help="interleaved rounds of the sides (default: %(default)s)")
+    pairs, data, recipe = (getattr(case, *default) for default in (("PAIRS", 3), ("DATA", "data/stdlib"),
+                                                                   ("RECIPE", "recipes/tiny.yaml")))
+    if pairs is not None:  # None: a case without rounds
+        parser.add_argument("--pairs", type=int, default=pairs, help="interleaved rounds of the sides (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--output", default=None, help="folder for the .txt/.json results (default: bench/results)")
-    if getattr(case, "DATA", "data/stdlib"):
-        parser.add_argument("--data", default=getattr(case, "DATA", "data/stdlib"),
-                            help="prepared data folder (default: %(default)s)")
-    if getattr(case, "RECIPE", "recipes/tiny.yaml"):
-        parser.add_argument("--recipe", default=getattr(case, "RECIPE", "recipes/tiny.yaml"))
+    if data:
+        parser.add_argument("--data", default=data, help="prepared data folder (default: %(default)s)")
+    if recipe:
+        parser.add_argument("--recipe", default=recipe)
     if getattr(case, "DEVICE", False):
         parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                             help="cpu, or cuda on a GPU machine (precision auto = bf16 there)")

@@ -34,29 +34,24 @@ def name(args) -> str:
     return f"moe_ep_{args.zero}"
 
 
-def parameters(cfg, data: str) -> tuple[int, int]:
-    """All parameters of the model, and those in experts (built on the meta device)."""
+def run(args, report) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lmrecipe.config import load_config
     from lmrecipe.data.format import load_meta
     from lmrecipe.model.build import build_hf_config
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model, load_meta(data)["vocab_size"], cfg.data.seq_len))
-    return (sum(p.numel() for p in model.parameters()),
-            sum(p.numel() for n, p in model.named_parameters() if ".experts." in n))
-
-
-def run(args, report) -> None:
-    logging.disable(logging.INFO)
-    from lmrecipe.config import load_config
     from lmrecipe.planning.zero_comparison import run_comparison
 
+    logging.disable(logging.INFO)
     overrides = [*WIDE, f"data.path={args.data}", *args.set]
     sides = {"EP1": args.zero, "EP2": f"{args.zero}+ep2"}
     cfg = load_config(MOE_RECIPE, [*overrides, f"distributed.deepspeed_config={args.zero}"])
-    total, experts = parameters(cfg, args.data)
+    with torch.device("meta"):  # all parameters, and those in experts
+        hf_config = build_hf_config(cfg.model, load_meta(args.data)["vocab_size"], cfg.data.seq_len)
+        params = dict(AutoModelForCausalLM.from_config(hf_config).named_parameters())
+    total = sum(p.numel() for p in params.values())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     report.line(f"model: {total / 1e6:.2f}M parameters, {experts / 1e6:.2f}M ({experts / total:.0%}) in experts; "
                 f"{tokens_per_step} tokens per step; {args.steps} steps per run on 2 processes, {args.zero}")

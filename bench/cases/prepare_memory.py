@@ -35,7 +35,7 @@ def options(parser) -> None:
     parser.add_argument("--tokenizer", default="data/stdlib", help="tokenizer of the given mode (default: %(default)s)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="trained mode's BPE size (default: %(default)s)")
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: prepare_data's)")
-    parser.add_argument("--workdir", default=None, help="where to build the corpora (default: a temporary folder)")
+    parser.add_argument("--tmp", default=None, help="where to build the corpora (default: system temp)")
 
 
 def check(args) -> None:
@@ -107,11 +107,11 @@ def run_prepare(args: list[str]) -> dict:
 
 
 def run(args, report) -> None:
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_corpora_"))
     common = ["--num-proc", str(args.num_proc)] if args.num_proc else []
     mode_args = {"given": ["--tokenizer", args.tokenizer, *common], "trained": ["--vocab-size", str(args.vocab_size), *common]}
     runs = {}
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_corpora_", dir=args.tmp) as tmp:
+        workdir = Path(tmp)
         for copies in args.copies:
             corpus = build_corpus(workdir, copies, args.format, args.base_files)
             report.line(f"corpus {copies}x: {corpus.name}, {C.folder_mb(corpus):.0f} MB")
@@ -123,9 +123,6 @@ def run(args, report) -> None:
                     runs.setdefault(mode, {}).setdefault(copies, []).append(got)
                     report.line(f"{mode:7s} {copies:2d}x: {got['tokens']:>11,} tokens | peak RSS {got['peak_total_mb']:6.0f} MB "
                                 f"(main {got['peak_main_mb']:4.0f} MB) | {got['wall_s']:6.1f} s wall, {got['cpu_s']:6.1f} CPU-s")
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     ratios, base = {}, min(args.copies)
     for mode, by_copies in runs.items():
         peak = {copies: statistics.median(r["peak_total_mb"] for r in rs) for copies, rs in by_copies.items()}

@@ -30,7 +30,7 @@ OVERRIDES = ["logging.log_every_steps=1", "logging.progress_bar=false", "logging
 
 def options(parser) -> None:
     parser.add_argument("--large-tokens", type=int, default=1_000_000_000, help="train tokens of the large folder")
-    parser.add_argument("--workdir", default=None, help="where to build the large folder (default: a temporary folder)")
+    parser.add_argument("--tmp", default=None, help="where to build the large folder (default: system temp)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for one run's first step")
     parser.add_argument("--sparse", action="store_true", help="build the large folder with a sparse train.bin tail")
 
@@ -40,9 +40,8 @@ def name(args) -> str:
 
 
 def run(args, report) -> None:
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_startup_"))
-    try:
-        start, small = time.perf_counter(), Path(args.data).resolve()
+    with tempfile.TemporaryDirectory(prefix="bench_startup_", dir=args.tmp) as tmp:
+        start, small, workdir = time.perf_counter(), Path(args.data).resolve(), Path(tmp)
         folders = {"small": small, "large": build_large(small, workdir / "large", args.large_tokens, args.sparse)}
         size_gb = C.folder_mb(folders["large"]) / 1e3
         report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
@@ -53,9 +52,6 @@ def run(args, report) -> None:
             lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe, args.timeout),
             {"large/small": lambda g: g["large"][0] / g["small"][0]},
             lambda g: ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)" for side, (s, rss) in g.items()))
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     runs = {side: [s for s, _ in rows] for side, rows in got.items()}
     rss = {side: [r for _, r in rows] for side, rows in got.items()}
     report.line("median launch to first step: " + ", ".join(

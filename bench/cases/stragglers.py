@@ -22,13 +22,15 @@ BLOCKS = 7
 STEPS = 100_000
 
 
-def us_per_step(cfg) -> float:
+def run(args, report) -> None:
+    from lmrecipe.config import load_config
+
+    cfg = load_config(args.recipe, ["logging.log_every_steps=1000000000"])
     accelerator = SimpleNamespace(process_index=0, num_processes=2, device=torch.device("cpu"), is_main_process=True)
     trainer = SimpleNamespace(run=SimpleNamespace(cfg=cfg, accelerator=accelerator), out_dir=Path("unused"),
                               state=SimpleNamespace(step=1), max_steps=10**9, step_time_s=0.1, stop=None,
                               checkpointer=SimpleNamespace(due=lambda step: False))
-    result = SimpleNamespace(data_time_s=0.0)
-    clock, ledger = StragglerClock(), GoodputLedger()
+    result, clock, ledger = SimpleNamespace(data_time_s=0.0), StragglerClock(), GoodputLedger()
     clock.attach(trainer)
     ledger.attach(trainer)
 
@@ -42,13 +44,6 @@ def us_per_step(cfg) -> float:
         ledger.on_save(trainer)
 
     ledger.before_step(trainer)  # the session's first step opens the ledger
-    return us_per_call(step, STEPS, BLOCKS)[0]
-
-
-def run(args, report) -> None:
-    from lmrecipe.config import load_config
-
-    cfg = load_config(args.recipe, ["logging.log_every_steps=1000000000"])
-    us = us_per_step(cfg)
+    us = us_per_call(step, STEPS, BLOCKS)[0]
     report.line(f"straggler clock + goodput ledger: {us:.2f} us per unlogged step (median of {BLOCKS} x {STEPS:,} steps)")
     report.figures = {"us_per_unlogged_step": us}

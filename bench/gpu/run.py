@@ -5,8 +5,9 @@ them as it goes; on an offline node it first installs what the node lacks from a
     .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # on a CPU: every stage, tiny recipe, 2 steps
 
 It installs the pack (``install.py``), prepares the data, measures each stage's sides (``stages.py``) in fresh
-processes (``worker.py``) and rewrites ``gpu_kit.json`` and ``gpu_kit.md`` under ``--out`` after every stage. Exit
-status 0 (also when a stage failed: its row says why), 2 for a bad argument or no GPU without --dry-run.
+processes (``worker.py``) and rewrites ``gpu_kit.json`` under ``--out`` after every stage (``table.py --results
+DIR`` prints it as the page's table). Exit 0, also when a stage failed (its row says why); 2 for a bad argument or no
+GPU without --dry-run.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ GPU_BASE = ("model.vocab_size=128256", "model.vocab_beyond_data=true", "train.gl
 # The tests' tiny model: on a CPU, fp8's emulated float8 matmuls are slow at the tiny recipe's own width.
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
-JSON_NAME, MD_NAME, LOG_NAME = "gpu_kit.json", "gpu_kit.md", "workers.log"
+JSON_NAME, LOG_NAME = "gpu_kit.json", "workers.log"
 MIN_LEFT_S = 30  # no side starts with this many seconds of --budget-s left, or fewer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_kit.json and gpu_kit.md")
+    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_kit.json and workers.log")
     parser.add_argument("--stages", default="default", help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' "
                         f"({', '.join(S.DEFAULT_STAGES)}) or 'all' (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe, 2 steps: check every stage builds and runs")
@@ -76,17 +77,12 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     for flag, folder in (("--out", args.out), ("--work", args.work)):
         if (problem := folder_problem(flag, folder)) is not None:
             return problem
-    if args.data is None:
-        return None
-    fix = ("Pass a folder written by tools/prepare_data.py (python tools/prepare_data.py --output DIR), or leave "
-           "--data out to prepare the embedded corpus under --work.")
-    if not args.data.exists():
-        return f"--data {args.data} does not exist. {fix}"
-    if not args.data.is_dir():
-        return f"--data {args.data} is a file, not a prepared data folder. {fix}"
-    if not (args.data / "meta.json").is_file():
-        return f"--data {args.data} holds no meta.json: it is not a prepared data folder. {fix}"
-    return None
+    data = args.data
+    problem = None if data is None else "does not exist" if not data.exists() else \
+        "is a file, not a prepared data folder" if not data.is_dir() else \
+        None if (data / "meta.json").is_file() else "holds no meta.json: it is not a prepared data folder"
+    return problem and (f"--data {data} {problem}. Pass a folder written by tools/prepare_data.py (python "
+                        "tools/prepare_data.py --output DIR), or leave --data out to prepare the embedded corpus under --work.")
 
 
 def folder_problem(flag: str, folder: Path) -> str | None:
@@ -117,7 +113,7 @@ def commit(packed: Path) -> str:
 
 
 class Record:
-    """gpu_kit.json and gpu_kit.md, rewritten whole after every step (atomically: a run cut short leaves both)."""
+    """gpu_kit.json, rewritten whole after every step (atomically: a run cut short leaves it whole)."""
 
     def __init__(self, out: Path, args: argparse.Namespace):
         self.out = out
@@ -132,22 +128,9 @@ class Record:
         print(f"[gpu-kit {datetime.now(timezone.utc):%H:%M:%S}] {text}", flush=True)
 
     def save(self) -> None:
-        for name, text in ((JSON_NAME, json.dumps(self.data, indent=2, default=str) + "\n"), (MD_NAME, self.markdown())):
-            tmp = self.out / (name + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(self.out / name)
-
-    def markdown(self) -> str:
-        d, v = self.data, self.data["versions"]
-        device = v.get("device", {}).get("name", "no GPU")
-        versions = ", ".join(f"{k} {v.get(k)}" for k in ("torch", "cuda", "transformers", "deepspeed", "torchao", "flash_attn"))
-        lines = [f"# GPU kit: {d['mode']}", "", f"{device}; {versions}; commit {d['commit']}; {d['recipe']} "
-                 f"{' '.join(d['base_overrides'])}, {d['warmup_steps']} + {d['steps']} steps per side; {d['started']}", "",
-                 "| stage | figure | target | met | status |", "| --- | --- | --- | --- | --- |"]
-        for row in d["stages"]:
-            met = {True: "yes", False: "no", None: ""}[row.get("met")]
-            lines.append(f"| {row['stage']} | {row.get('figure', '')} | {row['target']} | {met} | {row['status']} |")
-        return "\n".join(lines) + "\n"
+        tmp = self.out / (JSON_NAME + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        tmp.replace(self.out / JSON_NAME)
 
 
 def setup(args: argparse.Namespace, record: Record) -> dict:
@@ -289,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         record.data["elapsed_s"] = round(time.perf_counter() - start, 1)
         record.save()
         record.log(f"{stage.name}: {row.get('figure') or row['status']}")
-    record.log(f"done in {time.perf_counter() - start:.0f} s: {args.out / JSON_NAME}, {args.out / MD_NAME}")
+    record.log(f"done in {time.perf_counter() - start:.0f} s: {args.out / JSON_NAME}")
     return 0
 
 

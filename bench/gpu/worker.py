@@ -117,12 +117,10 @@ def _prediction(run, peak_tflops: float) -> dict:
     from lmrecipe.planning.prediction import predict_run
 
     unset_hf_deepspeed_config()  # a live ZeRO-3 config would make the meta-device shape enter zero.Init
-    device = run.accelerator.device
-    runtime = run.runtime
+    device, runtime = run.accelerator.device, run.runtime
     return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, topology=runtime.topology,
-                       precision=runtime.precision, accum_steps=runtime.batch.accum_steps,
-                       flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
-                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+                       precision=runtime.precision, accum_steps=runtime.batch.accum_steps, flops_per_token=run.flops_per_token,
+                       peak_tflops=peak_tflops, device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
 
 def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=lambda result: None) -> dict:
@@ -136,8 +134,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
 
     start = time.perf_counter()
     run = build_run(cfg, out_dir)
-    device = run.accelerator.device
-    build_s = time.perf_counter() - start
+    device, build_s = run.accelerator.device, time.perf_counter() - start
     try:
         for step in range(warmup_steps):
             train_step(run, step)
