@@ -35,7 +35,7 @@ def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
         run = C.build_wide_run(args, Path(tmp) / "run", [f"distributed.deepspeed_config={args.deepspeed or 'null'}"])
         checkpointers = {side: C.side_checkpointer(run, Path(tmp) / side, side == "background") for side in SIDES}
-        state = TrainState()
+        state = TrainState()  # one run's steps, the sides' saves in turn
         report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.topology.zero.describe()}, "
                     f"{run.tokens_per_step} tokens per step, {args.steps_between} steps between saves, "
                     f"threads {args.threads or 'default'}, files in {tmp}")

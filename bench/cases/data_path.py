@@ -76,8 +76,7 @@ def in_process(args, report) -> None:
                 return {"rate": count / seconds}
             ours.sections.clear()
             seconds = C.timed_block(ours, args.block_steps, device).wall_s
-            return {"rate": args.block_steps * ours.layout.accum_steps / seconds,
-                    "share": ours.sections["data"] / seconds}
+            return {"rate": args.block_steps * ours.layout.accum_steps / seconds, "share": ours.sections["data"] / seconds}
 
         got, stats = C.interleave(report, args.pairs, ("loader", "training"), measure,
                                   {"headroom": lambda g: g["loader"]["rate"] / g["training"]["rate"]},
@@ -112,6 +111,5 @@ def real_run(args, report) -> None:
     report.line(f"data_time_s / step_time_s: rows' median {100 * row_stats['median']:.3f}% ({100 * row_stats['min']:.3f}-"
                 f"{100 * row_stats['max']:.3f}%); over the run {100 * total:.3f}%, target < 1%: "
                 f"{'MET' if total < 0.01 else 'MISSED'}")
-    report.figures["real_run"] = {"command": " ".join(cmd[1:]), "share_per_row": row_stats, "share_total": total,
-                                  "rows": timed}
+    report.figures["real_run"] = {"command": " ".join(cmd[1:]), "share_per_row": row_stats, "share_total": total, "rows": timed}
 

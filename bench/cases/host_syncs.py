@@ -1,7 +1,7 @@
 """Host synchronisations per unlogged training step of recipes/tiny.yaml, by kind, counted in this process.
 
-``HostSyncCounter`` around ``train`` of --short and --long steps whose only logged steps are the first and the last:
-the difference over the extra steps is the count per unlogged step (0 is the target; a GPU waits at each).
+``HostSyncCounter`` around ``train`` of 3 and 11 steps whose only logged steps are the first and the last: the
+difference over the extra 8 steps is the count per unlogged step (0 is the target; a GPU waits at each).
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ import tempfile
 import _common as C
 
 PAIRS = None
-
-
-def options(parser) -> None:
-    parser.add_argument("--short", type=int, default=3, help="steps of the shorter run (default: %(default)s)")
-    parser.add_argument("--long", type=int, default=11, help="steps of the longer run (default: %(default)s)")
+SHORT, LONG = 3, 11
 
 
 def run(args, report) -> None:
@@ -26,14 +22,13 @@ def run(args, report) -> None:
     logging.disable(logging.INFO)
     counts = {}
     with tempfile.TemporaryDirectory(prefix="bench_syncs_") as tmp:
-        for steps in (args.short, args.long):
+        for steps in (SHORT, LONG):
             cfg = C.bench_config(args.recipe, [f"train.max_steps={steps}", "schedule.warmup_steps=2",
-                                                    "logging.log_every_steps=1000"],
-                                 f"{tmp}/{steps}", args.data)
+                                                    "logging.log_every_steps=1000"], f"{tmp}/{steps}", args.data)
             with HostSyncCounter() as counter, C.quiet_stdout():
                 train(cfg)
             counts[steps] = dict(counter.calls)
-    kinds = sorted(set(counts[args.short]) | set(counts[args.long]))
-    per_step = {k: (counts[args.long].get(k, 0) - counts[args.short].get(k, 0)) / (args.long - args.short) for k in kinds}
+    kinds = sorted(set(counts[SHORT]) | set(counts[LONG]))
+    per_step = {k: (counts[LONG].get(k, 0) - counts[SHORT].get(k, 0)) / (LONG - SHORT) for k in kinds}
     report.line(f"{sum(per_step.values()):.2f} host syncs per unlogged step; by kind: {per_step}")
     report.figures = {"per_unlogged_step": per_step, "counts": counts}

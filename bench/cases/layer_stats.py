@@ -75,8 +75,7 @@ def run(args, report) -> None:
             report.line(f"{kind} step, CPU seconds on / off: {C.fmt_ratio(stats[f'{kind} CPU'])}; wall: "
                         f"{C.fmt_ratio(stats[f'{kind} wall'])}; median CPU ms per step off {median['off']:.1f}, on "
                         f"{median['on']:.1f}")
-            figures[kind] = {"cpu_ratio": stats[f"{kind} CPU"], "wall_ratio": stats[f"{kind} wall"],
-                             "median_cpu_ms": median}
+            figures[kind] = {"cpu_ratio": stats[f"{kind} CPU"], "wall_ratio": stats[f"{kind} wall"], "median_cpu_ms": median}
         report.figures = {**figures, "n_params": off.n_params, "tokens_per_step": off.tokens_per_step,
                           "log_every_steps": args.log_every}
         for loop in loops.values():

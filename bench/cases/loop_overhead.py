@@ -29,8 +29,7 @@ def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_loop_") as tmp:
         cfg = C.bench_config(args.recipe, args.overrides, out_dir=tmp, data_path=args.data)
         ours = C.OursLoop(cfg, Path(tmp))
-        device = ours.accelerator.device
-        batches = C.prebuilt_batches(ours.train_batches, 16)
+        device, batches = ours.accelerator.device, C.prebuilt_batches(ours.train_batches, 16)
         loops = {"ours": ours, "raw": C.RawLoop(cfg, ours.hf_config, device, ours.precision, batches)}
         report.line(f"model: {ours.n_params / 1e6:.2f}M params, {cfg.model.num_layers} layers x {cfg.model.hidden_size} "
                     f"wide, seq_len {cfg.data.seq_len}, micro-batch {cfg.train.micro_batch_size} x accumulation "
@@ -54,10 +53,9 @@ def run(args, report) -> None:
         report.line(f"ours' extra time (data fetch + bookkeeping - raw's bookkeeping): {extra_ms:.2f} ms/step = "
                     f"{100 * share:.2f}% of its step, i.e. {1 - share:.3f}x raw's tokens/s if the shared sections ran "
                     "equally fast")
+        tokens_per_sec = {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts] for side, ts in timings.items()}
         report.figures = {"ratio_ours_over_raw": ratio, "extra_ms_per_step": extra_ms, "implied_ratio": 1 - share,
-                          "cpu_time_ratio": cpu, "ms_per_step": breakdown,
-                          "tokens_per_sec": {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts]
-                                             for side, ts in timings.items()},
+                          "cpu_time_ratio": cpu, "ms_per_step": breakdown, "tokens_per_sec": tokens_per_sec,
                           "tokens_per_step": ours.tokens_per_step, "n_params": ours.n_params}
         ours.close()
 
@@ -66,8 +64,7 @@ def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:
     """Milliseconds per step of each section, and ours' extra time: its data fetch and bookkeeping over raw's (the
     sections both loops share run the same kernels: a steadier figure than the ratio of two noisy step times)."""
     n_steps = args.pairs * args.block_steps
-    report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):")
-    report.line(f"  {'section':<20}{'ours':>10}{'raw':>10}")
+    report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):\n  {'section':<20}{'ours':>10}{'raw':>10}")
     breakdown = {}
     for side, loop in loops.items():
         seconds = sum(t.wall_s for t in timings[side])

@@ -26,8 +26,6 @@ PAIRS = None
 def options(parser) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each full run (default: %(default)s)")
     parser.add_argument("--average", type=int, default=4, help="checkpoints of the stable phase averaged (default: %(default)s)")
-    parser.add_argument("--eval-batches", type=int, default=None,
-                        help="validation batches of 8 windows (default: data.val_windows / 8, the training's windows)")
     parser.add_argument("--work", default=None, help="folder for the runs, kept (default: a temporary folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run")
     parser.add_argument("--checkpoints", nargs="*", default=[], help="worker: the checkpoints to average")
@@ -99,15 +97,15 @@ def measure(args, report, tmp: Path) -> None:
     kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
     train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept])
     train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])
-    train_run(args.recipe, args.data, tmp / "wsd80", [
-        *common, f"schedule.decay_steps={n - at80}", "checkpoint.every_steps=0",
-        f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"])
+    branch = f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"
+    train_run(args.recipe, args.data, tmp / "wsd80", [*common, f"schedule.decay_steps={n - at80}", branch,
+                                                      "checkpoint.every_steps=0"])
     trunk = tmp / "wsd90" / "checkpoints"
     stable = [c.path for c in complete_checkpoints(trunk) if c.step <= at90][-args.average:]
     averaged = average_checkpoints(stable, tmp / "average", overwrite=True)
     recipe = load_config(args.recipe, args.set)
     tokens_per_step = recipe.train.global_batch_size * recipe.data.seq_len
-    eval_batches = args.eval_batches or max(1, recipe.data.val_windows // 8)
+    eval_batches = max(1, recipe.data.val_windows // 8)  # the windows training validates on
 
     def val(path: Path) -> float:
         return evaluate_path(path, args.data, max_batches=eval_batches, batch_size=8)[0]["loss"]

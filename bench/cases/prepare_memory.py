@@ -34,7 +34,6 @@ def options(parser) -> None:
     parser.add_argument("--format", choices=["files", "jsonl"], default="files", help="corpus as text files or jsonl")
     parser.add_argument("--tokenizer", default="data/stdlib", help="tokenizer of the given mode (default: %(default)s)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="trained mode's BPE size (default: %(default)s)")
-    parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: prepare_data's)")
     parser.add_argument("--tmp", default=None, help="where to build the corpora (default: system temp)")
 
 
@@ -107,8 +106,7 @@ def run_prepare(args: list[str]) -> dict:
 
 
 def run(args, report) -> None:
-    common = ["--num-proc", str(args.num_proc)] if args.num_proc else []
-    mode_args = {"given": ["--tokenizer", args.tokenizer, *common], "trained": ["--vocab-size", str(args.vocab_size), *common]}
+    mode_args = {"given": ["--tokenizer", args.tokenizer], "trained": ["--vocab-size", str(args.vocab_size)]}
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench_corpora_", dir=args.tmp) as tmp:
         workdir = Path(tmp)

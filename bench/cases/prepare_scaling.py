@@ -74,10 +74,8 @@ def worker(args) -> dict:
 
 
 def run(args, report) -> None:
-    parallelism = os.environ.get("TOKENIZERS_PARALLELISM", "unset")
-    report.line(f"corpus: embedded stdlib, {f'first {args.max_documents}' if args.max_documents else 'all'} documents; "
-                f"prepare's tokenizer: {'trained' if args.prepare_tokenizer == 'trained' else args.tokenizer}; map's: "
-                f"{args.tokenizer}; TOKENIZERS_PARALLELISM={parallelism}")
+    report.line(f"corpus: embedded stdlib, {args.max_documents or 'all'} documents; prepare's tokenizer: "
+                f"{args.prepare_tokenizer} ({args.tokenizer}); TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM')}")
     ratios = {key: (lambda a, b: lambda g: g[a]["tokens_per_sec"] / g[b]["tokens_per_sec"])(*key.split("/"))
               for key in ("p2/p1", "p1/map", "p2/map")}
     runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side),

@@ -31,7 +31,6 @@ OVERRIDES = ["logging.log_every_steps=1", "logging.progress_bar=false", "logging
 def options(parser) -> None:
     parser.add_argument("--large-tokens", type=int, default=1_000_000_000, help="train tokens of the large folder")
     parser.add_argument("--tmp", default=None, help="where to build the large folder (default: system temp)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for one run's first step")
     parser.add_argument("--sparse", action="store_true", help="build the large folder with a sparse train.bin tail")
 
 
@@ -49,7 +48,7 @@ def run(args, report) -> None:
         rounds = iter(range(10**9))
         got, stats = C.interleave(
             report, args.pairs, ("small", "large"),
-            lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe, args.timeout),
+            lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe),
             {"large/small": lambda g: g["large"][0] / g["small"][0]},
             lambda g: ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)" for side, (s, rss) in g.items()))
     runs = {side: [s for s, _ in rows] for side, rows in got.items()}
@@ -95,7 +94,7 @@ def build_large(small: Path, dest: Path, tokens: int, sparse: bool) -> Path:
     return dest
 
 
-def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -> tuple[float, int]:
+def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float = 300) -> tuple[float, int]:
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "train.py", recipe, f"out_dir={run_dir}", f"data.path={data}", *OVERRIDES]
     start = time.perf_counter()

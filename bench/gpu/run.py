@@ -192,12 +192,12 @@ def run_job(args, env: dict, record: Record, groups: list[dict], name: str, time
     versions a worker imported go into the record."""
     work = args.work / "runs" / name
     work.mkdir(parents=True, exist_ok=True)
+    log, result_path = work / "worker.log", work / "result.json"
     job = {"recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base": list(args.base), "data": str(args.data),
-           "work": str(work), "result": str(work / "result.json"), "sides": groups,
-           "warmup_steps": args.warmup_steps, "steps": args.steps}
+           "work": str(work), "result": str(result_path), "sides": groups, "warmup_steps": args.warmup_steps,
+           "steps": args.steps}
     (work / "job.json").write_text(json.dumps(job, indent=2))
-    (work / "result.json").unlink(missing_ok=True)
-    log = work / "worker.log"
+    result_path.unlink(missing_ok=True)
     try:
         with open(log, "w") as sink:
             proc = subprocess.run([sys.executable, str(HERE / "worker.py"), str(work / "job.json")], cwd=ROOT, env=env,
@@ -205,10 +205,9 @@ def run_job(args, env: dict, record: Record, groups: list[dict], name: str, time
         failure = None if proc.returncode == 0 else f"worker exited {proc.returncode}"
     except subprocess.TimeoutExpired:
         failure = f"worker stopped after {timeout_s:.0f} s (--budget-s)"
-    results = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+    results = json.loads(result_path.read_text()) if result_path.is_file() else {}
     versions = results.pop("_versions", None)
-    if versions and not record.data["versions"]:
-        record.data["versions"] = versions
+    record.data["versions"] = record.data["versions"] or versions or {}
     text = log.read_text(errors="replace") if log.is_file() else ""
     tail = text[-1500:]
     with open(args.out / LOG_NAME, "a") as logs:
@@ -231,13 +230,10 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
     try:
         row.update(stage.summarize(results))
     except (KeyError, TypeError, ZeroDivisionError) as exc:
-        stopped = [f"{label} {r['stopped'].splitlines()[0][:200]}" for label, r in results.items() if r.get("stopped")]
-        row.update(status=f"failed: summary ({type(exc).__name__}: {exc})" + (f"; {'; '.join(stopped)}" if stopped else ""),
-                   met=None, figure="")
-        return row
-    if dry_run:
-        return {**row, "status": "dry run (CPU, tiny recipe, not a GPU figure)", "met": None}
-    return {**row, "status": "measured"}
+        stopped = "".join(f"; {label} {r['stopped'].splitlines()[0][:200]}" for label, r in results.items() if r.get("stopped"))
+        return {**row, "status": f"failed: summary ({type(exc).__name__}: {exc}){stopped}", "met": None, "figure": ""}
+    return {**row, "status": "dry run (CPU, tiny recipe, not a GPU figure)", "met": None} if dry_run else \
+        {**row, "status": "measured"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     record = Record(args.out, args)
     record.save()
     record.log(f"stages: {', '.join(s.name for s in args.selected)}; results in {args.out}")
-    env = setup(args, record)
-    groups = side_groups(args.selected)
-    done: dict[str, dict] = {}
+    env, groups, done = setup(args, record), side_groups(args.selected), {}
     if args.dry_run:  # one process for every side: each starts its own Accelerator (worker._forget_run)
         done.update(run_job(args, env, record, list(groups.values()), "dry_run", args.budget_s))
     for stage in args.selected:

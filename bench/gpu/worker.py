@@ -90,12 +90,11 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
             if not getattr(e, "is_user_annotation", False):
                 by_name[e.key] = e.self_cpu_time_total
         busy_us = None
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     total_us = sum(by_name.values())
     return {"wall_s": wall_s, "device_busy_share": None if busy_us is None else busy_us / (wall_s * 1e6),
             "timed": "GPU kernels and copies" if cuda else "CPU operators (self time)",
             "top": [{"name": name[:160], "ms": us / 1e3, "share": us / total_us if total_us else None}
-                    for name, us in ranked]}
+                    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
@@ -177,9 +176,8 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         if side["checkpoint_stall"]:
             result["checkpoint_stall"] = _checkpoint_stall(run, out_dir / "checkpoints", next_step, 2)
         prediction = result["prediction"] = _prediction(run, peak_tflops)
-        result["measured_over_predicted"] = {
-            "tokens_per_sec": tokens_per_sec / prediction["tokens_per_sec"],
-            "peak_mem": (peak / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
+        result["measured_over_predicted"] = {"tokens_per_sec": tokens_per_sec / prediction["tokens_per_sec"],
+                                             "peak_mem": (peak / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
         return result
     finally:
         run.prefetcher.close()
