@@ -1,9 +1,6 @@
-"""The benchmarks' shared pieces, owned by ``bench/run.py``: the machine description, the report (printed, then
-written to ``bench/results/<name>.txt`` and ``.json`` with the command that reproduces it), the interleaved rounds
-and their median-of-ratios statistics, worker processes, and the two training loops the in-process cases drive.
-
-Every case measures its sides in one run, interleaved (A B, B A, ...), and reports the median of the per-round
-ratios with their min and max: drift of a shared machine then hits both sides of a round alike.
+"""The benchmarks' shared pieces: the machine description, the report (``bench/results/<name>.txt`` and ``.json``
+with the command that reproduces it), interleaved rounds (A B, B A, ...: a shared machine's drift hits both sides
+of a round alike) and their median-of-ratios statistics, worker processes, and the two loops the cases drive.
 """
 
 from __future__ import annotations
@@ -19,14 +16,13 @@ import subprocess
 import sys
 import time
 import typing
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 RUNNER = ROOT / "bench" / "run.py"
-
-#: Line prefix a worker process prints before its JSON result.
-RESULT_PREFIX = "BENCH_RESULT "
+RESULT_PREFIX = "BENCH_RESULT "  # a worker prints it before its JSON result
 
 
 class Refusal(Exception):
@@ -67,15 +63,7 @@ def command_line() -> str:
     return " ".join([".venv/bin/python", shlex.quote(str(script)), *map(shlex.quote, sys.argv[1:])])
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def _version(module: str) -> str:
+def version(module: str) -> str:
     try:
         return __import__(module).__version__
     except Exception:  # not installed, or no __version__: the description says so rather than failing
@@ -86,19 +74,18 @@ def machine(device: str = "cpu") -> dict:
     """What the figures were measured on: CPU, cores, torch threads, load, GPU, library versions."""
     import torch
 
-    desc = {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-        "python": platform.python_version(),
-        "versions": {m: _version(m) for m in
-                     ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")},
-    }
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    desc = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+            "python": platform.python_version(),
+            "versions": {m: version(m) for m in
+                         ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")}}
     if device.startswith("cuda") and torch.cuda.is_available():
-        desc["gpu"] = torch.cuda.get_device_name(0)
-        desc["gpu_count"] = torch.cuda.device_count()
+        desc.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count())
     return desc
 
 
@@ -106,27 +93,23 @@ class Report:
     """Prints lines as they come and saves them (and a JSON of the figures) under bench/results/."""
 
     def __init__(self, name: str, device: str = "cpu", output: str | None = None):
-        self.name = name
-        self.lines: list[str] = []
-        self.figures: dict = {}
-        self.output_dir = Path(output) if output else RESULTS
-        self.machine_start = machine(device)
-        self.line(f"# {name}")
-        self.line(f"command: {command_line()}")
-        self.line(f"machine: {json.dumps(self.machine_start)}")
+        self.name, self.lines, self.figures = name, [], {}
+        self.output_dir, self.machine_start = Path(output) if output else RESULTS, machine(device)
+        for text in (f"# {name}", f"command: {command_line()}", f"machine: {json.dumps(self.machine_start)}"):
+            self.line(text)
 
     def line(self, text: str = "") -> None:
         print(text, flush=True)
         self.lines.append(text)
 
     def save(self) -> Path:
-        self.line(f"load average at the end: {[round(x, 2) for x in os.getloadavg()]}")
+        load = [round(x, 2) for x in os.getloadavg()]
+        self.line(f"load average at the end: {load}")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         text_path = self.output_dir / f"{self.name}.txt"
         text_path.write_text("\n".join(self.lines) + "\n")
-        data = {"command": command_line(), "machine": self.machine_start,
-                "load_avg_end": [round(x, 2) for x in os.getloadavg()], "figures": self.figures}
-        (self.output_dir / f"{self.name}.json").write_text(json.dumps(data, indent=2, default=float) + "\n")
+        data = {"command": command_line(), "machine": self.machine_start, "load_avg_end": load, "figures": self.figures}
+        text_path.with_suffix(".json").write_text(json.dumps(data, indent=2, default=float) + "\n")
         print(f"saved {text_path} and {text_path.with_suffix('.json')}", flush=True)
         return text_path
 
@@ -140,10 +123,8 @@ def fmt_ratio(stats: dict, unit: str = "x") -> str:
 
 
 def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Side order per round, rotated each round (A B, B A, ... / A B C, B C A, C A B, ...) so that no side
-    always runs first, right after the other side warmed the caches."""
-    k = len(sides)
-    return [tuple(sides[(i + j) % k] for j in range(k)) for i in range(n_pairs)]
+    """Side order per round, rotated (A B, B A, ... / A B C, B C A, ...): no side always runs right after another."""
+    return [tuple(sides[(i + j) % len(sides)] for j in range(len(sides))) for i in range(n_pairs)]
 
 
 def interleave(report: Report, pairs: int, sides: tuple[str, ...], measure: typing.Callable[[str], typing.Any],
@@ -168,32 +149,26 @@ def median_of(rows: list[dict], key: str) -> float:
 
 
 def set_threads(threads: int | None) -> None:
-    import torch
-
     if threads:
-        torch.set_num_threads(threads)
+        __import__("torch").set_num_threads(threads)
 
 
 def sync(device) -> None:
-    import torch
-
     if getattr(device, "type", str(device)).startswith("cuda"):
-        torch.cuda.synchronize(device)
+        __import__("torch").cuda.synchronize(device)
 
 
 @contextlib.contextmanager
 def quiet_stdout():
-    """Swallow the loop's own progress lines (the Reporter's log lines) while a timed block runs."""
+    """Swallow the loop's own progress lines while a timed block runs."""
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         yield
 
 
 def status_kb(field: str, pid: int | str = "self") -> int:
     """A field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``, ...) in KiB; 0 if absent."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next((int(line.split()[1]) for line in lines if line.startswith(field + ":")), 0)
 
 
 def free_port() -> int:
@@ -208,15 +183,7 @@ def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str
 
     fixed = [f"out_dir={out_dir}", "train.max_steps=1000000000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
              "checkpoint.export_at_end=false", "checkpoint.resume=none", "logging.progress_bar=false", "logging.trackers=[]"]
-    if data_path:
-        fixed.append(f"data.path={data_path}")
-    return load_config(recipe, [*fixed, *overrides])
-
-
-def wide_overrides(hidden_size: int, layers: int) -> list[str]:
-    """A Llama of ``hidden_size`` x ``layers`` (MLP width 8/3 of it, rounded to 64) over the recipe's model."""
-    return [f"model.hidden_size={hidden_size}", f"model.num_layers={layers}",
-            f"model.intermediate_size={(8 * hidden_size // 3 + 63) // 64 * 64}"]
+    return load_config(recipe, [*fixed, *([f"data.path={data_path}"] if data_path else []), *overrides])
 
 
 def folder_mb(path: Path) -> float:
@@ -228,69 +195,52 @@ def check_data(path: str) -> None:
         raise Refusal(f"no prepared data at {path} (no meta.json there): prepare it with "
                       f".venv/bin/python tools/prepare_data.py --output {path} --vocab-size 8192, or pass --data "
                       "a folder tools/prepare_data.py wrote.")
-class Sections:
+
+
+def check_tokenizer(path: str, alternative: str = "") -> None:
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise Refusal(f"no tokenizer at {path} (no tokenizer.json): prepare data/stdlib with .venv/bin/python "
+                      f"tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass --tokenizer a tokenizer "
+                      f"folder{alternative}.")
+
+
+class Sections(Counter):
     """Seconds spent per named section, summed over the steps of a block."""
 
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
     def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def reset(self) -> None:
-        self.seconds = {}
+        self[name] += seconds
 
 
 class OursLoop:
-    """The trainer of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps.
-
-    Built by the trainer's own ``build_run`` / ``build_trainer``; each step is :meth:`Trainer.step`, the same method
-    ``Trainer.fit`` calls (``train_step``, then every callback: log, evaluation, save, the spike rule, ...).
-    ``train_step`` reports its sections to ``self.sections``.
-    """
+    """The trainer of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps: built by its own
+    ``build_run`` / ``build_trainer``, each step is ``Trainer.step`` (``train_step``, then every callback), and
+    ``train_step`` reports its sections to ``self.sections``."""
 
     def __init__(self, cfg, out_dir: Path):
         from lmrecipe.train.setup import build_run
         from lmrecipe.train.trainer import build_trainer
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg = cfg
-        self.run_ = build_run(cfg, out_dir)
-        if self.run_.runtime.topology.zero.deepspeed:
-            raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py "
-                             "(the GPU kit, bench/gpu/run.py, does)")
-        self.accelerator = self.run_.accelerator
-        self.precision = self.run_.runtime.precision
-        self.layout = self.run_.runtime.batch
-        self.model, self.optimizer = self.run_.model, self.run_.optimizer
-        self.train_batches = self.run_.train_batches
-        self.n_params, self.flops_per_token = self.run_.n_params, self.run_.flops_per_token
-        self.tokens_per_step = self.run_.tokens_per_step
-        self.hf_config = self.accelerator.unwrap_model(self.model).config
+        self.cfg, run = cfg, build_run(cfg, out_dir)
+        if run.runtime.topology.zero.deepspeed:
+            raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py (the GPU kit does)")
+        self.accelerator, self.precision, self.layout = run.accelerator, run.runtime.precision, run.runtime.batch
+        self.train_batches, self.n_params, self.flops_per_token = run.train_batches, run.n_params, run.flops_per_token
+        self.tokens_per_step, self.hf_config = run.tokens_per_step, self.accelerator.unwrap_model(run.model).config
         self.sections = Sections()
-        self.trainer = build_trainer(self.run_, out_dir, timer=self.sections.add)
+        self.trainer = build_trainer(run, out_dir, timer=self.sections.add)
         self.trainer.start()
-
-    @property
-    def state(self):
-        return self.trainer.state
+        self.state, self.close = self.trainer.state, self.trainer.close  # close: no export, no report
 
     def run(self, n_steps: int) -> None:
         for _ in range(n_steps):
             self.trainer.step()
 
-    def close(self) -> None:
-        """Close the run's logs (without the end of a run: no export, no report)."""
-        self.trainer.close()
-
 
 class RawLoop:
     """A minimal PyTorch loop on the same Hugging Face model: forward, fp32 cross-entropy, ``(loss / accum).backward()``,
-    ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. No Accelerate, no bookkeeping.
-
-    ``batches`` yields the micro-batches of a step: pre-built tensors (the strict comparison) or the same
-    ``TrainBatches`` fetch as ours.
-    """
+    ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``; no Accelerate, no bookkeeping. ``micro_batches(step)``: the
+    micro-batches of a step (``prebuilt_batches``)."""
 
     def __init__(self, cfg, hf_config, device, precision: str, micro_batches):
         import torch
@@ -299,16 +249,12 @@ class RawLoop:
         from lmrecipe.optim import param_groups
 
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, cfg.train, hf_config).to(device)
-        self.model.train()
+        self.model = build_model(cfg.model, cfg.train, hf_config).to(device).train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(param_groups(self.model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        self.device = device
+        self.device, self.micro_batches, self.step, self.sections = device, micro_batches, 0, Sections()
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-        self.micro_batches = micro_batches
-        self.step = 0
-        self.sections = Sections()
 
     def run(self, n_steps: int) -> None:
         import torch
@@ -342,16 +288,9 @@ def prebuilt_batches(train_batches, n_steps: int):
     return lambda step: cache[step % n_steps]
 
 
-def fetched_batches(train_batches):
-    """Fetch each step's micro-batches from the memory map, as the training loop does."""
-    return lambda step: list(train_batches.micro_batches(step))
-
-
 class Timing(typing.NamedTuple):
-    wall_s: float
-    """Wall-clock seconds: what tokens/s is made of."""
-    cpu_s: float
-    """CPU seconds of this process (all its threads): blind to time spent descheduled by other processes' load."""
+    wall_s: float  # what tokens/s is made of
+    cpu_s: float  # this process's CPU seconds: blind to time descheduled by other processes' load
 
 
 def timed_block(loop, n_steps: int, device) -> Timing:
@@ -362,8 +301,6 @@ def timed_block(loop, n_steps: int, device) -> Timing:
         loop.run(n_steps)
     sync(device)
     return Timing(time.perf_counter() - start, time.process_time() - cpu_start)
-
-
 
 
 def add_wide_model_options(parser) -> None:
@@ -378,8 +315,9 @@ def build_wide_run(args, out_dir: Path, overrides: list[str]):
     """``build_run`` of ``args.recipe`` at ``--hidden-size`` x ``--layers``, saving every step it is asked to."""
     from lmrecipe.train.setup import build_run
 
-    cfg = bench_config(args.recipe, [*wide_overrides(args.hidden_size, args.layers), "checkpoint.every_steps=1",
-                                     *overrides], str(out_dir), args.data)
+    wide = [f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}",
+            f"model.intermediate_size={(8 * args.hidden_size // 3 + 63) // 64 * 64}"]  # 8/3 of the width, to 64
+    cfg = bench_config(args.recipe, [*wide, "checkpoint.every_steps=1", *overrides], str(out_dir), args.data)
     return build_run(cfg, out_dir)
 
 
@@ -397,8 +335,7 @@ def save_round(run, checkpointer, state, steps_between: int) -> dict:
     """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
     from lmrecipe.train.step import train_step
 
-    device = run.accelerator.device
-    sync(device)
+    sync(run.accelerator.device)
     start = time.perf_counter()
     checkpointer.maybe_save(run.model, state)
     save_s, steps_s = time.perf_counter() - start, []
@@ -406,7 +343,7 @@ def save_round(run, checkpointer, state, steps_between: int) -> dict:
         step_start = time.perf_counter()
         state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
         steps_s.append(time.perf_counter() - step_start)
-    sync(device)
+    sync(run.accelerator.device)
     start = time.perf_counter()
     checkpointer.wait()
     wait_s = time.perf_counter() - start

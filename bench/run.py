@@ -1,15 +1,10 @@
 """The CPU benchmarks, one runner: ``bench/run.py CASE [options]``; ``bench/run.py`` alone lists the cases.
 
-    .venv/bin/python bench/run.py loop_overhead --threads 1 --pairs 20
-    .venv/bin/python bench/run.py CASE --help        # the case's own options
-
-Each case is a module of ``bench/cases/``: its docstring (the first line is its summary), the defaults of the common
-options (``PAIRS``; ``DATA`` and ``RECIPE``, None where it has no such option; ``DEVICE``, true to offer ``--device
-cuda``), ``options(parser)`` for its own, ``run(args, report)`` that measures its sides and fills the report, and
-where it needs fresh processes ``worker(args)``, run by ``--worker KIND`` (``_common.worker_command``). The runner
-owns the rest: the common options, torch threads and device, the data check, the report (machine, reproduce
-command, ``bench/results/<name>.txt`` and ``.json``; ``name(args)`` where a case writes a variant). Bad input (an
-unknown case, no prepared data) exits 2 with one message, before anything is measured.
+Each case is a module of ``bench/cases/``: its docstring (first line: its summary), the defaults of the common
+options (``PAIRS``, ``DATA``, ``RECIPE``: None where it has no such option; ``DEVICE``: true to offer ``--device
+cuda``), ``options(parser)``, ``run(args, report)``, and where it needs fresh processes ``worker(args)`` (run by
+``--worker KIND``). The runner owns the rest: common options, threads, the data check, the report. Bad input exits
+2 with one message, before anything is measured.
 """
 
 from __future__ import annotations
@@ -45,16 +40,16 @@ def listing() -> str:
 def build_parser(name: str, case) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"bench/run.py {name}", description=case.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    if getattr(case, "PAIRS", 3) is not None:  # None: a case without rounds
-        parser.add_argument("--pairs", type=int, default=getattr(case, "PAIRS", 3),
-                            help="interleaved rounds of the sides (default: %(default)s)")
+    pairs, data, recipe = (getattr(case, *default) for default in (("PAIRS", 3), ("DATA", "data/stdlib"),
+                                                                   ("RECIPE", "recipes/tiny.yaml")))
+    if pairs is not None:  # None: a case without rounds
+        parser.add_argument("--pairs", type=int, default=pairs, help="interleaved rounds of the sides (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--output", default=None, help="folder for the .txt/.json results (default: bench/results)")
-    if getattr(case, "DATA", "data/stdlib"):
-        parser.add_argument("--data", default=getattr(case, "DATA", "data/stdlib"),
-                            help="prepared data folder (default: %(default)s)")
-    if getattr(case, "RECIPE", "recipes/tiny.yaml"):
-        parser.add_argument("--recipe", default=getattr(case, "RECIPE", "recipes/tiny.yaml"))
+    if data:
+        parser.add_argument("--data", default=data, help="prepared data folder (default: %(default)s)")
+    if recipe:
+        parser.add_argument("--recipe", default=recipe)
     if getattr(case, "DEVICE", False):
         parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                             help="cpu, or cuda on a GPU machine (precision auto = bf16 there)")

@@ -1,15 +1,14 @@
 """How long the training loop is blocked per checkpoint: synchronous writes against background writes, in one run.
 
-One process, one model (``build_run`` of the recipe at --hidden-size x --layers; no DeepSpeed, or --deepspeed's config
-on one process), two checkpointers from the trainer's own ``build_checkpointer``, ``checkpoint.background_save`` false
-and true, each writing into its own folder. A round of a side is what the loop does around a save: ``maybe_save``
-(timed: save call), --steps-between ``train_step`` calls (timed: steps; with background writes these share the CPU
-with the writer), ``wait`` (timed). The loop is blocked for save call + wait; the figure is the median ratio sync /
-background of it, and of the whole round. Files go to --tmp through the page cache, as the trainer writes them.
+One process, the recipe at --hidden-size x --layers (--deepspeed: that config on one process), two checkpointers of
+the trainer's own ``build_checkpointer``, ``checkpoint.background_save`` false and true. A round is what the loop does
+around a save: ``maybe_save``, --steps-between ``train_step`` calls, ``wait``. The loop is blocked for save + wait;
+the figure is the median ratio sync / background of it, and of the whole round.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -29,8 +28,6 @@ def name(args) -> str:
 
 
 def run(args, report) -> None:
-    import logging
-
     from lmrecipe.train.state import TrainState
     from lmrecipe.train.step import train_step
 
@@ -38,7 +35,7 @@ def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
         run = C.build_wide_run(args, Path(tmp) / "run", [f"distributed.deepspeed_config={args.deepspeed or 'null'}"])
         checkpointers = {side: C.side_checkpointer(run, Path(tmp) / side, side == "background") for side in SIDES}
-        state = TrainState()
+        state = TrainState()  # one run's steps, the sides' saves in turn
         report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.topology.zero.describe()}, "
                     f"{run.tokens_per_step} tokens per step, {args.steps_between} steps between saves, "
                     f"threads {args.threads or 'default'}, files in {tmp}")
@@ -62,9 +59,8 @@ def run(args, report) -> None:
                                  f"step {1e3 * r['step_s']:,.0f} ms" for side, r in g.items()))
         for side in SIDES:
             ms = {key: 1e3 * C.median_of(rounds[side], key) for key in ("blocked_s", "save_s", "wait_s", "step_s")}
-            report.line(f"{side:>10}: loop blocked {ms['blocked_s']:,.0f} ms per checkpoint (save call "
-                        f"{ms['save_s']:,.0f} ms, wait {ms['wait_s']:,.0f} ms); median training step after the save "
-                        f"{ms['step_s']:,.0f} ms")
+            report.line(f"{side:>10}: loop blocked {ms['blocked_s']:,.0f} ms per checkpoint (save {ms['save_s']:,.0f} ms "
+                        f"+ wait {ms['wait_s']:,.0f} ms); step after the save {ms['step_s']:,.0f} ms")
         report.line(f"blocked time per checkpoint, sync / background: {C.fmt_ratio(stats['blocked ratio'])}")
         report.line(f"whole round (save + {args.steps_between} steps + wait), sync / background: "
                     f"{C.fmt_ratio(stats['round ratio'])}")

@@ -1,18 +1,15 @@
 """Data path: what the memmap loader delivers against what a training step consumes, and data_time_s in a real run.
 
-1. In this process, alternating blocks: the loader alone (``TrainBatches.micro_batches`` and the loop's
-   ``.to(device)``) for --loader-steps steps against ``_common.OursLoop`` for --block-steps steps: loader over
-   consumed micro-batches/s (the headroom), and the fetch's measured share of the training block.
-2. A real ``train.py`` run of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl. Target: < 1%.
+1. In this process, alternating blocks: the loader alone (``TrainBatches.micro_batches`` and ``.to(device)``) against
+   ``_common.OursLoop``: loader over consumed micro-batches/s (the headroom), and the fetch's share of the block.
+2. A ``train.py`` run of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl. Target: < 1%.
 3. The loader alone at the 1B recipe's shape (seq_len 2048, micro-batch 8).
-4. ``TokenWindows.batch`` (one fancy index) against per-window memmap slices and ``np.stack``, same tensors, interleaved.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,8 +22,7 @@ DEVICE = True
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=[], help="key=value overrides of the in-process part")
-    parser.add_argument("--run-overrides", nargs="*", default=[], help="key=value overrides of the train.py run")
+    parser.add_argument("--overrides", nargs="*", default=[], help="key=value recipe overrides of both parts")
     parser.add_argument("--block-steps", type=int, default=5, help="training steps per timed block (default: %(default)s)")
     parser.add_argument("--loader-steps", type=int, default=200, help="loader-only steps per block (default: %(default)s)")
     parser.add_argument("--run-steps", type=int, default=60, help="steps of the train.py run; 0 skips it (default: %(default)s)")
@@ -53,13 +49,10 @@ def run(args, report) -> None:
     big = TokenWindows(args.data, "train", 2048)
     if len(big) >= 8:
         seconds, count = loader_block(TrainBatches(big, BatchLayout(8 * 4, 8, 1, 0), 0), 0, 20, "cpu")
-        report.line()
         report.line(f"3. loader alone at seq_len 2048, micro-batch 8 (the 1B recipe's shape): "
                     f"{count / seconds:,.0f} micro-batches/s = {count * 8 * 2048 / seconds / 1e6:,.1f}M tokens/s, "
                     f"from {len(big)} windows (page cache warm)")
         report.figures["loader_seq2048_micro8_batches_per_sec"] = count / seconds
-    report.line()
-    report.figures["gather_vs_stacking"] = gather_vs_stacking(args, report)
 
 
 def in_process(args, report) -> None:
@@ -71,9 +64,8 @@ def in_process(args, report) -> None:
         device = ours.accelerator.device
         # The loader under test reads other steps than the loop, so neither finds the other's pages just touched.
         loader = TrainBatches(ours.train_batches.windows, ours.layout, cfg.train.seed + 1)
-        report.line(f"1. in-process, recipe {args.recipe} {' '.join(args.overrides)}: micro-batch "
-                    f"{cfg.train.micro_batch_size} x seq_len {cfg.data.seq_len}, accumulation {ours.layout.accum_steps}, "
-                    f"device {device}")
+        report.line(f"1. in-process, {args.recipe} {' '.join(args.overrides)}: micro-batch {cfg.train.micro_batch_size} "
+                    f"x seq_len {cfg.data.seq_len}, accumulation {ours.layout.accum_steps}, device {device}")
         C.timed_block(ours, 2, device)
         loader_block(loader, 0, 10, device)
         next_step = iter(range(10, 10**9, args.loader_steps))
@@ -82,10 +74,9 @@ def in_process(args, report) -> None:
             if side == "loader":
                 seconds, count = loader_block(loader, next(next_step), args.loader_steps, device)
                 return {"rate": count / seconds}
-            ours.sections.reset()
+            ours.sections.clear()
             seconds = C.timed_block(ours, args.block_steps, device).wall_s
-            return {"rate": args.block_steps * ours.layout.accum_steps / seconds,
-                    "share": ours.sections.seconds["data"] / seconds}
+            return {"rate": args.block_steps * ours.layout.accum_steps / seconds, "share": ours.sections["data"] / seconds}
 
         got, stats = C.interleave(report, args.pairs, ("loader", "training"), measure,
                                   {"headroom": lambda g: g["loader"]["rate"] / g["training"]["rate"]},
@@ -95,8 +86,8 @@ def in_process(args, report) -> None:
         ours.close()
     shares = C.ratio_stats([g["share"] for g in got["training"]])
     report.line(f"loader / training micro-batches per second: {C.fmt_ratio(stats['headroom'])}")
-    report.line(f"fetch share of step time, in-process: median {100 * shares['median']:.3f}% "
-                f"(min {100 * shares['min']:.3f}%, max {100 * shares['max']:.3f}%)")
+    report.line(f"fetch share of step time, in-process: {100 * shares['median']:.3f}% ({100 * shares['min']:.3f}-"
+                f"{100 * shares['max']:.3f}%)")
     report.figures.update(headroom_loader_over_training=stats["headroom"], fetch_share_in_process=shares,
                           rates={side: [g["rate"] for g in rows] for side, rows in got.items()})
 
@@ -106,64 +97,19 @@ def real_run(args, report) -> None:
         cmd = [sys.executable, "train.py", args.recipe, f"out_dir={out_dir}", f"data.path={args.data}",
                f"train.max_steps={args.run_steps}", "train.eval_every_steps=0", "checkpoint.every_steps=0",
                "checkpoint.export_at_end=false", "logging.progress_bar=false", "logging.trackers=[]",
-               "logging.log_every_steps=10", *args.run_overrides]
-        env = {**os.environ, "ACCELERATE_DISABLE_RICH": "1"}
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        C.run_checked(cmd, env)
+               "logging.log_every_steps=10", *args.overrides]
+        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+        C.run_checked(cmd, {**os.environ, "ACCELERATE_DISABLE_RICH": "1", **threads})
         rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "step_time_s" in r and r["step"] > 1]  # step 1 alone is start-up, not steady state
     total = sum(r["data_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     row_stats = C.ratio_stats([r["data_time_s"] / r["step_time_s"] for r in timed])
-    report.line()
     report.line(f"2. real run: {' '.join(cmd[1:])}")
     for r in timed:
         report.line(f"  step {r['step']:>4}: step_time_s {r['step_time_s']:.4f}  data_time_s {r['data_time_s']:.6f}  "
                     f"share {100 * r['data_time_s'] / r['step_time_s']:.3f}%  ({r['tokens_per_sec']:,.0f} tok/s)")
-    report.line(f"data_time_s / step_time_s over rows: median {100 * row_stats['median']:.3f}% (min "
-                f"{100 * row_stats['min']:.3f}%, max {100 * row_stats['max']:.3f}%); over the run {100 * total:.3f}%   "
-                f"target < 1%: {'MET' if total < 0.01 else 'MISSED'}")
-    report.figures["real_run"] = {"command": " ".join(cmd[1:]), "share_per_row": row_stats, "share_total": total,
-                                  "rows": timed}
+    report.line(f"data_time_s / step_time_s: rows' median {100 * row_stats['median']:.3f}% ({100 * row_stats['min']:.3f}-"
+                f"{100 * row_stats['max']:.3f}%); over the run {100 * total:.3f}%, target < 1%: "
+                f"{'MET' if total < 0.01 else 'MISSED'}")
+    report.figures["real_run"] = {"command": " ".join(cmd[1:]), "share_per_row": row_stats, "share_total": total, "rows": timed}
 
-
-def gather_vs_stacking(args, report) -> dict:
-    """TokenWindows.batch against the gather it replaced: one memmap slice per window, checked, then np.stack."""
-    import numpy as np
-    import torch
-
-    from lmrecipe.data.batches import BatchLayout, TrainBatches
-    from lmrecipe.data.format import TokenWindows
-
-    windows = TokenWindows(args.data, "train", 128)
-    batches = TrainBatches(windows, BatchLayout(8, 8, 1, 0), 0)
-    L = windows.seq_len
-
-    def stacking(ids):
-        rows = []
-        for i in ids:
-            tokens = windows.tokens[i * L : i * L + L + 1]
-            if len(tokens) and int(tokens.max()) > windows.max_token_id:
-                raise AssertionError(i)
-            rows.append(tokens)
-        rows = np.stack(rows).astype(np.int64)
-        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
-
-    ids = [batches.window_ids(step, 0) for step in range(500)]
-    for i in ids[:20]:
-        a, b = windows.batch(i), stacking(i)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-    def per_call(side: str) -> float:
-        fn, start = windows.batch if side == "gather" else stacking, time.perf_counter()
-        for i in ids:
-            fn(i)
-        return (time.perf_counter() - start) / len(ids)
-
-    got, stats = C.interleave(report, args.pairs, ("stacking", "gather"), per_call,
-                              {"speed-up": lambda g: g["stacking"] / g["gather"]})
-    stacking_us, gather_us = (1e6 * statistics.median(got[k]) for k in ("stacking", "gather"))
-    report.line(f"4. micro-batch 8 x seq_len 128: TokenWindows.batch (one fancy index) {gather_us:.0f} us/call, "
-                f"the earlier per-window memmap slices + np.stack {stacking_us:.0f} us/call (same tensors, both "
-                f"checked against max_token_id): {C.fmt_ratio(stats['speed-up'])} faster")
-    return {"stacking_us": stacking_us, "gather_us": gather_us, "speedup": stats["speed-up"]}

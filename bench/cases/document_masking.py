@@ -3,8 +3,6 @@
     bench/run.py document_masking step          # train_step masked and plain, tiny and 34M models, interleaved blocks
     bench/run.py document_masking mask-memory   # bytes of the SDPA, eager and flash masks at seq_len 2k / 8k / 32k
     bench/run.py document_masking val-loss      # recipes/tiny.yaml --steps steps masked and plain, then eval.py both ways
-
-Method: docs/benchmarks/10-document-masking.md.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ def options(parser) -> None:
     parser.add_argument("--hidden-size", type=int, default=640, help="the larger model's width (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=10, help="the larger model's blocks (default: %(default)s)")
     parser.add_argument("--tiny-only", action="store_true", help="step: time the tiny model only")
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--block-steps", type=int, default=3, help="step: steps per timed block (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=300, help="val-loss: steps per run (default: %(default)s)")
     parser.add_argument("--tmp", default=None, help="val-loss: folder for the two runs (default: a new temp folder)")
@@ -48,7 +44,7 @@ def time_steps(run, first_step: int, n_steps: int) -> float:
     start = time.perf_counter()
     for step in range(first_step, first_step + n_steps):
         result = train_step(run, step)
-    result.loss.item()  # the last step's work is done (a no-op wait on CPU)
+    result.loss.item()
     return (time.perf_counter() - start) / n_steps
 
 
@@ -59,14 +55,13 @@ def bench_step(args, report) -> dict:
         f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}", f"model.num_heads={args.hidden_size // 64}"]}
     results = {}
     for model, overrides in models.items():
-        overrides = [*overrides, f"train.micro_batch_size={args.micro_batch_size}",
-                     f"train.global_batch_size={args.micro_batch_size}", f"data.seq_len={args.seq_len}"]
+        overrides = [*overrides, "train.micro_batch_size=8", "train.global_batch_size=8", "data.seq_len=256"]
         with tempfile.TemporaryDirectory(prefix="bench_docmask_") as tmp:
             runs = {side: build_run(C.bench_config(args.recipe, [f"data.document_masking={str(side == 'masked').lower()}",
                                                                  *overrides], f"{tmp}/{side}", args.data), Path(tmp) / side)
                     for side in ("masked", "plain")}
-            for run in runs.values():  # warm-up (allocator, first-call costs)
-                time_steps(run, 0, 2)
+            for run in runs.values():
+                time_steps(run, 0, 2)  # warm-up
             first = {side: iter(range(2, 10**9, args.block_steps)) for side in runs}
             seconds, stats = C.interleave(
                 report, args.pairs, ("masked", "plain"),
@@ -78,7 +73,7 @@ def bench_step(args, report) -> dict:
         n_params = runs["plain"].n_params
         results[model] = {"params": n_params, "ratio": stats["masked/plain"],
                           **{f"{side}_ms": statistics.median(s) * 1e3 for side, s in seconds.items()}}
-        report.line(f"{model} ({n_params / 1e6:.1f}M params, micro-batch {args.micro_batch_size} x seq_len {args.seq_len}): "
+        report.line(f"{model} ({n_params / 1e6:.1f}M params, micro-batch 8 x seq_len 256): "
                     f"masked / plain step time {C.fmt_ratio(stats['masked/plain'])}")
     return results
 

@@ -2,10 +2,8 @@
 against off.
 
 Two trainers of the same recipe (``_common.OursLoop``), ``logging.layer_stats`` false and true, in alternating blocks
-of ``logging.log_every_steps`` (--log-every) steps, so every block holds one logged step. Per round: the ratio on /
-off of the logged step's CPU seconds and of the mean unlogged step's (wall too). The CPU seconds inside the
-instrument itself (its ``before_step``, the gradient probe of ``pre_optim_step`` and ``after_step``) are reported
-per step as well: on a loaded machine the whole-step ratios scatter widely.
+of --log-every steps (one logged step each). Per round: the ratio on / off of the logged step's CPU seconds and of
+the mean unlogged step's (wall too).
 """
 
 from __future__ import annotations
@@ -42,19 +40,6 @@ def timed_steps(loop, n_steps: int, device) -> list[tuple[int, float, float]]:
     return out
 
 
-def cpu_counted(instrument, method, totals: dict[str, float]):
-    """``method`` of ``instrument`` adding its CPU seconds to ``totals["logged"]`` when the instrument is armed (a
-    logged step) before or after the call, else to ``totals["unlogged"]``."""
-    def counted(*args, **kwargs):
-        armed, start = instrument.armed is not None, time.process_time()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            key = "logged" if armed or instrument.armed is not None else "unlogged"
-            totals[key] = totals.get(key, 0.0) + time.process_time() - start
-    return counted
-
-
 def run(args, report) -> None:
     from lmrecipe.observe.console import log_due
 
@@ -69,40 +54,28 @@ def run(args, report) -> None:
         report.line(f"model: {off.n_params / 1e6:.2f}M params, {cfg.model.num_layers} layers x {cfg.model.hidden_size} "
                     f"wide, {off.tokens_per_step} tokens/step, precision {off.precision}, device {device}; a row every "
                     f"{args.log_every} steps")
-        own_cpu_s: dict[str, float] = {}
-        instrument = next(c for c in loops["on"].trainer.callbacks if type(c).__name__ == "LayerStats")
-        for name in ("before_step", "pre_optim_step", "after_step"):
-            setattr(instrument, name, cpu_counted(instrument, getattr(instrument, name), own_cpu_s))
         for loop in loops.values():  # step 1 (logged, first-call costs) and the rest of its block, untimed
             timed_steps(loop, args.log_every, device)
 
         def measure(side: str) -> dict:
-            own_cpu_s.clear()
             steps = timed_steps(loops[side], args.log_every, device)
             kinds = {kind: [(cpu, wall) for step, cpu, wall in steps
                             if log_due(cfg.logging, step, cfg.train.max_steps) == (kind == "logged")] for kind in KINDS}
             means = {kind: [statistics.mean(v[j] for v in values) for j in (0, 1)] for kind, values in kinds.items()}
-            own = {"logged": own_cpu_s.get("logged", 0.0), "unlogged": own_cpu_s.get("unlogged", 0.0) / (args.log_every - 1)}
-            return {"cpu_ms": {k: [1000 * c for c, _ in v] for k, v in kinds.items()}, "mean": means,
-                    "own_ms": {k: 1000 * v for k, v in own.items()}}
+            return {"cpu_ms": {k: [1000 * c for c, _ in v] for k, v in kinds.items()}, "mean": means}
 
         def ratio(kind: str, j: int):
             return lambda got: got["on"]["mean"][kind][j] / got["off"]["mean"][kind][j]
 
         got, stats = C.interleave(report, args.pairs, ("off", "on"), measure,
                                   {f"{kind} {what}": ratio(kind, j) for kind in KINDS for j, what in ((0, "CPU"), (1, "wall"))})
-        report.line()
         figures = {}
         for kind in KINDS:
             median = {side: statistics.median(ms for r in got[side] for ms in r["cpu_ms"][kind]) for side in loops}
-            own = C.ratio_stats([r["own_ms"][kind] for r in got["on"]])
             report.line(f"{kind} step, CPU seconds on / off: {C.fmt_ratio(stats[f'{kind} CPU'])}; wall: "
                         f"{C.fmt_ratio(stats[f'{kind} wall'])}; median CPU ms per step off {median['off']:.1f}, on "
                         f"{median['on']:.1f}")
-            report.line(f"  inside the instrument: {C.fmt_ratio(own, ' CPU ms')} per {kind} step, i.e. "
-                        f"{100 * own['median'] / median['off']:.2f}% of the median {kind} step off")
-            figures[kind] = {"cpu_ratio": stats[f"{kind} CPU"], "wall_ratio": stats[f"{kind} wall"],
-                             "median_cpu_ms": median, "instrument_cpu_ms": own}
+            figures[kind] = {"cpu_ratio": stats[f"{kind} CPU"], "wall_ratio": stats[f"{kind} wall"], "median_cpu_ms": median}
         report.figures = {**figures, "n_params": off.n_params, "tokens_per_step": off.tokens_per_step,
                           "log_every_steps": args.log_every}
         for loop in loops.values():

@@ -4,11 +4,9 @@ parallelism against whole sequences (``sp``), beside ``lmrecipe.planning.memory`
     bench/run.py long_context loss   # vocab 128,256, seq 2,048, micro-batch 2: full logits vs chunked, 1 process
     bench/run.py long_context sp     # seq 8,192 and 16,384: sp=1 on 1 process vs sp=2 on 2 (DeepSpeed ZeRO-1)
 
-Each configuration runs in fresh processes (``build_run`` and ``train_step``, fp32). Steps 1 and 2 warm up; before
-each later step the resident high-water mark is reset (``/proc/self/clear_refs``) and the current size read, after it
-the mark: the step's peak is the difference, per rank, with glibc's mmap threshold fixed at 64 KiB so that freed
-tensors leave the resident set. It holds what a step allocates and frees, not the weights and optimizer states.
-Document masking is off in both (on CPU, SDPA keeps a float copy of a boolean mask per layer: the masking's cost).
+Each configuration runs in fresh processes (``build_run``, ``train_step``, fp32, document masking off). Before each
+step after 2 of warm-up the resident high-water mark is reset (``/proc/self/clear_refs``): the step's peak is the mark
+less the size before it, with glibc's mmap threshold at 64 KiB so that freed tensors leave the resident set.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ from pathlib import Path
 
 import _common as C
 
-STEPS = 5
-"""Steps per run: 2 of warm-up, 3 measured."""
+STEPS = 5  # 2 of warm-up, 3 measured
 LOSS_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
               "model.vocab_size=128256", "model.vocab_beyond_data=true", "data.seq_len=2048",
               "train.micro_batch_size=2", "train.global_batch_size=2", "data.document_masking=false"]
@@ -40,7 +37,7 @@ def options(parser) -> None:
     parser.add_argument("what", choices=("loss", "sp"))
     parser.add_argument("--out", type=Path, help="worker: the folder for its rank's result")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override of every configuration, after its own (e.g. data.seq_len=256: a quick check)")
+                        help="an override of every configuration (e.g. data.seq_len=256: a quick check)")
 
 
 def name(args) -> str:
@@ -56,7 +53,6 @@ def configs(what: str) -> list[tuple[str, list[str], int]]:
 
 
 def worker(args) -> None:
-    """Build a run as train.py does and measure each step's resident-memory peak on this rank."""
     from lmrecipe.train.setup import build_run
     from lmrecipe.train.step import train_step
 
@@ -66,22 +62,17 @@ def worker(args) -> None:
     for step in range(STEPS):
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
-        before = C.status_kb("VmRSS")
-        start = time.perf_counter()
-        result = train_step(run, step)
-        float(result.loss)  # the step's work is done (CPU: already; a GPU would sync here)
+        before, start = C.status_kb("VmRSS"), time.perf_counter()
+        loss = float(train_step(run, step).loss)
         seconds.append(time.perf_counter() - start)
         peaks.append((C.status_kb("VmHWM") - before) * 1024)
-    n_params = sum(p.numel() for p in run.accelerator.unwrap_model(run.model).parameters())
     (args.out / f"rank{run.accelerator.process_index}.json").write_text(json.dumps({
-        "peak_bytes": max(peaks[2:]), "step_s": statistics.median(seconds[2:]), "loss": float(result.loss),
-        "n_params": n_params}))
+        "peak_bytes": max(peaks[2:]), "step_s": statistics.median(seconds[2:]), "loss": loss}))
     run.prefetcher.close()
     run.accelerator.wait_for_everyone()
 
 
 def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
-    """One configuration in fresh processes: per-rank peaks and step times, and the estimate of the same run."""
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [*overrides, *args.set]
         cmd = C.worker_command(args, "measure", "--out", tmp, *(f"--set={o}" for o in overrides))
@@ -89,23 +80,12 @@ def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
             cmd[:1] = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                        "--main_process_port", str(C.free_port())]
-        # A fixed mmap threshold: every allocation of 64 KiB or more is mapped and unmapped, so the resident size
-        # follows the tensors alive (glibc's dynamic threshold would keep freed ones of up to 32 MiB in its heap).
         C.run_checked(cmd, {**os.environ, "PYTHONPATH": str(C.ROOT), "MALLOC_MMAP_THRESHOLD_": "65536",
                             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))})
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(nproc)]
-    cfg = C.bench_config(args.recipe, overrides, "unused", args.data)
     return {"name": name, "peak_bytes": max(r["peak_bytes"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
             "loss": statistics.mean(r["loss"] for r in ranks), "nproc": nproc,
-            "estimate_bytes": estimated_step_bytes(cfg, nproc, ranks[0]["n_params"])}
-
-
-def row(result: dict, baseline: dict) -> str:
-    gib = 1024**3
-    return (f"| {result['name']} | {result['nproc']} | {result['peak_bytes'] / gib:.2f} | "
-            f"{result['peak_bytes'] / baseline['peak_bytes']:.2f}x | {result['estimate_bytes'] / gib:.2f} | "
-            f"{result['estimate_bytes'] / result['peak_bytes']:.2f} | {result['step_s']:.2f} | "
-            f"{result['step_s'] / baseline['step_s']:.2f}x | {result['loss']:.4f} |")
+            "estimate_bytes": estimated_step_bytes(C.bench_config(args.recipe, overrides, "unused", args.data))}
 
 
 def run(args, report) -> None:
@@ -113,16 +93,17 @@ def run(args, report) -> None:
     for config, overrides, nproc in configs(args.what):
         results.append(measure(args, config, overrides, nproc))
         report.line(f"measured {config}: {json.dumps(results[-1])}")
-    report.line()
     report.line(HEADER)
-    for i, result in enumerate(results):
-        report.line(row(result, results[0] if args.what == "loss" else results[i - i % 2]))
+    for i, r in enumerate(results):
+        base, gib = results[0] if args.what == "loss" else results[i - i % 2], 1024**3
+        report.line(f"| {r['name']} | {r['nproc']} | {r['peak_bytes'] / gib:.2f} | {r['peak_bytes'] / base['peak_bytes']:.2f}x | "
+                    f"{r['estimate_bytes'] / gib:.2f} | {r['estimate_bytes'] / r['peak_bytes']:.2f} | {r['step_s']:.2f} | "
+                    f"{r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} |")
     report.figures = {r["name"]: r for r in results}
 
 
-def estimated_step_bytes(cfg, world_size: int, n_params: int) -> float:
-    """What lmrecipe.planning.memory says a step's peak holds on one rank: one micro-batch's activations with the output
-    layer's (the peak is in the output layer's backward, before any other layer's gradient exists)."""
+def estimated_step_bytes(cfg) -> float:
+    """lmrecipe.planning.memory's step peak on one rank: one micro-batch's activations with the output layer's."""
     from lmrecipe.data.format import load_meta
     from lmrecipe.planning.memory import estimate_activations, model_shape
     from lmrecipe.model.build import build_hf_config

@@ -1,10 +1,9 @@
 """Loop overhead: train.py's step (Trainer.step over train_step) against a minimal raw PyTorch loop, tokens/s.
 
-Both sides in this process, in alternating blocks of --block-steps optimizer steps: *ours* is ``_common.OursLoop``
-(the trainer's own ``build_run`` / ``build_trainer``, every callback a run has); *raw* is ``_common.RawLoop`` (the
-same model, initial weights, AdamW groups and micro-batches; forward, fp32 cross-entropy, backward, clip, step,
-zero_grad). Its batches are pre-built (the fetch counts as ours' overhead) unless ``--raw-data fetch``. Target: the
-median ours / raw >= 0.97; the CPU-seconds ratio and a per-section breakdown are printed beside it.
+Both sides in this process, in alternating blocks of --block-steps steps: *ours* is ``_common.OursLoop`` (every
+callback a run has); *raw* is ``_common.RawLoop`` (the same model, weights, AdamW groups and pre-built micro-batches:
+forward, fp32 cross-entropy, backward, clip, step). Target: median ours / raw >= 0.97; the CPU-seconds ratio and a
+per-section breakdown beside it.
 """
 
 from __future__ import annotations
@@ -24,26 +23,21 @@ def options(parser) -> None:
     parser.add_argument("--overrides", nargs="*", default=TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
     parser.add_argument("--block-steps", type=int, default=10, help="optimizer steps per timed block (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps of each side first (default: %(default)s)")
-    parser.add_argument("--raw-data", choices=["prebuilt", "fetch"], default="prebuilt",
-                        help="raw loop's batches: pre-built tensors (strict) or fetched from the memory map like ours")
-    parser.add_argument("--profile", action="store_true", help="also print a torch.profiler table of a block of each side")
 
 
 def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_loop_") as tmp:
         cfg = C.bench_config(args.recipe, args.overrides, out_dir=tmp, data_path=args.data)
         ours = C.OursLoop(cfg, Path(tmp))
-        device = ours.accelerator.device
-        batches = (C.prebuilt_batches(ours.train_batches, 16) if args.raw_data == "prebuilt"
-                   else C.fetched_batches(ours.train_batches))
+        device, batches = ours.accelerator.device, C.prebuilt_batches(ours.train_batches, 16)
         loops = {"ours": ours, "raw": C.RawLoop(cfg, ours.hf_config, device, ours.precision, batches)}
         report.line(f"model: {ours.n_params / 1e6:.2f}M params, {cfg.model.num_layers} layers x {cfg.model.hidden_size} "
                     f"wide, seq_len {cfg.data.seq_len}, micro-batch {cfg.train.micro_batch_size} x accumulation "
                     f"{ours.layout.accum_steps} = {ours.tokens_per_step} tokens/step, precision {ours.precision}, "
-                    f"grad_clip {cfg.optim.grad_clip}, device {device}; raw batches: {args.raw_data}")
+                    f"grad_clip {cfg.optim.grad_clip}, device {device}")
         for loop in loops.values():
             C.timed_block(loop, args.warmup_steps, device)
-            loop.sections.reset()
+            loop.sections.clear()
         timings, stats = C.interleave(
             report, args.pairs, ("ours", "raw"), lambda side: C.timed_block(loops[side], args.block_steps, device),
             {"ours/raw tokens/s": lambda got: got["raw"].wall_s / got["ours"].wall_s,
@@ -51,7 +45,6 @@ def run(args, report) -> None:
             lambda got: "  ".join(f"{side} {args.block_steps * ours.tokens_per_step / t.wall_s:,.0f} tok/s"
                                   for side, t in got.items()))
         ratio, cpu = stats["ours/raw tokens/s"], stats["CPU-time ratio"]
-        report.line()
         report.line(f"ours / raw tokens/s: {C.fmt_ratio(ratio)}   target >= 0.97: "
                     f"{'MET' if ratio['median'] >= 0.97 else 'MISSED'}")
         report.line(f"same, from CPU seconds per step (raw / ours; less sensitive to other processes): {C.fmt_ratio(cpu)}")
@@ -60,28 +53,22 @@ def run(args, report) -> None:
         report.line(f"ours' extra time (data fetch + bookkeeping - raw's bookkeeping): {extra_ms:.2f} ms/step = "
                     f"{100 * share:.2f}% of its step, i.e. {1 - share:.3f}x raw's tokens/s if the shared sections ran "
                     "equally fast")
+        tokens_per_sec = {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts] for side, ts in timings.items()}
         report.figures = {"ratio_ours_over_raw": ratio, "extra_ms_per_step": extra_ms, "implied_ratio": 1 - share,
-                          "cpu_time_ratio": cpu, "ms_per_step": breakdown, "raw_data": args.raw_data,
-                          "tokens_per_sec": {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts]
-                                             for side, ts in timings.items()},
+                          "cpu_time_ratio": cpu, "ms_per_step": breakdown, "tokens_per_sec": tokens_per_sec,
                           "tokens_per_step": ours.tokens_per_step, "n_params": ours.n_params}
-        if args.profile:
-            profile(args, report, loops, device)
         ours.close()
 
 
 def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:
-    """Milliseconds per step of each section, and ours' extra time: its data fetch and bookkeeping over raw's.
-
-    The sections both loops share run the same kernels, so the extra time is a steadier overhead figure than the
-    ratio of two noisy step times when other processes share the machine."""
+    """Milliseconds per step of each section, and ours' extra time: its data fetch and bookkeeping over raw's (the
+    sections both loops share run the same kernels: a steadier figure than the ratio of two noisy step times)."""
     n_steps = args.pairs * args.block_steps
-    report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):")
-    report.line(f"  {'section':<20}{'ours':>10}{'raw':>10}")
+    report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):\n  {'section':<20}{'ours':>10}{'raw':>10}")
     breakdown = {}
     for side, loop in loops.items():
         seconds = sum(t.wall_s for t in timings[side])
-        parts = dict(loop.sections.seconds)
+        parts = dict(loop.sections)
         parts.setdefault("data", 0.0)  # raw: inside its fetch, not timed apart
         parts["rest (bookkeeping)"] = seconds - sum(parts.values())
         breakdown[side] = {k: 1000 * v / n_steps for k, v in parts.items()} | {"step": 1000 * seconds / n_steps}
@@ -90,14 +77,3 @@ def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:
     ours, raw = breakdown["ours"], breakdown["raw"]
     return breakdown, ours["data"] + ours["rest (bookkeeping)"] - raw["rest (bookkeeping)"]
 
-
-def profile(args, report, loops: dict, device) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for side, loop in loops.items():
-        with profile(activities=activities) as prof:
-            C.timed_block(loop, args.block_steps, device)
-        report.line(f"\ntorch.profiler, {args.block_steps} steps of {side}, top 15 ops by self CPU time:")
-        for row in prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15).splitlines():
-            report.line(row)

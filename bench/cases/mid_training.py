@@ -4,12 +4,11 @@
     bench/run.py mid_training --steps 20 --average 2 --set model.hidden_size=64 --set model.num_layers=2 \
         --set data.seq_len=32 --set model.intermediate_size=128 --set schedule.warmup_steps=2   # a quick check
 
-Four runs in this process, one after the other, validated every --steps/10 steps: **cosine** (the recipe's
-schedule); **wsd-90** (``schedule.decay_fraction=0.1``, every checkpoint kept: the stable trunk); **wsd-80** (a
-``checkpoint.branch_from`` of wsd-90's checkpoint at 80 % with ``schedule.decay_steps`` = 20 % of the run); **average**
-(the uniform average of wsd-90's last --average stable checkpoints, up to 90 %). The table compares ``evaluate_path``
-(eval.py) losses at equal tokens on the same validation windows; the figure draws the logged validation curves and
-learning rates. The averaging's peak memory: a fresh process averages 1 and then --average checkpoints (``VmHWM``).
+Four runs, validated every --steps/10 steps: **cosine**; **wsd-90** (``schedule.decay_fraction=0.1``, every
+checkpoint kept); **wsd-80** (``checkpoint.branch_from`` wsd-90's checkpoint at 80 %, decaying over the last 20 %);
+**average** (wsd-90's last --average stable checkpoints). The table compares eval.py's ``evaluate_path`` losses at
+equal tokens (plotted in ``mid_training.png``); a fresh process averages 1 and then --average checkpoints for the
+peak memory (``VmHWM``).
 """
 
 from __future__ import annotations
@@ -27,10 +26,7 @@ PAIRS = None
 def options(parser) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each full run (default: %(default)s)")
     parser.add_argument("--average", type=int, default=4, help="checkpoints of the stable phase averaged (default: %(default)s)")
-    parser.add_argument("--eval-batches", type=int, default=None,
-                        help="validation batches of 8 windows (default: data.val_windows / 8, the training's windows)")
-    parser.add_argument("--work", default=None, help="folder for the runs, kept: a second call with the same "
-                        "arguments reuses the finished ones (default: a temporary folder, removed)")
+    parser.add_argument("--work", default=None, help="folder for the runs, kept (default: a temporary folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run")
     parser.add_argument("--checkpoints", nargs="*", default=[], help="worker: the checkpoints to average")
     parser.add_argument("--out", default=None, help="worker: the averaged checkpoint's folder")
@@ -39,14 +35,14 @@ def options(parser) -> None:
 def worker(args) -> dict:
     """Average ``--checkpoints`` into ``--out`` in this process: its resident floor and peak (MB)."""
     import lmrecipe.average as average  # imports first: they are the floor
-    import transformers  # noqa: F401  (the floor too)
+    import transformers  # noqa: F401
 
     floor = C.status_kb("VmRSS")
     result = average.average_checkpoints([Path(c) for c in args.checkpoints], args.out, overwrite=True)
     return {"floor_mb": floor / 1024, "peak_mb": C.status_kb("VmHWM") / 1024, "k": len(result.checkpoints)}
 
 
-def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> Path:
+def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> None:
     from lmrecipe.config import load_config
     from lmrecipe.train.trainer import train
 
@@ -54,56 +50,32 @@ def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> Path:
                                "logging.trackers=[]", "checkpoint.export_at_end=false", *overrides])
     with C.quiet_stdout():
         train(cfg)
-    return out
 
 
-def rows(run: Path, key: str) -> dict[int, float]:
-    from lmrecipe.observe.metrics_log import read_metrics
-
-    return {r["step"]: r[key] for r in read_metrics(run / "metrics.jsonl") if key in r}
-
-
-def plot(path: Path, runs: dict[str, Path], lrs: dict[str, list[float]], tokens_per_step: int,
-         average: tuple[int, float, float, int]) -> None:
-    """Validation curves (as logged) and learning rates of the runs against tokens, and the averaging's two points."""
+def plot(path: Path, tmp: Path, tokens_per_step: int, at: int, single: float, averaged: float, k: int) -> None:
+    """The runs' logged validation losses and learning rates against tokens, and the averaging's two points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from lmrecipe.observe.metrics_log import read_metrics
+
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    for name, run in runs.items():
-        val = rows(run, "val_loss")
-        if name == "wsd-80":  # the branch's curve starts where it leaves its trunk
-            val = {**{s: v for s, v in rows(runs["wsd-90"], "val_loss").items() if s < min(val)}, **val}
-        top.plot([s * tokens_per_step for s in val], list(val.values()), marker=".", label=name)
-        bottom.plot([(s + 1) * tokens_per_step for s in range(len(lrs[name]))], lrs[name], label=name)
-    step, single, averaged, k = average
-    top.scatter([step * tokens_per_step], [single], marker="x", color="black", zorder=5,
-                label=f"stable checkpoint, step {step} (eval.py)")
-    top.scatter([step * tokens_per_step], [averaged], marker="*", s=80, color="red", zorder=5,
-                label=f"average of the last {k} stable checkpoints (eval.py)")
-    top.set_ylabel("validation loss")
-    finals = [v for run in runs.values() for v in rows(run, "val_loss").values()]
-    top.set_ylim(min(finals + [single, averaged]) - 0.1, sorted(finals)[len(finals) // 2] + 0.5)
+    for name, folder in (("cosine", "cosine"), ("wsd-90", "wsd90"), ("wsd-80", "wsd80")):
+        rows = read_metrics(tmp / folder / "metrics.jsonl")
+        for axes, key in ((top, "val_loss"), (bottom, "lr")):
+            points = [(r["step"] * tokens_per_step, r[key]) for r in rows if key in r]
+            axes.plot(*zip(*points), marker="." if key == "val_loss" else None, label=name)
+    top.scatter([at * tokens_per_step], [single], marker="x", color="black", zorder=5, label=f"stable, step {at}")
+    top.scatter([at * tokens_per_step], [averaged], marker="*", s=80, color="red", zorder=5, label=f"average of {k}")
+    top.set(ylabel="validation loss")
+    bottom.set(ylabel="learning rate", xlabel="training tokens")
     top.legend()
-    top.grid(alpha=0.3)
-    bottom.set_ylabel("learning rate")
-    bottom.set_xlabel("training tokens")
-    bottom.grid(alpha=0.3)
     fig.suptitle("tiny recipe: cosine vs warmup-stable-decay branches; checkpoint averaging")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def schedule(recipe: str, overrides: list[str], n: int) -> list[float]:
-    """The learning rate of each step of a run of ``recipe`` with ``overrides`` (``optim.lr_at``)."""
-    from lmrecipe.config import load_config
-    from lmrecipe.optim import lr_at
-
-    cfg = load_config(recipe, [*overrides, f"train.max_steps={n}"])
-    return [lr_at(s, n, cfg.optim, cfg.schedule) for s in range(n)]
 
 
 def run(args, report) -> None:
@@ -111,19 +83,6 @@ def run(args, report) -> None:
     with contextlib.ExitStack() as stack:
         tmp = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_mid_")))
         measure(args, report, tmp)
-
-
-def train_all(args, tmp: Path, n: int, every: int, at80: int) -> dict[str, Path]:
-    from lmrecipe.checkpoint.storage import step_dir_name
-
-    common = [*args.set, f"train.max_steps={n}", f"train.eval_every_steps={every}"]
-    kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
-    runs = {"cosine": train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept]),
-            "wsd-90": train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])}
-    runs["wsd-80"] = train_run(args.recipe, args.data, tmp / "wsd80", [
-        *common, f"schedule.decay_steps={n - at80}", "checkpoint.every_steps=0",
-        f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"])
-    return runs
 
 
 def measure(args, report, tmp: Path) -> None:
@@ -134,13 +93,19 @@ def measure(args, report, tmp: Path) -> None:
 
     n = args.steps
     every, at80, at90 = max(1, n // 10), round(0.8 * n), round(0.9 * n)
-    runs = train_all(args, tmp, n, every, at80)
+    common = [*args.set, f"train.max_steps={n}", f"train.eval_every_steps={every}"]
+    kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
+    train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept])
+    train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])
+    branch = f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"
+    train_run(args.recipe, args.data, tmp / "wsd80", [*common, f"schedule.decay_steps={n - at80}", branch,
+                                                      "checkpoint.every_steps=0"])
     trunk = tmp / "wsd90" / "checkpoints"
     stable = [c.path for c in complete_checkpoints(trunk) if c.step <= at90][-args.average:]
     averaged = average_checkpoints(stable, tmp / "average", overwrite=True)
     recipe = load_config(args.recipe, args.set)
     tokens_per_step = recipe.train.global_batch_size * recipe.data.seq_len
-    eval_batches = args.eval_batches or max(1, recipe.data.val_windows // 8)
+    eval_batches = max(1, recipe.data.val_windows // 8)  # the windows training validates on
 
     def val(path: Path) -> float:
         return evaluate_path(path, args.data, max_batches=eval_batches, batch_size=8)[0]["loss"]
@@ -154,29 +119,18 @@ def measure(args, report, tmp: Path) -> None:
     model_mb = sum(p.stat().st_size for p in averaged.out.glob("model-*.safetensors")) / 2**20
     report.figures = {**figures, "steps": n, "tokens_per_step": tokens_per_step, "averaged": [c.name for c in stable],
                       "memory": memory, "model_fp32_mb": model_mb}
-    report.line()
-    report.line(f"{n} optimizer steps of {tokens_per_step} tokens; validation loss by eval.py's evaluate_path on "
-                f"{eval_batches} batches of 8 windows")
-    report.line()
-    report.line("| tokens | run | validation loss |")
-    report.line("|---:|---|---:|")
+    report.line(f"{n} steps of {tokens_per_step} tokens; validation loss of evaluate_path on {eval_batches} x 8 windows")
+    report.line("| tokens | run | validation loss |\n|---:|---|---:|")
     end, at = f"{n * tokens_per_step:,}", f"{at90 * tokens_per_step:,}"
-    for label, key, tokens in (("cosine (decay over the whole run)", "cosine_end", end),
-                               ("WSD, decay over the last 10 %", "wsd90_end", end),
+    for label, key, tokens in (("cosine", "cosine_end", end), ("WSD, decay over the last 10 %", "wsd90_end", end),
                                ("WSD branch at 80 %, decay over the last 20 %", "wsd80_end", end),
-                               (f"WSD stable phase, last checkpoint ({stable[-1].name})", "stable_last", at),
-                               (f"WSD stable phase, uniform average of {len(stable)} ({', '.join(c.name for c in stable)})",
-                                "stable_average", at),
-                               (f"cosine at the same step (step_{at90:08d})", "cosine_at90", at)):
+                               (f"WSD stable, last checkpoint ({stable[-1].name})", "stable_last", at),
+                               (f"WSD stable, average of the last {len(stable)}", "stable_average", at),
+                               ("cosine, same step", "cosine_at90", at)):
         report.line(f"| {tokens} | {label} | {figures[key]:.4f} |")
-    report.line()
     for k, m in memory.items():
-        report.line(f"averaging {k} checkpoint(s): resident {m['floor_mb']:.0f} MB after imports, peak "
-                    f"{m['peak_mb']:.0f} MB (the model's weights in fp32: {model_mb:.1f} MB)")
+        report.line(f"averaging {k} checkpoint(s): {m['floor_mb']:.0f} MB after imports, peak {m['peak_mb']:.0f} MB "
+                    f"(fp32 weights {model_mb:.1f} MB)")
     report.output_dir.mkdir(parents=True, exist_ok=True)
-    trunk_lrs = schedule(args.recipe, [*args.set, "schedule.decay_fraction=0.1"], n)
-    lrs = {"cosine": schedule(args.recipe, args.set, n), "wsd-90": trunk_lrs,
-           "wsd-80": trunk_lrs[:at80] + schedule(args.recipe, [*args.set, f"schedule.decay_steps={n - at80}"], n)[at80:]}
-    plot(report.output_dir / "mid_training.png", runs, lrs, tokens_per_step,
-         (at90, figures["stable_last"], figures["stable_average"], len(stable)))
-    report.line(f"figure: {report.output_dir / 'mid_training.png'}")
+    plot(report.output_dir / "mid_training.png", tmp, tokens_per_step, at90, figures["stable_last"],
+         figures["stable_average"], len(stable))

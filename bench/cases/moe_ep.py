@@ -1,11 +1,9 @@
 """Expert parallelism 2 against 1 (DeepSpeed AutoEP) on 2 processes: step time and model states per rank, interleaved.
 
-Both sides train ``recipes/tiny_moe.yaml`` widened so that the experts hold about 3/4 of the weights (4 layers of 8
-experts of width 512 on a 128-wide model) on 2 processes with ``distributed.expert_layer=autoep``: at
-``expert_parallel_size=1`` each rank holds every expert, at 2 each holds 4 of every layer's 8 and the tokens travel by
-all-to-all; same global batch, data and losses (``tests/integration/test_moe.py``). Each side is one
-``tools/compare_zero.py`` run (``run_comparison``), in alternating order. Per round: tokens/s of each side and EP2 /
-EP1; per rank: the model states measured during the second step beside ``lmrecipe.planning.memory``'s estimate.
+``recipes/tiny_moe.yaml`` widened so that the experts hold about 3/4 of the weights (4 layers of 8 experts of width
+512), ``distributed.expert_layer=autoep``: at ``expert_parallel_size=1`` each rank holds every expert, at 2 half of
+them. Each side is one ``tools/compare_zero.py`` run (``run_comparison``), in alternating order: tokens/s, EP2 / EP1,
+and the model states measured per rank beside ``lmrecipe.planning.memory``'s estimate.
 """
 
 from __future__ import annotations
@@ -36,29 +34,24 @@ def name(args) -> str:
     return f"moe_ep_{args.zero}"
 
 
-def parameters(cfg, data: str) -> tuple[int, int]:
-    """All parameters of the model, and those in experts (built on the meta device)."""
+def run(args, report) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lmrecipe.config import load_config
     from lmrecipe.data.format import load_meta
     from lmrecipe.model.build import build_hf_config
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model, load_meta(data)["vocab_size"], cfg.data.seq_len))
-    return (sum(p.numel() for p in model.parameters()),
-            sum(p.numel() for n, p in model.named_parameters() if ".experts." in n))
-
-
-def run(args, report) -> None:
-    logging.disable(logging.INFO)
-    from lmrecipe.config import load_config
     from lmrecipe.planning.zero_comparison import run_comparison
 
+    logging.disable(logging.INFO)
     overrides = [*WIDE, f"data.path={args.data}", *args.set]
     sides = {"EP1": args.zero, "EP2": f"{args.zero}+ep2"}
     cfg = load_config(MOE_RECIPE, [*overrides, f"distributed.deepspeed_config={args.zero}"])
-    total, experts = parameters(cfg, args.data)
+    with torch.device("meta"):  # all parameters, and those in experts
+        hf_config = build_hf_config(cfg.model, load_meta(args.data)["vocab_size"], cfg.data.seq_len)
+        params = dict(AutoModelForCausalLM.from_config(hf_config).named_parameters())
+    total = sum(p.numel() for p in params.values())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     report.line(f"model: {total / 1e6:.2f}M parameters, {experts / 1e6:.2f}M ({experts / total:.0%}) in experts; "
                 f"{tokens_per_step} tokens per step; {args.steps} steps per run on 2 processes, {args.zero}")
@@ -75,16 +68,13 @@ def run(args, report) -> None:
     tokens = {side: [r.tokens_per_sec for r in rs] for side, rs in results.items()}
     states = {side: (rs[0].model_states_measured_mb, rs[0].model_states_estimated_mb, rs[0].final_loss)
               for side, rs in results.items()}
-    report.line()
-    report.line("| side | tokens/s (median of rounds) | step time (ms) | model states per rank, measured (MB) | "
-                "estimated (MB) | final loss |")
-    report.line("| --- | ---: | ---: | ---: | ---: | ---: |")
+    report.line("| side | tokens/s (median) | step time (ms) | model states per rank, measured (MB) | estimated (MB) | "
+                "final loss |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for side in sides:
         median = statistics.median(tokens[side])
         measured, estimated, loss = states[side]
         report.line(f"| {side} ({sides[side]}) | {median:,.0f} | {1e3 * tokens_per_step / median:.1f} | "
                     f"{measured:.2f} | {estimated:.2f} | {loss:.4f} |")
-    report.line()
     report.line(f"EP2 / EP1 tokens/s: {C.fmt_ratio(stats['EP2/EP1'])}; model states per rank EP2 / EP1: "
                 f"{states['EP2'][0] / states['EP1'][0]:.3f} (estimated {states['EP2'][1] / states['EP1'][1]:.3f})")
     report.figures = {"zero": args.zero, "steps": args.steps, "tokens_per_step": tokens_per_step, "params": total,

@@ -1,18 +1,16 @@
 """Preparation: tokens/s of tools/prepare_data.py's tokenization on 1 and 2 processes, and a datasets.map baseline.
 
     bench/run.py prepare_scaling --max-documents 0 --pairs 3         # the whole corpus
-    bench/run.py prepare_scaling --tokenizers-parallelism false      # no Rust threads inside a process
 
-Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(tokenizer=DIR, num_proc=1 or 2)``, meta.json's
-``timing.tokens_per_sec``; ``--prepare-tokenizer trained``: prepare trains its BPE, not timed) and *map*
-(``datasets.Dataset.map``, same tokenizer and documents). Last, in this process: prepare's encoder through
-transformers' ``__call__`` against the tokenizers library, bytes checked equal. Method: docs/benchmarks/04-preparation.md.
+Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(num_proc=1 or 2)``, meta.json's
+``timing.tokens_per_sec``) and *map* (``datasets.Dataset.map``, same tokenizer and documents).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -27,49 +25,35 @@ SIDES = ("p1", "p2", "map")
 def options(parser) -> None:
     parser.add_argument("--tokenizer", default="data/stdlib", help="tokenizer folder (default: %(default)s)")
     parser.add_argument("--max-documents", type=int, default=300, help="first N documents of the embedded corpus; 0 = all")
-    parser.add_argument("--tokenizers-parallelism", choices=["default", "true", "false"], default="default",
-                        help="TOKENIZERS_PARALLELISM for every side (default: leave the environment as it is)")
     parser.add_argument("--prepare-tokenizer", choices=["given", "trained"], default="given",
                         help="p1/p2: given = --tokenizer; trained = prepare trains its BPE (not timed), prepare_data's default")
-    parser.add_argument("--encoder-documents", type=int, default=150,
-                        help="documents of the in-process encoder comparison; 0 skips it (default: %(default)s)")
 
 
 def check(args) -> None:
-    if not (Path(args.tokenizer) / "tokenizer.json").is_file():
-        raise C.Refusal(f"no tokenizer at {args.tokenizer} (no tokenizer.json): prepare data/stdlib with "
-                        ".venv/bin/python tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass "
-                        "--tokenizer a tokenizer folder.")
+    C.check_tokenizer(args.tokenizer)
 
 
 def name(args) -> str:
-    return "".join(["prepare_scaling", f"_{args.prepare_tokenizer}" if args.prepare_tokenizer != "given" else "",
-                    f"_parallelism_{args.tokenizers_parallelism}" if args.tokenizers_parallelism != "default" else ""])
-
-
-def worker(args) -> dict:
-    return measure_side(args.worker, args.tokenizer, args.max_documents or None, args.prepare_tokenizer == "trained")
+    return "prepare_scaling" + ("_trained" if args.prepare_tokenizer == "trained" else "")
 
 
 def cpu_seconds() -> float:
     """CPU seconds of this process and of its finished children (prepare's tokenizer workers)."""
-    import resource
-
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def measure_side(side: str, tokenizer: str, max_documents: int | None, train_tokenizer: bool) -> dict:
-    import logging
+def worker(args) -> dict:
+    from lmrecipe.data.prepare.pipeline import prepare
+    from lmrecipe.data.prepare.read import DocumentSource
 
     logging.basicConfig(level=logging.WARNING)
-    from lmrecipe.data.prepare.pipeline import prepare
-
+    side, tokenizer, max_documents = args.worker, args.tokenizer, args.max_documents or None
     if side in ("p1", "p2"):
         with tempfile.TemporaryDirectory(prefix="bench_prep_") as tmp:
             start, cpu_start = time.perf_counter(), cpu_seconds()
-            meta = prepare(output=Path(tmp) / "out", tokenizer=None if train_tokenizer else tokenizer, vocab_size=8192,
-                           num_proc=int(side[1]), max_documents=max_documents)
+            meta = prepare(output=Path(tmp) / "out", tokenizer=None if args.prepare_tokenizer == "trained" else tokenizer,
+                           vocab_size=8192, num_proc=int(side[1]), max_documents=max_documents)
             wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
         n_tokens = sum(s["n_tokens"] for s in meta["splits"].values())
         return {"tokens_per_sec": meta["timing"]["tokens_per_sec"], "tokens": n_tokens,
@@ -80,7 +64,8 @@ def measure_side(side: str, tokenizer: str, max_documents: int | None, train_tok
 
     datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    ds = datasets.Dataset.from_dict({"text": corpus_texts(max_documents)})
+    # The documents prepare() reads by default, in its reading order, held in memory.
+    ds = datasets.Dataset.from_dict({"text": [doc.text for doc in DocumentSource(max_documents=max_documents).documents()]})
     start = time.perf_counter()
     out = ds.map(lambda batch: tok(batch["text"], add_special_tokens=False, verbose=False), batched=True, remove_columns=["text"])
     seconds = time.perf_counter() - start
@@ -88,72 +73,17 @@ def measure_side(side: str, tokenizer: str, max_documents: int | None, train_tok
     return {"tokens_per_sec": n_tokens / seconds, "tokens": n_tokens, "tokenize_seconds": seconds}
 
 
-def corpus_texts(max_documents: int | None) -> list[str]:
-    """The documents prepare() reads by default (the embedded corpus), in its reading order, held in memory."""
-    from lmrecipe.data.prepare.read import DocumentSource
-
-    return [doc.text for doc in DocumentSource(max_documents=max_documents).documents()]
-
-
-def chunk_texts(texts: list[str], max_chars: int, max_docs: int) -> list[list[str]]:
-    """Consecutive documents in chunks as prepare() cuts them: about ``max_chars`` characters, ``max_docs`` at most."""
-    chunks, current, chars = [], [], 0
-    for text in texts:
-        current.append(text)
-        chars += len(text)
-        if chars >= max_chars or len(current) >= max_docs:
-            chunks.append(current)
-            current, chars = [], 0
-    return chunks + ([current] if current else [])
-
-
-def encoder_paths(args, report) -> dict:
-    """prepare's two encoders, transformers' __call__ and the tokenizers library, on the same tokenizer.json, in this
-    process, interleaved; the bytes must be identical."""
-    from lmrecipe.data.prepare import pipeline as P
-    from lmrecipe.data.prepare.tokenize import ChunkEncoder, EncoderSpec
-
-    texts = corpus_texts(args.encoder_documents)
-    chunks = chunk_texts(texts, P._CHUNK_CHARS, P._CHUNK_DOCS)
-    meta = json.loads((Path(args.tokenizer) / "meta.json").read_text())
-    encoders = {
-        name: ChunkEncoder(EncoderSpec(args.tokenizer, name == "tokenizers", meta["eos_id"], meta["vocab_size"],
-                                       meta["dtype"]))
-        for name in ("transformers", "tokenizers")
-    }
-    seconds = {name: [] for name in encoders}
-    outputs = {}
-    for order in C.pair_orders(args.pairs, tuple(encoders)):
-        for name in order:
-            start = time.perf_counter()
-            outputs[name] = b"".join(encoders[name](chunk)[0] for chunk in chunks)
-            seconds[name].append(time.perf_counter() - start)
-    identical = outputs["transformers"] == outputs["tokenizers"]
-    stats = C.ratio_stats([t / k for t, k in zip(seconds["transformers"], seconds["tokenizers"])])
-    n_tokens = len(outputs["tokenizers"]) // (2 if meta["dtype"] == "uint16" else 4)
-    report.line(f"encoders, {len(texts)} documents ({n_tokens:,} tokens) in this process: the tokenizers library "
-                f"(prepare's path for a fast tokenizer) against transformers' __call__ (its fallback): "
-                f"{C.fmt_ratio(stats)} faster, identical bytes: {identical}")
-    return {"speedup": stats, "identical": identical, "seconds": seconds}
-
-
 def run(args, report) -> None:
-    env = dict(os.environ)
-    if args.tokenizers_parallelism != "default":
-        env["TOKENIZERS_PARALLELISM"] = args.tokenizers_parallelism
-    parallelism = env.get("TOKENIZERS_PARALLELISM", "unset")
-    report.line(f"corpus: embedded stdlib, {f'first {args.max_documents}' if args.max_documents else 'all'} documents; "
-                f"prepare's tokenizer: {'trained' if args.prepare_tokenizer == 'trained' else args.tokenizer}; map's: "
-                f"{args.tokenizer}; TOKENIZERS_PARALLELISM={parallelism}")
+    report.line(f"corpus: embedded stdlib, {args.max_documents or 'all'} documents; prepare's tokenizer: "
+                f"{args.prepare_tokenizer} ({args.tokenizer}); TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM')}")
     ratios = {key: (lambda a, b: lambda g: g[a]["tokens_per_sec"] / g[b]["tokens_per_sec"])(*key.split("/"))
               for key in ("p2/p1", "p1/map", "p2/map")}
-    runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side, env),
+    runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side),
                                ratios, lambda g: "  ".join(f"{side} {r['tokens_per_sec']:,.0f}" for side, r in g.items())
                                + f" tokens/s ({g['p1']['tokens']:,} tokens)")
-    report.line()
-    report.line(f"2 processes / 1 process (scaling):       {C.fmt_ratio(stats['p2/p1'])}")
-    report.line(f"prepare 1 process / datasets.map:        {C.fmt_ratio(stats['p1/map'])}")
-    report.line(f"prepare 2 processes / datasets.map:      {C.fmt_ratio(stats['p2/map'])}")
+    for key, label in (("p2/p1", "2 processes / 1 process"), ("p1/map", "1 process / datasets.map"),
+                       ("p2/map", "2 processes / datasets.map")):
+        report.line(f"{label}: {C.fmt_ratio(stats[key])}")
     walls, cpus, cores = ({side: C.median_of(runs[side], key) for side in ("p1", "p2")}
                           for key in ("prepare_wall_seconds", "prepare_cpu_seconds", "cores_used"))
     report.line("whole prepare() (corpus read, split, tokenizer, tokenization, writes), median: " + "; ".join(
@@ -162,5 +92,3 @@ def run(args, report) -> None:
                 f"so on 2 idle cores the whole prepare() on 2 processes could be at most "
                 f"{2 * walls['p1'] / cpus['p2']:.2f}x as fast as on 1")
     report.figures = {"ratios": stats, "runs": runs, "prepare_cpu_seconds": cpus, "cores_used": cores}
-    if args.encoder_documents:
-        report.figures["encoder_paths"] = encoder_paths(args, report)

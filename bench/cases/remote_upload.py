@@ -1,17 +1,17 @@
 """Checkpoints to object storage (``checkpoint.remote``): upload throughput, and the training stall with uploads on
 against off, in one run.
 
-Without --endpoint it starts a local S3-compatible server (SeaweedFS's ``weed``, from the ``[test]`` extra, as
-``tests/s3_server.py`` does) and a bucket. One process, one model (the recipe at --hidden-size x --layers), the
-trainer's own checkpointer (synchronous saves). 1. Throughput: ``CheckpointMirror.upload`` of a checkpoint on this
-thread (files, marker, commit, remote ``latest``, prune), --uploads times, in MB/s. 2. Stall: rounds of a save then
---steps-between ``train_step`` calls; *on* also hands the checkpoint to the upload worker thread as
-``RemoteUpload.on_save`` does (drained untimed after the round). The figure is the median ratio on / off of a round.
+Without --endpoint it starts a local S3-compatible server (SeaweedFS, as ``tests/s3_server.py`` does). 1. Throughput:
+``CheckpointMirror.upload`` of a checkpoint of the recipe at --hidden-size x --layers, --uploads times, in MB/s.
+2. Stall: rounds of a save then --steps-between ``train_step`` calls; *on* also hands the checkpoint to the upload
+thread as ``RemoteUpload.on_save`` does. The figure is the median ratio on / off of a round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 import statistics
 import tempfile
@@ -38,26 +38,21 @@ def check(args) -> None:
 
 
 def run(args, report) -> None:
-    import logging
-
     logging.disable(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="bench_remote_", dir=args.tmp) as tmp:
-        server, bucket = None, args.bucket
-        if args.endpoint is None:
+    with tempfile.TemporaryDirectory(prefix="bench_remote_", dir=args.tmp) as tmp, contextlib.ExitStack() as stack:
+        bucket = args.bucket
+        if args.endpoint is None:  # the tests' local SeaweedFS
             spec = importlib.util.spec_from_file_location("s3_server", C.ROOT / "tests" / "s3_server.py")
             s3_server = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(s3_server)
             server = s3_server.S3Server(Path(tmp) / "server")
             server.start()
+            stack.callback(server.stop)
             os.environ.update(server.env())
             bucket = server.make_bucket(f"bench-{uuid.uuid4().hex[:8]}")
         else:
             os.environ["AWS_ENDPOINT_URL"] = args.endpoint
-        try:
-            measure(args, report, Path(tmp), f"s3://{bucket}/bench")
-        finally:
-            if server is not None:
-                server.stop()
+        measure(args, report, Path(tmp), f"s3://{bucket}/bench")
 
 
 def measure(args, report, tmp: Path, url: str) -> None:
@@ -72,37 +67,35 @@ def measure(args, report, tmp: Path, url: str) -> None:
     checkpointer = build_checkpointer(run, tmp / "run")
     store, state = Store.open(url), TrainState()
 
+    def step():
+        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+
     def save():
-        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)  # each save its own folder
+        step()  # each save its own folder
         with C.quiet_stdout():
             return checkpointer.maybe_save(run.model, state)
 
-    for _ in range(2):
-        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+    step()
     size_mb = C.folder_mb(save())
     report.line(f"model {run.n_params / 1e6:.1f}M params, checkpoint {size_mb:,.1f} MB, {args.steps_between} steps "
                 f"between saves, threads {args.threads or 'default'}, object storage {os.environ.get('AWS_ENDPOINT_URL')}")
     mirror, speeds = CheckpointMirror(store, checkpointer.root, rank=0, world_size=1, keep_last=2), []
     for i in range(args.uploads):
-        folder = save()
-        start = time.perf_counter()
+        folder, start = save(), time.perf_counter()
         mirror.upload(folder)
-        seconds = time.perf_counter() - start
-        speeds.append(size_mb / seconds)
-        report.line(f"upload {i + 1}: {size_mb:,.1f} MB in {seconds:.2f} s = {speeds[-1]:,.1f} MB/s")
-    report.line(f"upload throughput: median {statistics.median(speeds):,.1f} MB/s (min {min(speeds):,.1f}, max "
-                f"{max(speeds):,.1f}, n={len(speeds)})")
+        speeds.append(size_mb / (time.perf_counter() - start))
+        report.line(f"upload {i + 1}: {size_mb:,.1f} MB at {speeds[-1]:,.1f} MB/s")
+    report.line(f"upload throughput: {C.fmt_ratio(C.ratio_stats(speeds), ' MB/s')}")
     uploader = Uploader(CheckpointMirror(store, checkpointer.root, rank=0, world_size=1, keep_last=2))
     uploader.pinned = checkpointer.store.pinned
 
     def one_round(side: str) -> float:
-        start = time.perf_counter()
-        folder = save()
+        start, folder = time.perf_counter(), save()
         with C.quiet_stdout():
             if side == "on":
                 uploader.submit(folder)
             for _ in range(args.steps_between):
-                state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+                step()
         seconds = time.perf_counter() - start
         while uploader.busy():  # drained outside the timed part: the next round starts with the worker idle
             time.sleep(0.01)

@@ -3,12 +3,10 @@
     bench/run.py startup                                                   # data/stdlib (3M tokens) against 1B
     bench/run.py startup --sparse --large-tokens 100000000000 --pairs 3    # 100B tokens, without writing 200 GB
 
-The large folder is made from the small one (--data): its train.bin and val.bin written N times over, the document
-indexes shifted and meta.json updated; with --sparse, train.bin is the small one's followed by a sparse tail of zeros
-(one more document; no disk). Each round launches ``train.py`` on each folder (fresh processes, rotated order) and
-polls its metrics.jsonl: the figure is the wall time from the launch to the first row, with the process's peak
-resident memory then (``VmHWM``); large / small per round, target 1.0 within the spread. Then, in this process:
-``open_data``, the first epoch's order (``SampleOrder``) and, for reference, the full scan start-up once ran.
+The large folder is --data written N times over (indexes shifted, meta.json updated); with --sparse, its train.bin
+followed by a sparse tail of zeros (one more document, no disk). Each round launches ``train.py`` on each folder and
+polls its metrics.jsonl: the wall time from the launch to the first row, and the peak resident memory then
+(``VmHWM``); large / small per round, target 1.0 within the spread.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ OVERRIDES = ["logging.log_every_steps=1", "logging.progress_bar=false", "logging
 
 def options(parser) -> None:
     parser.add_argument("--large-tokens", type=int, default=1_000_000_000, help="train tokens of the large folder")
-    parser.add_argument("--workdir", default=None, help="where to build the large folder (default: a temporary folder)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for one run's first step")
+    parser.add_argument("--tmp", default=None, help="where to build the large folder (default: system temp)")
     parser.add_argument("--sparse", action="store_true", help="build the large folder with a sparse train.bin tail")
 
 
@@ -42,100 +39,62 @@ def name(args) -> str:
 
 
 def run(args, report) -> None:
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_startup_"))
-    try:
-        measure(args, report, workdir)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-def measure(args, report, workdir: Path) -> None:
-    from lmrecipe.config import load_config
-
-    start, small = time.perf_counter(), Path(args.data).resolve()
-    folders = {"small": small, "large": (build_sparse if args.sparse else build_large)(small, workdir / "large",
-                                                                                      args.large_tokens)}
-    size_gb = sum(p.stat().st_size for p in folders["large"].iterdir()) / 1e9
-    report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
-                f"tokens), built in {time.perf_counter() - start:.1f} s")
-    rounds = iter(range(10**9))
-    got, stats = C.interleave(
-        report, args.pairs, ("small", "large"),
-        lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe, args.timeout),
-        {"large/small": lambda g: g["large"][0] / g["small"][0]},
-        lambda g: "launch to first step: " + ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)"
-                                                       for side, (s, rss) in g.items()))
+    with tempfile.TemporaryDirectory(prefix="bench_startup_", dir=args.tmp) as tmp:
+        start, small, workdir = time.perf_counter(), Path(args.data).resolve(), Path(tmp)
+        folders = {"small": small, "large": build_large(small, workdir / "large", args.large_tokens, args.sparse)}
+        size_gb = C.folder_mb(folders["large"]) / 1e3
+        report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
+                    f"tokens), built in {time.perf_counter() - start:.1f} s")
+        rounds = iter(range(10**9))
+        got, stats = C.interleave(
+            report, args.pairs, ("small", "large"),
+            lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe),
+            {"large/small": lambda g: g["large"][0] / g["small"][0]},
+            lambda g: ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)" for side, (s, rss) in g.items()))
     runs = {side: [s for s, _ in rows] for side, rows in got.items()}
     rss = {side: [r for _, r in rows] for side, rows in got.items()}
-    report.line()
     report.line("median launch to first step: " + ", ".join(
-        f"{side} {statistics.median(v):.2f} s (min {min(v):.2f}, max {max(v):.2f})" for side, v in runs.items()))
-    report.line(f"large / small: {C.fmt_ratio(stats['large/small'])}")
-    rss_gain = statistics.median(rss["large"]) - statistics.median(rss["small"])
-    report.line(f"peak RSS at the first step, median: small {statistics.median(rss['small']) / 1e9:.3f} GB, large "
-                f"{statistics.median(rss['large']) / 1e9:.3f} GB ({rss_gain / 1e9:+.3f} GB)")
-    report.line()
-    cfg = load_config(args.recipe, [])
-    vocab = cfg.model.vocab_size or int(json.loads((small / "meta.json").read_text())["vocab_size"])
-    report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats["large/small"], "large_gb": size_gb,
-                      "in_process": in_process(folders, cfg.data.seq_len, vocab, report)}
+        f"{side} {statistics.median(v):.2f} s (peak RSS {statistics.median(rss[side]) / 1e9:.3f} GB)"
+        for side, v in runs.items()) + f"; large / small {C.fmt_ratio(stats['large/small'])}")
+    report.figures = {"runs": runs, "peak_rss_bytes": rss, "ratio": stats["large/small"], "large_gb": size_gb}
 
 
-def build_sparse(small: Path, dest: Path, tokens: int) -> Path:
-    """``small`` with its train.bin extended by a sparse tail of zeros to ``tokens`` tokens; returns ``dest``."""
-    import numpy as np
-
-    from lmrecipe.data.format import INDEX_DTYPE, load_meta
-
-    meta = load_meta(small)
-    dest.mkdir(parents=True)
-    for path in small.iterdir():
-        if path.name not in ("train.bin", "train.idx", "meta.json"):
-            shutil.copy2(path, dest / path.name)
-    info = meta["splits"]["train"]
-    shutil.copy2(small / "train.bin", dest / "train.bin")
-    with open(dest / "train.bin", "r+b") as f:
-        f.truncate(tokens * np.dtype(meta["dtype"]).itemsize)  # a hole: no disk blocks, reads as zeros
-    index = np.fromfile(small / "train.idx", dtype=INDEX_DTYPE)
-    np.append(index, np.array([tokens], dtype=INDEX_DTYPE)).tofile(dest / "train.idx")
-    info.update(n_tokens=tokens, n_documents=info["n_documents"] + 1, sha256=f"sparse extension of {info['sha256']}")
-    meta["source"] = f"{small} with a sparse tail to {tokens:,} tokens"
-    (dest / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    load_meta(dest)
-    return dest
-
-
-def build_large(small: Path, dest: Path, tokens: int) -> Path:
-    """``small`` replicated until train.bin holds at least ``tokens`` tokens; returns ``dest``."""
+def build_large(small: Path, dest: Path, tokens: int, sparse: bool) -> Path:
+    """``small`` replicated until train.bin holds at least ``tokens`` tokens, or (``sparse``) its train.bin extended by
+    a sparse tail of zeros to ``tokens`` tokens (a hole: no disk blocks); returns ``dest``."""
     import numpy as np
 
     from lmrecipe.data.format import INDEX_DTYPE, SPLITS, load_meta
 
     meta = load_meta(small)
-    copies = -(-tokens // int(meta["splits"]["train"]["n_tokens"]))
     dest.mkdir(parents=True)
     for path in small.iterdir():  # the tokenizer files
         if path.suffix not in (".bin", ".idx") and path.name != "meta.json":
             shutil.copy2(path, dest / path.name)
+    copies = 1 if sparse else -(-tokens // int(meta["splits"]["train"]["n_tokens"]))
     for split in SPLITS:
-        info = meta["splits"][split]
-        data = (small / f"{split}.bin").read_bytes()
+        info, data = meta["splits"][split], (small / f"{split}.bin").read_bytes()
         index = np.fromfile(small / f"{split}.idx", dtype=INDEX_DTYPE)
         with open(dest / f"{split}.bin", "wb") as bin_file, open(dest / f"{split}.idx", "wb") as idx_file:
             idx_file.write(index[:1].tobytes())
             for copy in range(copies):
                 bin_file.write(data)
                 idx_file.write((index[1:] + np.uint64(copy * int(info["n_tokens"]))).astype(INDEX_DTYPE).tobytes())
-        info.update(n_tokens=info["n_tokens"] * copies, n_documents=info["n_documents"] * copies,
-                    sha256=f"{copies} copies of {info['sha256']}")
-    meta["source"] = f"{copies} copies of {small} ({meta['source']})"
+            if sparse and split == "train":
+                bin_file.truncate(tokens * np.dtype(meta["dtype"]).itemsize)
+                idx_file.write(np.array([tokens], dtype=INDEX_DTYPE).tobytes())
+        n_tokens, n_documents = info["n_tokens"] * copies, info["n_documents"] * copies
+        if sparse and split == "train":
+            n_tokens, n_documents = tokens, n_documents + 1
+        info.update(n_tokens=n_tokens, n_documents=n_documents, sha256=f"{copies} copies of {info['sha256']}"
+                    + (", with a sparse tail" if sparse and split == "train" else ""))
+    meta["source"] = f"{small}, extended to {tokens:,} train tokens ({meta['source']})"
     (dest / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     load_meta(dest)
     return dest
 
 
-def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -> tuple[float, int]:
+def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float = 300) -> tuple[float, int]:
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "train.py", recipe, f"out_dir={run_dir}", f"data.path={data}", *OVERRIDES]
     start = time.perf_counter()
@@ -154,39 +113,3 @@ def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float) -
             proc.send_signal(signal.SIGKILL)
         proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def in_process(folders: dict[str, Path], seq_len: int, vocab: int, report) -> dict:
-    """``open_data``, the order's first windows and the old full scan, in this process (page cache warm)."""
-    from lmrecipe.data.format import open_data
-    from lmrecipe.data.order import SampleOrder
-
-    figures = {}
-    for name, folder in folders.items():
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            _, train, _ = open_data(folder, seq_len, vocab)
-            times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        SampleOrder(len(train), seed=0).windows(0, 1024)
-        first_windows = time.perf_counter() - start
-        figures[name] = {"open_data_s": statistics.median(times), "first_1024_windows_s": first_windows,
-                         "windows": len(train), "tokens": len(train.tokens)}
-        line = (f"{name}: {len(train.tokens):,} train tokens; open_data {1e3 * statistics.median(times):.1f} ms "
-                f"(median of 5); the order's first 1,024 windows of {len(train):,} {1e3 * first_windows:.2f} ms")
-        if len(train) <= 50_000_000:  # the earlier order (version 1) materialises the epoch: only where it fits
-            start = time.perf_counter()
-            SampleOrder(len(train), seed=0, version=1).permutation(0)
-            figures[name]["v1_permutation_s"] = time.perf_counter() - start
-            line += f"; order version 1's first-epoch permutation {1e3 * figures[name]['v1_permutation_s']:.0f} ms"
-        report.line(line)
-    tokens = open_data(folders["large"], seq_len, vocab)[1].tokens
-    if len(tokens) <= 5_000_000_000:
-        start = time.perf_counter()
-        top = max(int(tokens[i : i + (1 << 26)].max()) for i in range(0, len(tokens), 1 << 26))
-        scan = time.perf_counter() - start
-        figures["full_scan_large_s"] = scan
-        report.line(f"reference: a full scan of the large train.bin for its largest id ({top}), as start-up did "
-                    f"before format 2: {scan:.2f} s (page cache warm), per process and per split")
-    return figures

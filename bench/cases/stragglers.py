@@ -1,18 +1,11 @@
-"""What the straggler instrument and the goodput ledger add to an unlogged step (main thread), in this process:
+"""What the straggler instrument and the goodput ledger add to an unlogged step (main thread), in this process.
 
-    .venv/bin/python bench/run.py stragglers
-
-A stand-in trainer steps 7 blocks of 100,000 unlogged steps of one micro-batch through the hooks the two callbacks
-use (``StragglerClock``'s clock around the forward and ``after_step``; ``GoodputLedger``'s ``before_step``,
-``on_step_end`` and ``on_save`` of a step that saves nothing); the median block's microseconds per step, on a CPU
-(the host clock; a GPU records two CUDA events instead). Whether a step makes host syncs is tested, not timed here
-(``tests/unit/test_step.py::test_unlogged_steps_make_no_host_sync``).
+A stand-in trainer steps 7 blocks of 100,000 unlogged steps through the hooks of ``StragglerClock`` and
+``GoodputLedger``: the median block's microseconds per step, on a CPU (the host clock; a GPU records CUDA events).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,19 +14,23 @@ import torch
 from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.stragglers import StragglerClock
 
+from .watchdog import us_per_call
+
 PAIRS = None
 DATA = None
 BLOCKS = 7
 STEPS = 100_000
 
 
-def us_per_step(cfg) -> float:
+def run(args, report) -> None:
+    from lmrecipe.config import load_config
+
+    cfg = load_config(args.recipe, ["logging.log_every_steps=1000000000"])
     accelerator = SimpleNamespace(process_index=0, num_processes=2, device=torch.device("cpu"), is_main_process=True)
     trainer = SimpleNamespace(run=SimpleNamespace(cfg=cfg, accelerator=accelerator), out_dir=Path("unused"),
                               state=SimpleNamespace(step=1), max_steps=10**9, step_time_s=0.1, stop=None,
                               checkpointer=SimpleNamespace(due=lambda step: False))
-    result = SimpleNamespace(data_time_s=0.0)
-    clock, ledger = StragglerClock(), GoodputLedger()
+    result, clock, ledger = SimpleNamespace(data_time_s=0.0), StragglerClock(), GoodputLedger()
     clock.attach(trainer)
     ledger.attach(trainer)
 
@@ -47,19 +44,6 @@ def us_per_step(cfg) -> float:
         ledger.on_save(trainer)
 
     ledger.before_step(trainer)  # the session's first step opens the ledger
-    blocks = []
-    for _ in range(BLOCKS):
-        start = time.perf_counter()
-        for _ in range(STEPS):
-            step()
-        blocks.append((time.perf_counter() - start) / STEPS * 1e6)
-    return statistics.median(blocks)
-
-
-def run(args, report) -> None:
-    from lmrecipe.config import load_config
-
-    cfg = load_config(args.recipe, ["logging.log_every_steps=1000000000"])
-    us = us_per_step(cfg)
+    us = us_per_call(step, STEPS, BLOCKS)[0]
     report.line(f"straggler clock + goodput ledger: {us:.2f} us per unlogged step (median of {BLOCKS} x {STEPS:,} steps)")
     report.figures = {"us_per_unlogged_step": us}

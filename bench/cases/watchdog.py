@@ -1,12 +1,9 @@
 """The hang watchdog's own cost: what its hooks add to every step and what one beat of a watcher costs, in this
 process, with the recipe's default budgets.
 
-hooks: ``Watchdog.before_step``, ``pre_optim_step``, ``after_step``, ``on_step_end`` and ``on_save`` (a step that
-saves nothing) on a stand-in trainer, 7 blocks of 100,000 steps: the median block's microseconds per step. A beat:
-a ``HangWatcher`` of a 2-rank world on a local ``TCPStore`` publishes its record, checks for a verdict and reads both
-records, 7 blocks of 2,000 beats: wall and thread CPU microseconds per beat, and the share of one core at a beat
-every 5 s (the defaults) and every 0.25 s (4 s budgets). The freeze-to-exit time is printed by
-``pytest -m slow tests/integration/test_hangs.py -s``.
+hooks: the five ``Watchdog`` hooks of a step on a stand-in trainer, microseconds per step (median of 7 blocks of
+100,000). A beat: a ``HangWatcher`` of a 2-rank world on a local ``TCPStore`` publishes, checks for a verdict and
+reads both records: wall and CPU microseconds, and the share of a core at a beat every 5 s and every 0.25 s.
 """
 
 from __future__ import annotations
@@ -38,13 +35,19 @@ def hooks_us_per_step(section) -> float:
         watchdog.on_step_end(trainer, None)
         watchdog.on_save(trainer)
 
-    blocks = []
-    for _ in range(BLOCKS):
-        start = time.perf_counter()
-        for _ in range(100_000):
-            step()
-        blocks.append((time.perf_counter() - start) / 100_000 * 1e6)
-    return statistics.median(blocks)
+    return us_per_call(step)[0]
+
+
+def us_per_call(fn, calls: int = 100_000, blocks: int = BLOCKS) -> tuple[float, float]:
+    """Wall and thread-CPU microseconds per call of ``fn``: the medians of ``blocks`` blocks of ``calls`` calls."""
+    walls, cpus = [], []
+    for _ in range(blocks):
+        start, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(calls):
+            fn()
+        walls.append((time.perf_counter() - start) / calls * 1e6)
+        cpus.append((time.thread_time() - cpu) / calls * 1e6)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def beat_us(section) -> tuple[float, float]:
@@ -63,15 +66,7 @@ def beat_us(section) -> tuple[float, float]:
     for watcher in watchers:
         watcher._publish()
     watcher = watchers[0]
-    blocks = []
-    for _ in range(BLOCKS):
-        start, cpu = time.perf_counter(), time.thread_time()
-        for _ in range(2000):
-            watcher._publish()
-            watcher._posted_verdict()
-            watcher._look()
-        blocks.append(((time.perf_counter() - start) / 2000 * 1e6, (time.thread_time() - cpu) / 2000 * 1e6))
-    return statistics.median(b[0] for b in blocks), statistics.median(b[1] for b in blocks)
+    return us_per_call(lambda: (watcher._publish(), watcher._posted_verdict(), watcher._look()), calls=2000)
 
 
 def run(args, report) -> None:
@@ -82,6 +77,5 @@ def run(args, report) -> None:
     report.line(f"hooks: {hooks:.2f} us per step (5 hooks, median of {BLOCKS} x 100,000 steps)")
     wall, cpu = beat_us(section)
     report.line(f"one beat (publish, verdict check, read 2 records): {wall:.0f} us wall, {cpu:.0f} us CPU")
-    for poll_s in (5.0, 0.25):
-        report.line(f"  a beat every {poll_s} s: {cpu / (poll_s * 1e6) * 100:.4f} % of one core")
+    report.line("  share of one core: " + ", ".join(f"{cpu / (s * 1e6) * 100:.4f} % at a beat every {s} s" for s in (5.0, 0.25)))
     report.figures = {"hooks_us_per_step": hooks, "beat_us": {"wall": wall, "cpu": cpu}}

@@ -1,17 +1,15 @@
 """What an offline GPU node lacks, installed from the packed folder (``bench/gpu/pack.sh``) with no network.
 
-Everything goes into one folder (``--target``) that the kit's processes put first on ``PYTHONPATH``, so the
-node's own packages (torch, accelerate, triton) stay as they are and an older transformers of its own is shadowed by
-the pinned one. pip's ``--target`` ignores what is installed, hence ``--no-deps`` and the exact file list of the pack.
-DeepSpeed comes as its sdist, built there with ``DS_BUILD_OPS=0`` (no CUDA op compiled, so no nvcc needed; ops would
-be built at first use, and the recipe's ZeRO stages use none) and without build isolation (its setup.py imports
-torch), with the packed setuptools on the path.
+Everything goes into one folder (``--target``) first on the kit's ``PYTHONPATH``, so the node's own torch,
+accelerate and triton stay and an older transformers is shadowed (hence ``--no-deps`` and the pack's exact file
+list). DeepSpeed's sdist is built there with ``DS_BUILD_OPS=0`` (no nvcc) and without build isolation.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,15 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = ".installed"
 
 
-def pinned(requirement: str) -> tuple[str, str]:
-    name, _, version = requirement.partition("==")
-    return name.strip(), version.strip()
-
-
 def project_pins() -> dict[str, str]:
     """``name -> version`` of the ``==`` pins of pyproject.toml's dependencies."""
-    import re
-
     text = (ROOT / "pyproject.toml").read_text()
     return {m.group(1).lower(): m.group(2) for m in re.finditer(r'"([A-Za-z0-9_.-]+)==([^"]+)"', text)}
 
@@ -43,9 +34,8 @@ def check_packed(packed: Path) -> dict:
     missing = [f for f in files if not (packed / f).is_file()]
     if missing:
         raise ValueError(f"{packed} lacks {', '.join(missing)}: run bash bench/gpu/pack.sh again")
-    requirements = (packed / "requirements.txt").read_text().split()
-    pins = project_pins()
-    stale = [r for r in requirements if pins.get(pinned(r)[0].lower()) not in (None, pinned(r)[1])]
+    requirements, pins = (packed / "requirements.txt").read_text().split(), project_pins()
+    stale = [r for r in requirements if pins.get((pin := r.split("=="))[0].strip().lower()) not in (None, pin[-1].strip())]
     if stale:
         raise ValueError(f"{packed} was packed for {', '.join(stale)}, pyproject.toml pins otherwise: run pack.sh again")
     size_mb = sum((packed / f).stat().st_size for f in files) / 1e6
@@ -57,10 +47,8 @@ def _digest(packed: Path) -> str:
 
 
 def pythonpath(target: Path | None) -> str:
-    parts = ([str(target)] if target else []) + [str(ROOT), str(ROOT / "bench")]  # the package; the benchmarks' _common.py
-    if os.environ.get("PYTHONPATH"):
-        parts.append(os.environ["PYTHONPATH"])
-    return os.pathsep.join(parts)
+    parts = [*([str(target)] if target else []), str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(part for part in parts if part)  # the pack, the package, the benchmarks' _common.py
 
 
 def install(packed: Path, target: Path, log) -> dict:
@@ -77,33 +65,9 @@ def install(packed: Path, target: Path, log) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath(target), "DS_BUILD_OPS": "0", "PIP_NO_INPUT": "1"}
     for step, files, flags in (("wheels", wheels, []), ("sdists", sdists, ["--no-build-isolation"])):
         log(f"install: {len(files)} {step} into {target}")
-        args = [*flags, *files]
-        proc = subprocess.run([*pip, *args], env=env, capture_output=True, text=True)
+        proc = subprocess.run([*pip, *flags, *files], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pip install of the {step} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                f"{proc.stderr[-3000:]}")
     marker.write_text(_digest(packed))
     return {**info, "installed": f"in {time.perf_counter() - start:.0f} s"}
-
-
-def versions() -> dict:
-    """The versions this process imports (the worker's, with the installed folder first on its path), and the device."""
-    import importlib
-    import platform
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers", "triton", "flash_attn",
-                 "safetensors", "numpy", "pydantic"):
-        try:
-            out[name] = importlib.import_module(name).__version__
-        except Exception as exc:  # a missing or broken package is a fact to record, not a reason to stop
-            out[name] = f"missing ({type(exc).__name__})"
-    import torch
-
-    out["cuda"] = torch.version.cuda
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        out["device"] = {"name": props.name, "count": torch.cuda.device_count(),
-                         "memory_gib": round(props.total_memory / 2**30, 1),
-                         "capability": list(torch.cuda.get_device_capability(0))}
-    return out

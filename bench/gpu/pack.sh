@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# Fill bench/gpu/packed/ with what an offline GPU node lacks, for Python 3.12 on x86-64 Linux: DeepSpeed's sdist
-# and its pure-Python needs, torchao (its kernels load on torch >= 2.11), the transformers and tokenizers the project
-# pins, and setuptools to build DeepSpeed there without build isolation. Versions come from pyproject.toml, so they
-# have one home. Run from anywhere on a machine with PyPI (bash bench/gpu/pack.sh), then copy the tree with this
-# folder to the node. The pack is about 36 MB; it fails above PACK_LIMIT_MB (default 55), which means torch or
-# another package the node should already have was pulled in.
+# Fill bench/gpu/packed/ with what an offline GPU node lacks, for Python 3.12 on x86-64 Linux, at the versions
+# pyproject.toml pins: DeepSpeed's sdist and its pure-Python needs, torchao, transformers, tokenizers, and setuptools
+# to build DeepSpeed there. Run on a machine with PyPI, then copy the tree with this folder to the node. The pack is
+# about 36 MB; above PACK_LIMIT_MB (default 55) torch or another package the node already has was pulled in.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -4,9 +4,10 @@ them as it goes; on an offline node it first installs what the node lacks from a
     python3 bench/gpu/run.py --out runs/gpu_kit                  # on the GPU node: the default stages
     .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # on a CPU: every stage, tiny recipe, 2 steps
 
-Steps: install the pack (``install.py``), prepare the data, measure each stage's sides (``stages.py``) in fresh
-processes (``worker.py``), and rewrite ``gpu_kit.json`` and ``gpu_kit.md`` under ``--out`` after every stage. Exit
-status: 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
+It installs the pack (``install.py``), prepares the data, measures each stage's sides (``stages.py``) in fresh
+processes (``worker.py``) and rewrites ``gpu_kit.json`` under ``--out`` after every stage (``table.py --results
+DIR`` prints it as the page's table). Exit 0, also when a stage failed (its row says why); 2 for a bad argument or no
+GPU without --dry-run.
 """
 
 from __future__ import annotations
@@ -30,30 +31,26 @@ import stages as S  # noqa: E402
 
 GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"
 GPU_BASE = ("model.vocab_size=128256", "model.vocab_beyond_data=true", "train.global_batch_size=16", "train.micro_batch_size=8")
-# The tests' tiny model (tests/helpers.py: TINY_OVERRIDES): on a CPU, fp8's emulated float8 matmuls are slow at
-# the tiny recipe's own width.
+# The tests' tiny model: on a CPU, fp8's emulated float8 matmuls are slow at the tiny recipe's own width.
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
-JSON_NAME, MD_NAME, LOG_NAME = "gpu_kit.json", "gpu_kit.md", "workers.log"
-MIN_LEFT_S = 30
-"""No side starts with this many seconds of --budget-s left, or fewer."""
+JSON_NAME, LOG_NAME = "gpu_kit.json", "workers.log"
+MIN_LEFT_S = 30  # no side starts with this many seconds of --budget-s left, or fewer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_kit.json and gpu_kit.md")
-    parser.add_argument("--stages", default="default",
-                        help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' ({', '.join(S.DEFAULT_STAGES)}) "
-                             "or 'all' (default: %(default)s)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_kit.json and workers.log")
+    parser.add_argument("--stages", default="default", help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' "
+                        f"({', '.join(S.DEFAULT_STAGES)}) or 'all' (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe, 2 steps: check every stage builds and runs")
     parser.add_argument("--packed", type=Path, default=HERE / "packed", help="the folder pack.sh filled")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="installed packages, data, runs (default: %(default)s)")
     parser.add_argument("--data", type=Path, default=None, help="a prepared data folder (default: prepared under --work)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per side (default: 20; dry run 2)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps before measuring (default: 5; dry run 0)")
-    parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="start no side after this many seconds, and stop a running worker when they are spent; "
-                             "if your time on the node is limited, a minute under it (default: %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="start no side after this many seconds, stop a "
+                        "worker when they are spent: a minute under your time on the node (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         args.selected = S.select(args.stages)
@@ -69,8 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def argument_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the numbers and the data folder given, with the fix; None when nothing is. Checked before
-    anything is installed or run: a bad value would otherwise cost the install and a worker per side, each failing."""
+    """What is wrong with the numbers and folders given, with the fix; None when nothing is (checked before the install)."""
     if args.steps is not None and args.steps < 1:
         return f"--steps {args.steps}: the measured steps per side must be 1 or more (default: 20; dry run 2)."
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -81,22 +77,16 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     for flag, folder in (("--out", args.out), ("--work", args.work)):
         if (problem := folder_problem(flag, folder)) is not None:
             return problem
-    if args.data is None:
-        return None
-    fix = ("Pass a folder written by tools/prepare_data.py (python tools/prepare_data.py --output DIR), or leave "
-           "--data out to prepare the embedded corpus under --work.")
-    if not args.data.exists():
-        return f"--data {args.data} does not exist. {fix}"
-    if not args.data.is_dir():
-        return f"--data {args.data} is a file, not a prepared data folder. {fix}"
-    if not (args.data / "meta.json").is_file():
-        return f"--data {args.data} holds no meta.json: it is not a prepared data folder. {fix}"
-    return None
+    data = args.data
+    problem = None if data is None else "does not exist" if not data.exists() else \
+        "is a file, not a prepared data folder" if not data.is_dir() else \
+        None if (data / "meta.json").is_file() else "holds no meta.json: it is not a prepared data folder"
+    return problem and (f"--data {data} {problem}. Pass a folder written by tools/prepare_data.py (python "
+                        "tools/prepare_data.py --output DIR), or leave --data out to prepare the embedded corpus under --work.")
 
 
 def folder_problem(flag: str, folder: Path) -> str | None:
-    """What stops the kit from writing into ``folder`` (made where missing), with the fix; None when nothing does.
-    Checked at start-up: a folder that cannot be written would otherwise fail after the install, or in every worker."""
+    """What stops the kit from writing into ``folder`` (made where missing), with the fix; None when nothing does."""
     fix = f"Pass {flag} a folder you can write to (it is made if missing)."
     if folder.exists() and not folder.is_dir():
         return f"{flag} {folder} is a file, not a folder. {fix}"
@@ -112,24 +102,18 @@ def folder_problem(flag: str, folder: Path) -> str | None:
 
 
 def commit(packed: Path) -> str:
-    """The commit measured. The tree's own git HEAD where it is the one pack.sh recorded; else what pack.sh recorded,
-    with the HEAD beside it: a copy of the tree on a GPU node may hold no ``.git``, or an older one than its
-    files."""
-    recorded = packed / "commit.txt"
-    packed_commit = recorded.read_text().strip() if recorded.is_file() else None
+    """The tree's git HEAD, or where a copy of the tree holds no ``.git``, the commit pack.sh recorded."""
     proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    head = proc.stdout.strip() if proc.returncode == 0 else None
-    if head and (packed_commit is None or packed_commit.split()[0] == head):
+    if proc.returncode == 0:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
-        return head + (" (with uncommitted changes)" if dirty else "")
-    if packed_commit:
-        return f"{packed_commit} (recorded by pack.sh; the tree's git HEAD: {head or 'none'})"
-    return "unknown"
+        return proc.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    recorded = packed / "commit.txt"
+    return f"{recorded.read_text().strip()} (recorded by pack.sh)" if recorded.is_file() else "unknown"
 
 
 class Record:
-    """gpu_kit.json and gpu_kit.md, rewritten whole after every step (atomically: a run cut short leaves both)."""
+    """gpu_kit.json, rewritten whole after every step (atomically: a run cut short leaves it whole)."""
 
     def __init__(self, out: Path, args: argparse.Namespace):
         self.out = out
@@ -144,43 +128,14 @@ class Record:
         print(f"[gpu-kit {datetime.now(timezone.utc):%H:%M:%S}] {text}", flush=True)
 
     def save(self) -> None:
-        for name, text in ((JSON_NAME, json.dumps(self.data, indent=2, default=str) + "\n"), (MD_NAME, self.markdown())):
-            tmp = self.out / (name + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(self.out / name)
-
-    def markdown(self) -> str:
-        d, v = self.data, self.data["versions"]
-        device = v.get("device", {}).get("name", "no GPU")
-        lines = [f"# GPU kit: {d['mode']}", "",
-                 f"{device}; torch {v.get('torch')} (CUDA {v.get('cuda')}), transformers {v.get('transformers')}, "
-                 f"accelerate {v.get('accelerate')}, deepspeed {v.get('deepspeed')}, torchao {v.get('torchao')}, "
-                 f"flash-attn {v.get('flash_attn')}; commit {d['commit']}; {d['recipe']} {' '.join(d['base_overrides'])}, "
-                 f"{d['warmup_steps']} warm-up + {d['steps']} measured steps per side; started {d['started']}", "",
-                 "| stage | what | figure | target | met | planner: measured / predicted | status |",
-                 "| --- | --- | --- | --- | --- | --- | --- |"]
-        for row in d["stages"]:
-            met = {True: "yes", False: "no", None: ""}[row.get("met")]
-            lines.append(f"| {row['stage']} | {row['what']} | {row.get('figure', '')} | {row['target']} | {met} | "
-                         f"{row.get('planner', '')} | {row['status']} |")
-        return "\n".join(lines) + "\n"
-
-
-def worker_env(args: argparse.Namespace, target: Path | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": I.pythonpath(target), "ACCELERATE_DISABLE_RICH": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    if args.dry_run:
-        env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
-                   TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
-    return env
+        tmp = self.out / (JSON_NAME + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        tmp.replace(self.out / JSON_NAME)
 
 
 def setup(args: argparse.Namespace, record: Record) -> dict:
-    """Install (GPU) or check the pack (dry run), read the versions, prepare the data; returns the workers' env."""
-    setup_info = record.data["setup"]
-    target = None
+    """Install (GPU) or check the pack (dry run), prepare the data; returns the workers' environment."""
+    setup_info, target = record.data["setup"], None
     try:
         if args.dry_run:
             setup_info["install"] = {"checked": I.check_packed(args.packed), "installed": "no (dry run)"}
@@ -190,7 +145,12 @@ def setup(args: argparse.Namespace, record: Record) -> dict:
     except (ValueError, RuntimeError) as exc:
         setup_info["install"] = {"error": str(exc)}
         record.log(f"install: {exc}")
-    env = worker_env(args, target)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=I.pythonpath(target), ACCELERATE_DISABLE_RICH="1", TOKENIZERS_PARALLELISM="false")
+    if args.dry_run:
+        env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+                   TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
     args.data = args.data or prepare_data(args, env, record)
     setup_info["data"] = str(args.data)
     record.save()
@@ -198,16 +158,14 @@ def setup(args: argparse.Namespace, record: Record) -> dict:
 
 
 def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
-    """The embedded corpus (Python's standard library) prepared once under --work: its first 1,000 documents, millions
-    of tokens, far more than the kit's steps read (the dry run: 100 documents)."""
+    """The embedded corpus prepared once under --work: 1,000 documents, more than the kit's steps read (dry run: 100)."""
     data = args.work / ("data_dry" if args.dry_run else "data")
     if (data / "meta.json").is_file():
         return data
-    cmd = [sys.executable, "tools/prepare_data.py", "--output", str(data), "--overwrite"]
-    cmd += (["--vocab-size", "384", "--max-documents", "100", "--val-fraction", "0.1"] if args.dry_run
-            else ["--vocab-size", "8192", "--max-documents", "1000"])
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "tools/prepare_data.py", "--output", str(data), "--overwrite",
+           *(["--vocab-size", "384", "--max-documents", "100", "--val-fraction", "0.1"] if args.dry_run
+             else ["--vocab-size", "8192", "--max-documents", "1000"])]
+    start, proc = time.perf_counter(), subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         record.data["setup"]["data_error"] = proc.stderr[-4000:]
         record.save()
@@ -217,30 +175,29 @@ def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
 
 
 def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
-    """The distinct runs the selected stages need, keyed by overrides; a run that several stages name measures
-    what each of them asks for (its syncs, its checkpoint stall) after its timed steps."""
+    """The distinct runs the selected stages need, keyed by overrides; a run several stages name measures what each
+    asks for (its syncs, its checkpoint stall, its profile) after its timed steps."""
     groups: dict[str, dict] = {}
     for stage in selected:
         for side in stage.sides:
             key = " ".join(side.overrides)
             group = groups.setdefault(key, {**dataclasses.asdict(side), "key": key, "overrides": list(side.overrides)})
-            group["count_syncs"] |= side.count_syncs
-            group["checkpoint_stall"] |= side.checkpoint_stall
-            group["profile"] |= side.profile
+            for flag in ("count_syncs", "checkpoint_stall", "profile"):
+                group[flag] |= getattr(side, flag)
     return groups
 
 
-def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, timeout_s: float) -> tuple[dict, dict | None]:
-    """Measure ``groups`` in one worker process: their results by key (an error for each that gave none), and the
-    versions the worker imported."""
+def run_job(args, env: dict, record: Record, groups: list[dict], name: str, timeout_s: float) -> dict:
+    """Measure ``groups`` in one worker process: their results by key (an error for each that gave none); the first
+    versions a worker imported go into the record."""
     work = args.work / "runs" / name
     work.mkdir(parents=True, exist_ok=True)
+    log, result_path = work / "worker.log", work / "result.json"
     job = {"recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base": list(args.base), "data": str(args.data),
-           "work": str(work), "result": str(work / "result.json"), "sides": groups,
-           "warmup_steps": args.warmup_steps, "steps": args.steps}
+           "work": str(work), "result": str(result_path), "sides": groups, "warmup_steps": args.warmup_steps,
+           "steps": args.steps}
     (work / "job.json").write_text(json.dumps(job, indent=2))
-    (work / "result.json").unlink(missing_ok=True)
-    log = work / "worker.log"
+    result_path.unlink(missing_ok=True)
     try:
         with open(log, "w") as sink:
             proc = subprocess.run([sys.executable, str(HERE / "worker.py"), str(work / "job.json")], cwd=ROOT, env=env,
@@ -248,42 +205,18 @@ def run_job(args: argparse.Namespace, env: dict, groups: list[dict], name: str, 
         failure = None if proc.returncode == 0 else f"worker exited {proc.returncode}"
     except subprocess.TimeoutExpired:
         failure = f"worker stopped after {timeout_s:.0f} s (--budget-s)"
-    results = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+    results = json.loads(result_path.read_text()) if result_path.is_file() else {}
     versions = results.pop("_versions", None)
+    record.data["versions"] = record.data["versions"] or versions or {}
     text = log.read_text(errors="replace") if log.is_file() else ""
     tail = text[-1500:]
-    # The work folder stays on the node; the end of each worker's log goes into one file beside the results, so
-    # --out holds three files however many workers ran.
     with open(args.out / LOG_NAME, "a") as logs:
         logs.write(f"\n===== {name}: {', '.join(g['label'] for g in groups)} =====\n{text[-200_000:]}")
     for group in groups:
         result = results.setdefault(group["key"], {"label": group["label"], "error": f"{failure or 'no result'}: {tail}"})
         if result.get("partial"):  # its timed steps were measured, what followed them was not
             result["stopped"] = f"{failure or 'stopped'} after its timed steps: {tail[-300:]}"
-    return results, versions
-
-
-def measure_sides(args, env: dict, record: Record, groups: list[dict], name: str, timeout_s: float) -> dict:
-    """``run_job``, recording the versions its worker imported the first time."""
-    results, versions = run_job(args, env, groups, name, timeout_s)
-    if versions and not record.data["versions"]:
-        record.data["versions"] = versions
-        record.log(f"versions: {json.dumps(versions)}")
     return results
-
-
-def planner_text(results: list[dict]) -> str:
-    parts = []
-    for r in results:
-        ratio = r.get("measured_over_predicted") or {}
-        prediction = r.get("prediction") or {}
-        if ratio.get("tokens_per_sec") is None:
-            continue
-        memory = "" if ratio.get("peak_mem") is None else (
-            f", peak memory {ratio['peak_mem']:.2f}x of {prediction['peak_mem_gb']:.1f} GB")
-        parts.append(f"{r['label']}: tokens/s {ratio['tokens_per_sec']:.2f}x of {prediction['tokens_per_sec']:,.0f}"
-                     f"{memory}")
-    return "; ".join(parts)
 
 
 def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
@@ -292,42 +225,31 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
     problems = [f"{label}: {r['error'].splitlines()[0][:300]}" for label, r in results.items() if "error" in r]
     skipped = [f"{label}: {r['skipped']}" for label, r in results.items() if "skipped" in r]
     if problems or skipped:
-        row.update(status=("failed: " + "; ".join(problems)) if problems else "skipped: " + "; ".join(skipped),
-                   met=None, figure="")
-        return row
+        return {**row, "status": ("failed: " + "; ".join(problems)) if problems else "skipped: " + "; ".join(skipped),
+                "met": None, "figure": ""}
     try:
         row.update(stage.summarize(results))
     except (KeyError, TypeError, ZeroDivisionError) as exc:
-        stopped = [f"{label} {r['stopped'].splitlines()[0][:200]}" for label, r in results.items() if r.get("stopped")]
-        row.update(status=f"failed: summary ({type(exc).__name__}: {exc})" + (f"; {'; '.join(stopped)}" if stopped else ""),
-                   met=None, figure="")
-        return row
-    row["planner"] = planner_text(list(results.values()))
-    row["status"] = "dry run (CPU, tiny recipe, not a GPU figure)" if dry_run else "measured"
-    if dry_run:
-        row["met"] = None
-    return row
+        stopped = "".join(f"; {label} {r['stopped'].splitlines()[0][:200]}" for label, r in results.items() if r.get("stopped"))
+        return {**row, "status": f"failed: summary ({type(exc).__name__}: {exc}){stopped}", "met": None, "figure": ""}
+    return {**row, "status": "dry run (CPU, tiny recipe, not a GPU figure)", "met": None} if dry_run else \
+        {**row, "status": "measured"}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.base = DRY_BASE if args.dry_run else GPU_BASE
-    if not args.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("run.py: no CUDA device is visible: on a machine without a GPU, run with --dry-run", file=sys.stderr)
-            return 2
+    if not args.dry_run and not __import__("torch").cuda.is_available():
+        print("run.py: no CUDA device is visible: on a machine without a GPU, run with --dry-run", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     record = Record(args.out, args)
     record.save()
     record.log(f"stages: {', '.join(s.name for s in args.selected)}; results in {args.out}")
-    env = setup(args, record)
-    groups = side_groups(args.selected)
-    done: dict[str, dict] = {}
+    env, groups, done = setup(args, record), side_groups(args.selected), {}
     if args.dry_run:  # one process for every side: each starts its own Accelerator (worker._forget_run)
-        done.update(measure_sides(args, env, record, list(groups.values()), "dry_run", args.budget_s))
+        done.update(run_job(args, env, record, list(groups.values()), "dry_run", args.budget_s))
     for stage in args.selected:
         for side in stage.sides:
             key = " ".join(side.overrides)
@@ -338,13 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                 done[key] = {"label": side.label, "error": f"not run: --budget-s {args.budget_s:.0f} was spent"}
                 continue
             record.log(f"{stage.name}: measuring {side.label} ({key or 'the base recipe'})")
-            done.update(measure_sides(args, env, record, [groups[key]], f"side{len(done)}", left))
+            done.update(run_job(args, env, record, [groups[key]], f"side{len(done)}", left))
         row = stage_row(stage, done, args.dry_run)
         record.data["stages"].append(row)
         record.data["elapsed_s"] = round(time.perf_counter() - start, 1)
         record.save()
         record.log(f"{stage.name}: {row.get('figure') or row['status']}")
-    record.log(f"done in {time.perf_counter() - start:.0f} s: {args.out / JSON_NAME}, {args.out / MD_NAME}")
+    record.log(f"done in {time.perf_counter() - start:.0f} s: {args.out / JSON_NAME}")
     return 0
 
 

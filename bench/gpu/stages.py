@@ -1,9 +1,7 @@
 """The GPU kit's stages: which runs each one measures (its sides) and the figure it turns them into.
 
-A side is one configuration of the recipe (``key=value`` overrides on top of the kit's base), trained for a few
-steps by ``lmrecipe.train``'s own ``build_run`` and ``train_step`` (``bench/gpu/worker.py``). Sides with the same
-overrides are measured once per invocation and shared by the stages that name them (the bf16 ZeRO-2 run is the MFU
-stage's, the fp8 stage's baseline and the data-wait stage's).
+A side is ``key=value`` overrides on top of the kit's base, trained by ``bench/gpu/worker.py``. Sides with the same
+overrides are measured once per invocation and shared by the stages that name them.
 """
 
 from __future__ import annotations
@@ -26,20 +24,10 @@ class Side:
 
     label: str
     overrides: tuple[str, ...] = ()
-    count_syncs: bool = False
-    """Count host synchronisations over the measured steps (slows them: their time is not a throughput figure)."""
-    checkpoint_stall: bool = False
-    """Measure the loop time blocked by one synchronous and one background checkpoint instead of throughput."""
-    profile: bool = False
-    """Profile one step after the timed ones: the GPU's busy share of it and the kernels that took the most time."""
-    needs: str | None = None
-    """A module the side needs (``flash_attn``); without it the side is skipped, and says so."""
-
-    @property
-    def key(self) -> str:
-        flags = ("syncs" if self.count_syncs else "") + ("ckpt" if self.checkpoint_stall else "") + \
-            ("profile" if self.profile else "")
-        return " ".join(self.overrides) + (f" [{flags}]" if flags else "")
+    count_syncs: bool = False  # count host syncs over a few steps after the timed ones
+    checkpoint_stall: bool = False  # time the loop blocked by one synchronous and one background checkpoint
+    profile: bool = False  # profile one step after the timed ones
+    needs: str | None = None  # a module the side needs (flash_attn); without it the side is skipped, and says so
 
 
 @dataclass(frozen=True)
@@ -48,8 +36,7 @@ class Stage:
     what: str
     target: str
     sides: tuple[Side, ...]
-    summarize: Callable[[dict[str, dict]], dict] = field(repr=False)
-    """Results by side label -> {"figure": text, "value": number or None, "met": bool or None}."""
+    summarize: Callable[[dict[str, dict]], dict] = field(repr=False)  # results by label -> figure, value, met
 
 
 def _pct(x: float | None) -> str:
@@ -75,23 +62,16 @@ def _throughputs(results):
     return {"figure": "; ".join(parts), "value": None, "met": None}
 
 
-def _pair(base: str, other: str, target: float | None = None):
-    def summarize(results):
-        a, b = results[base], results[other]
-        ratio = _ratio(b["tokens_per_sec"], a["tokens_per_sec"])
-        figure = (f"{other} / {base} tokens/s: {_num(ratio, '.3f')}x ({_num(b['tokens_per_sec'])} against "
-                  f"{_num(a['tokens_per_sec'])})")
-        return {"figure": figure, "value": ratio, "met": None if ratio is None or target is None else ratio >= target}
-    return summarize
-
-
-def _ratios(base: str):
-    """Each other side's tokens/s over ``base``'s."""
+def _ratios(base: str, target: float | None = None):
+    """Each other side's tokens/s over ``base``'s; with one other side, its ratio is the value, met if >= ``target``."""
     def summarize(results):
         a = results[base]
-        parts = [f"{label} / {base}: {_num(_ratio(r['tokens_per_sec'], a['tokens_per_sec']), '.3f')}x "
-                 f"({_num(r['tokens_per_sec'])} tokens/s)" for label, r in results.items() if label != base]
-        return {"figure": f"{base} {_num(a['tokens_per_sec'])} tokens/s; " + "; ".join(parts), "value": None, "met": None}
+        ratios = {label: _ratio(r["tokens_per_sec"], a["tokens_per_sec"]) for label, r in results.items() if label != base}
+        parts = [f"{label} / {base}: {_num(v, '.3f')}x ({_num(results[label]['tokens_per_sec'])} tokens/s)"
+                 for label, v in ratios.items()]
+        value = next(iter(ratios.values())) if len(ratios) == 1 else None
+        return {"figure": f"{base} {_num(a['tokens_per_sec'])} tokens/s; " + "; ".join(parts), "value": value,
+                "met": None if value is None or target is None else value >= target}
     return summarize
 
 
@@ -99,8 +79,9 @@ def _syncs(results):
     parts, met = [], None
     for label, r in results.items():
         s = r["host_syncs"]
-        parts.append(f"{label}: {s['per_step']:g} per step (counter, {s['by_kind'] or 'none'}), "
-                     f"torch.cuda sync warnings {_num(s['cuda_per_step'], 'g')} per step")
+        kinds = ", ".join(f"`{kind}` {n:g}" for kind, n in s["by_kind"].items() if n) or "none"
+        parts.append(f"{label}: {s['per_step']:g} per step ({kinds}), torch.cuda sync warnings "
+                     f"{_num(s['cuda_per_step'], 'g')} per step")
     sync_free = results["no DeepSpeed"]["host_syncs"]
     met = sync_free["per_step"] == 0 and sync_free["cuda_per_step"] in (0, None)
     return {"figure": "; ".join(parts), "value": sync_free["per_step"], "met": met}
@@ -144,41 +125,34 @@ def _data_wait(results):
 BF16_ZERO2 = Side("bf16 ZeRO-2", ZERO2)
 STAGES = (
     Stage("mfu_zero2", "MFU and tokens/s, 1B recipe, bf16, ZeRO-2, SDPA", ">= 45% MFU", (BF16_ZERO2,), _mfu),
-    Stage("host_syncs", "host syncs per unlogged step, 1B recipe (HostSyncCounter + torch.cuda sync debug mode)",
-          "0 (no DeepSpeed)", (Side("no DeepSpeed", NO_DEEPSPEED, count_syncs=True),
-                               Side("ZeRO-2", ZERO2, count_syncs=True)), _syncs),
-    Stage("chunked_loss", "one step's peak memory at a 128,256 vocabulary, full logits against the chunked loss "
-          "(micro-batch 4)", ">= 4x lower",
+    Stage("host_syncs", "host syncs per unlogged step (HostSyncCounter, torch.cuda's sync debug mode)", "0 (no DeepSpeed)",
+          (Side("no DeepSpeed", NO_DEEPSPEED, count_syncs=True), Side("ZeRO-2", ZERO2, count_syncs=True)), _syncs),
+    Stage("chunked_loss", "one step's peak memory at vocabulary 128,256, full logits against chunked", ">= 4x lower",
           (Side("full logits", ZERO2 + LOSS_MICRO + ("train.loss_chunk_tokens=0",)),
            Side("chunked loss", ZERO2 + LOSS_MICRO + ("train.loss_chunk_tokens=1024",))), _loss),
     Stage("fp8", "fp8 (torchao float8 linears) against bf16, ZeRO-2", ">= 1.2x tokens/s",
-          (BF16_ZERO2, Side("fp8 ZeRO-2", ZERO2 + ("train.precision=fp8",))), _pair("bf16 ZeRO-2", "fp8 ZeRO-2", 1.2)),
+          (BF16_ZERO2, Side("fp8 ZeRO-2", ZERO2 + ("train.precision=fp8",))), _ratios("bf16 ZeRO-2", 1.2)),
     Stage("data_wait", "data wait per step (prefetched batches and their copy), bf16 ZeRO-2", "< 1% of the step",
           (BF16_ZERO2,), _data_wait),
-    Stage("profile", "where one step's time goes: the GPU's busy share and the top kernels, bf16 with and without "
-          "DeepSpeed ZeRO-2", "(diagnosis)", (Side("bf16 ZeRO-2", ZERO2, profile=True),
-                                              Side("no DeepSpeed", NO_DEEPSPEED, profile=True)), _profiles),
+    Stage("profile", "one step's GPU busy share and top kernels, with and without ZeRO-2", "(diagnosis)",
+          (Side("bf16 ZeRO-2", ZERO2, profile=True), Side("no DeepSpeed", NO_DEEPSPEED, profile=True)), _profiles),
     Stage("zero_stages", "tokens/s and MFU per ZeRO stage, bf16, SDPA", "(table)",
           (Side("ZeRO-1", ZERO1), Side("ZeRO-2", ZERO2), Side("ZeRO-3", ZERO3)), _throughputs),
     Stage("flash", "flash-attn 2 against SDPA, bf16 ZeRO-2, document masking on (variable-length path)",
-          "(comparison)", (BF16_ZERO2, Side("flash ZeRO-2", ZERO2 + FLASH, needs="flash_attn")),
-          _pair("bf16 ZeRO-2", "flash ZeRO-2")),
+          "(comparison)", (BF16_ZERO2, Side("flash ZeRO-2", ZERO2 + FLASH, needs="flash_attn")), _ratios("bf16 ZeRO-2")),
     Stage("flash3", "flash-attn 3 (Hopper) against SDPA, bf16 ZeRO-2, document masking on (variable-length path)",
           "(comparison)", (BF16_ZERO2, Side("flash-3 ZeRO-2", ZERO2 + ("model.attn_implementation=flash_attention_3",),
-                                            needs="flash_attn_interface")), _pair("bf16 ZeRO-2", "flash-3 ZeRO-2")),
+                                            needs="flash_attn_interface")), _ratios("bf16 ZeRO-2")),
     Stage("document_masking", "document masking on against off, bf16 ZeRO-2, SDPA", "(cost of masking)",
-          (BF16_ZERO2, Side("masking off", ZERO2 + ("data.document_masking=false",))),
-          _pair("bf16 ZeRO-2", "masking off")),
+          (BF16_ZERO2, Side("masking off", ZERO2 + ("data.document_masking=false",))), _ratios("bf16 ZeRO-2")),
     Stage("compile", "torch.compile against eager, bf16 and fp8, ZeRO-2", "(comparison)",
           (BF16_ZERO2, Side("compiled ZeRO-2", ZERO2 + ("train.compile=true",)),
            Side("fp8 compiled ZeRO-2", ZERO2 + ("train.precision=fp8", "train.compile=true"))), _ratios("bf16 ZeRO-2")),
     Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
           "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )
+# Four runs (bf16 ZeRO-2, no DeepSpeed, compiled bf16 and fp8); the other stages add a run or more each.
 DEFAULT_STAGES = ("mfu_zero2", "host_syncs", "data_wait", "profile", "compile", "checkpoint_stall")
-"""What a run of the kit measures when no stage is named, in four runs (bf16 ZeRO-2, no DeepSpeed, compiled bf16 and
-compiled fp8): the MFU figure, what the same runs tell besides it (host syncs, data wait, ``profile``: why the MFU is
-what it is), ``compile`` and ``checkpoint_stall``. The other stages add a run or more each: name them, or ``all``."""
 BY_NAME = {stage.name: stage for stage in STAGES}
 
 

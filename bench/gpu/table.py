@@ -1,13 +1,11 @@
-"""The GPU table of docs/benchmarks/gpu.md, generated from the kit's own output, never typed by hand.
+"""The GPU table of docs/benchmarks/gpu.md, generated from the kit's committed records, never typed by hand.
 
     python bench/gpu/table.py                 # print the table from bench/gpu/results/*.json
     python bench/gpu/table.py --write         # put it into docs/benchmarks/gpu.md, between its markers
     python bench/gpu/table.py --check         # exit 1 if the page's table is not the one the results give
 
-A GPU run's ``gpu_kit.json`` (under its ``--out``) is committed as written, under ``bench/gpu/results/`` named by
-its start time and GPU (``2026-11-26T161627-h100.json``). For each stage the table takes the row of the latest run
-that measured it; a stage no GPU run has measured says so. Dry runs (CPU) are refused: their figures are not GPU
-figures.
+A GPU run's ``gpu_kit.json`` is committed as ``bench/gpu/results/<start time>-<gpu>.json``. Each stage's row is the
+latest run that measured it; dry runs (CPU) are refused.
 """
 
 from __future__ import annotations
@@ -53,23 +51,35 @@ def _cell(text) -> str:
     return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ")
 
 
+def figure(row: dict) -> str:
+    """The row's figure as the stage's summary writes it today (the sides' numbers are the run's); the recorded text
+    where the summary no longer reads them."""
+    try:
+        return S.BY_NAME[row["stage"]].summarize(row["sides"])["figure"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return row.get("figure", "")
+
+
+def _gpu(run: dict) -> str:
+    return run["versions"].get("device", {}).get("name", "?").removeprefix("NVIDIA ")
+
+
 def render(runs: list[dict]) -> str:
     rows = latest_rows(runs)
-    lines = ["| stage | what | figure | target | met | planner: measured / predicted | run |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    number = {run["file"]: i for i, run in enumerate(runs, start=1)}
+    lines = ["| stage | figure | target | GPU (run) |", "| --- | --- | --- | --- |"]
     for stage in S.STAGES:
         if stage.name not in rows:
-            lines.append(f"| `{stage.name}` | {_cell(stage.what)} | not measured | {_cell(stage.target)} | | | |")
+            lines.append(f"| `{stage.name}` | not measured | {_cell(stage.target)} | |")
             continue
         row, run = rows[stage.name]
-        met = {True: "yes", False: "**no**", None: ""}[row.get("met")]
-        device = run["versions"].get("device", {}).get("name", "?")
-        lines.append(f"| `{stage.name}` | {_cell(row['what'])} | {_cell(row.get('figure'))} | {_cell(row['target'])} | "
-                     f"{met} | {_cell(row.get('planner'))} | {device}, {run['started'][:10]} (`{run['file']}`) |")
-    sources = [f"`{run['file']}`: {run['versions'].get('device', {}).get('name', '?')}, torch {run['versions'].get('torch')}, "
-               f"DeepSpeed {run['versions'].get('deepspeed')}, transformers {run['versions'].get('transformers')}, "
-               f"torchao {run['versions'].get('torchao')}; commit {run['commit']}; `{run['command']}`" for run in runs]
-    return "\n".join([BEGIN, "", *lines, "", "Runs:", "", *(f"- {s}" for s in sources), "", END])
+        met = {True: " (met)", False: " (**not met**)", None: ""}[row.get("met")]
+        lines.append(f"| `{stage.name}` | {_cell(figure(row))} | {_cell(row['target'])}{met} | {_gpu(run)} "
+                     f"({number[run['file']]}) |")
+    sources = [f"{number[run['file']]}. `{run['file']}`: {_gpu(run)}, torch {run['versions'].get('torch')}, DeepSpeed "
+               f"{run['versions'].get('deepspeed')}, transformers {run['versions'].get('transformers')}; commit "
+               f"{run['commit']}; `{run['command']}`" for run in runs]
+    return "\n".join([BEGIN, "", *lines, "", "Runs:", "", *sources, "", END])
 
 
 def page_with(table: str, page: str) -> str:
@@ -97,13 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"table.py: {exc}", file=sys.stderr)
         return 2
-    if args.check:
-        if wanted != page:
-            print(f"table.py: the table in {args.page} is not the one bench/gpu/results gives: run "
-                  "`python bench/gpu/table.py --write`", file=sys.stderr)
-            return 1
-        return 0
-    args.page.write_text(wanted)
+    if args.check and wanted != page:
+        print(f"table.py: the table in {args.page} is not the one bench/gpu/results gives: run "
+              "`python bench/gpu/table.py --write`", file=sys.stderr)
+        return 1
+    if args.write:
+        args.page.write_text(wanted)
     return 0
 
 

@@ -1,11 +1,10 @@
 """One side of a GPU-kit stage, measured in this process: ``build_run`` and ``train_step`` of ``lmrecipe.train``.
 
-After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs, so the time is the loop's as
-it trains. Figures: tokens/s and MFU (``lmrecipe.observe.device``); the step peak (``max_memory_allocated`` less what
-was allocated before); data wait (``StepResult.data_time_s``); host syncs (``HostSyncCounter`` and
-``torch.cuda.set_sync_debug_mode("warn")``); the checkpoint stall (``_common.save_round``, sync and background); one
-profiled step (GPU busy share, top kernels); the planner's prediction. The result so far is written after the timed
-steps and after each slow measurement, so a worker stopped by the kit's ``--budget-s`` keeps its timed figures.
+After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs. Figures: tokens/s and MFU;
+the step peak (``max_memory_allocated`` less what was held before); data wait; host syncs (``HostSyncCounter`` and
+torch.cuda's sync debug mode); the checkpoint stall (``_common.save_round``); one profiled step; the planner's
+prediction. The result so far is written after the timed steps and after each slow measurement, so a worker stopped
+by ``--budget-s`` keeps its timed figures.
 """
 
 from __future__ import annotations
@@ -13,57 +12,44 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import platform
 import shutil
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-import _common as C  # noqa: E402 - bench/, on the PYTHONPATH run.py gives the workers
+import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
 
 GIB = 1024**3
-SYNC_STEPS = 5
-"""Steps whose host syncs are counted (after the timed ones: counting slows every tensor call)."""
-PROFILE_TOP = 15
-"""Kernels (operators on a CPU) kept from a profiled step, by time."""
+SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
+PROFILE_TOP = 15  # kernels (operators on a CPU) kept from a profiled step, by time
 
 
 def _count_syncs(run, first_step: int, steps: int) -> dict:
-    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings (with the
-    Python stack of the first few, so a sync inside torch or a library is found at its caller)."""
+    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings."""
     import torch
 
     from lmrecipe.observe.host_syncs import HostSyncCounter
     from lmrecipe.train.step import train_step
 
-    device = run.accelerator.device
-    caught: list[tuple[str, str]] = []
-
-    def keep(message, category, filename, lineno, file=None, line=None):
-        stack = "" if len(caught) >= 8 else "".join(traceback.format_stack(limit=16)[:-1])
-        caught.append((f"{Path(filename).name}:{lineno}: {str(message)[:200]}", stack))
-
+    device, cuda = run.accelerator.device, run.accelerator.device.type == "cuda"
     C.sync(device)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warnings.showwarning = keep  # restored by catch_warnings
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
             with HostSyncCounter() as counter:
                 for step in range(first_step, first_step + steps):
                     train_step(run, step)
         finally:
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.set_sync_debug_mode(0)
-    cuda_syncs = [(where, stack) for where, stack in caught if "synchroniz" in where.lower()]
+    cuda_syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
     return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
             "sources": counter.sources, "in_optimizer": counter.in_optimizer,
-            "cuda_per_step": len(cuda_syncs) / steps if device.type == "cuda" else None,
-            "cuda_sources": sorted({where.split(": ")[0] for where, _ in cuda_syncs})[:20],
-            "cuda_stacks": [stack for _, stack in cuda_syncs if stack][:4]}
+            "cuda_per_step": len(cuda_syncs) / steps if cuda else None, "cuda_sources": sorted(set(cuda_syncs))[:20]}
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -77,15 +63,14 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
-    """One step under ``torch.profiler``: the step's wall time, the share of it the GPU was busy (the union of its
-    kernels and copies), and the kernels (on a CPU: the operators) that took the most time, by name."""
+    """One step under ``torch.profiler``: its wall time, the GPU's busy share of it and the kernels (on a CPU: the
+    operators) that took the most time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from lmrecipe.train.step import train_step
 
-    device = run.accelerator.device
-    cuda = device.type == "cuda"
+    device, cuda = run.accelerator.device, run.accelerator.device.type == "cuda"
     C.sync(device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start = time.perf_counter()
@@ -94,8 +79,7 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
         wall_s = time.perf_counter() - start
     by_name: dict[str, float] = {}
     if cuda:
-        # The device's kernels and copies; record_function ranges (lmrecipe/forward, ...) have device-side copies
-        # that span the step, and are left out.
+        # record_function ranges (lmrecipe/forward, ...) have device-side copies spanning the step: left out
         kernels = [e for e in prof.events()
                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         for e in kernels:
@@ -106,22 +90,20 @@ def _profile_step(run, step: int, top: int = PROFILE_TOP) -> dict:
             if not getattr(e, "is_user_annotation", False):
                 by_name[e.key] = e.self_cpu_time_total
         busy_us = None
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     total_us = sum(by_name.values())
     return {"wall_s": wall_s, "device_busy_share": None if busy_us is None else busy_us / (wall_s * 1e6),
             "timed": "GPU kernels and copies" if cuda else "CPU operators (self time)",
             "top": [{"name": name[:160], "ms": us / 1e3, "share": us / total_us if total_us else None}
-                    for name, us in ranked]}
+                    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
-    """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall``, once per side)."""
+    """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall`` each)."""
     from lmrecipe.train.state import TrainState
 
     state, result = TrainState(step=first_step), {"steps_between": steps_between}
     for kind in ("sync", "background"):
         result[kind] = C.save_round(run, C.side_checkpointer(run, out_dir / kind, kind == "background"), state, steps_between)
-        # A 1B checkpoint with its optimizer state is 15-20 GB: one at a time on the node's disk.
         result["checkpoint_gb"] = C.folder_mb(out_dir / kind) / 1e3
         shutil.rmtree(out_dir / kind)
     return result
@@ -133,20 +115,16 @@ def _prediction(run, peak_tflops: float) -> dict:
 
     from lmrecipe.planning.prediction import predict_run
 
-    # As the trainer's report does once training is over: a live ZeRO-3 config would make building the shape on the
-    # meta device enter zero.Init.
-    unset_hf_deepspeed_config()
-    device = run.accelerator.device
-    runtime = run.runtime
+    unset_hf_deepspeed_config()  # a live ZeRO-3 config would make the meta-device shape enter zero.Init
+    device, runtime = run.accelerator.device, run.runtime
     return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, topology=runtime.topology,
-                       precision=runtime.precision, accum_steps=runtime.batch.accum_steps,
-                       flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
-                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+                       precision=runtime.precision, accum_steps=runtime.batch.accum_steps, flops_per_token=run.flops_per_token,
+                       peak_tflops=peak_tflops, device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
 
 def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=lambda result: None) -> dict:
-    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks; ``save`` is called
-    with the result so far after its timed steps and after each slow measurement that follows."""
+    """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks; ``save`` gets the result
+    so far after the timed steps and after each slow measurement."""
     import torch
 
     from lmrecipe.observe.device import device_peak_tflops, mfu
@@ -155,8 +133,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
 
     start = time.perf_counter()
     run = build_run(cfg, out_dir)
-    device = run.accelerator.device
-    build_s = time.perf_counter() - start
+    device, build_s = run.accelerator.device, time.perf_counter() - start
     try:
         for step in range(warmup_steps):
             train_step(run, step)
@@ -164,9 +141,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        held = torch.cuda.memory_allocated(device) if cuda else None
-        data_s, last = 0.0, None
-        start = time.perf_counter()
+        held, data_s, start = torch.cuda.memory_allocated(device) if cuda else None, 0.0, time.perf_counter()
         for step in range(warmup_steps, warmup_steps + steps):
             last = train_step(run, step)
             data_s += last.data_time_s
@@ -174,23 +149,18 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         seconds = time.perf_counter() - start
         peak_tflops, peak_source = device_peak_tflops(device, run.runtime.precision, None)
         tokens_per_sec = steps * run.tokens_per_step / seconds
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
         result = {
-            "label": side["label"], "overrides": side["overrides"], "device": str(device),
-            "precision": run.runtime.precision, "zero": run.runtime.topology.zero.describe(),
-            "attention": cfg.model.attn_implementation, "document_masking": cfg.data.document_masking,
-            "n_params": run.n_params, "tokens_per_step": run.tokens_per_step,
+            "label": side["label"], "overrides": side["overrides"], "device": str(device), "precision": run.runtime.precision,
+            "zero": run.runtime.topology.zero.describe(), "attention": cfg.model.attn_implementation,
+            "document_masking": cfg.data.document_masking, "n_params": run.n_params, "tokens_per_step": run.tokens_per_step,
             "micro_batch_size": cfg.train.micro_batch_size, "accum_steps": run.runtime.batch.accum_steps,
             "warmup_steps": warmup_steps, "steps": steps, "build_s": build_s, "step_time_s": seconds / steps,
-            "tokens_per_sec": tokens_per_sec,
-            "mfu": mfu(tokens_per_sec, run.flops_per_token, 1, peak_tflops) if cuda else None,
-            "peak_tflops": peak_tflops, "peak_source": peak_source,
-            "step_peak_gib": (torch.cuda.max_memory_allocated(device) - held) / GIB if cuda else None,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-            "held_gib": held / GIB if cuda else None,
-            "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds,
-            "loss": float(last.loss),
-        }
-        save(result)  # the timed figures stay even if what follows runs out of the kit's budget
+            "tokens_per_sec": tokens_per_sec, "mfu": mfu(tokens_per_sec, run.flops_per_token, 1, peak_tflops) if cuda else None,
+            "peak_tflops": peak_tflops, "peak_source": peak_source, "step_peak_gib": (peak - held) / GIB if cuda else None,
+            "peak_gib": peak / GIB if cuda else None, "held_gib": held / GIB if cuda else None,
+            "data_wait_s_per_step": data_s / steps, "data_share": data_s / seconds, "loss": float(last.loss)}
+        save(result)
         next_step = warmup_steps + steps
         if side["count_syncs"]:
             sync_steps = min(steps, SYNC_STEPS)
@@ -205,19 +175,16 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
             save(result)
         if side["checkpoint_stall"]:
             result["checkpoint_stall"] = _checkpoint_stall(run, out_dir / "checkpoints", next_step, 2)
-        prediction = _prediction(run, peak_tflops)
-        result["prediction"] = prediction
-        result["measured_over_predicted"] = {
-            "tokens_per_sec": tokens_per_sec / prediction["tokens_per_sec"],
-            "peak_mem": (result["peak_gib"] * GIB / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
+        prediction = result["prediction"] = _prediction(run, peak_tflops)
+        result["measured_over_predicted"] = {"tokens_per_sec": tokens_per_sec / prediction["tokens_per_sec"],
+                                             "peak_mem": (peak / 1e9 / prediction["peak_mem_gb"]) if cuda else None}
         return result
     finally:
         run.prefetcher.close()
 
 
 def _forget_run() -> None:
-    """Let the next side of this process build its own Accelerator and DeepSpeed engine (the dry run's sides share
-    a process; on a GPU every side has a process of its own)."""
+    """Let the next side of this process (the dry run's sides share one) build its own Accelerator and engine."""
     import gc
 
     from accelerate.state import AcceleratorState, GradientState
@@ -231,28 +198,36 @@ def _forget_run() -> None:
 
 def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
-    job = json.loads(Path(argv[0]).read_text())
-    import install
+    import torch
 
+    job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
-    results = {"_versions": install.versions()}
+    versions = {m: C.version(m) for m in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers",
+                                           "triton", "flash_attn", "safetensors", "numpy", "pydantic")}
+    versions.update(python=platform.python_version(), cuda=torch.version.cuda)
+    if torch.cuda.is_available():  # the device the figures are of
+        props = torch.cuda.get_device_properties(0)
+        versions["device"] = {"name": props.name, "count": torch.cuda.device_count(), "capability":
+                              list(torch.cuda.get_device_capability(0)), "memory_gib": round(props.total_memory / 2**30, 1)}
+    results = {"_versions": versions}
+
+    def write() -> None:
+        Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+
     for i, side in enumerate(job["sides"]):
-        out_dir = Path(job["work"]) / f"side{i}"
+        out_dir, key = Path(job["work"]) / f"side{i}", side["key"]
         cfg = C.bench_config(job["recipe"], [*job["base"], *side["overrides"]], str(out_dir), job["data"])
         if side["needs"] and importlib.util.find_spec(side["needs"]) is None:
-            results[side["key"]] = {"label": side["label"], "skipped": f"{side['needs']} is not installed"}
-            Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+            results[key] = {"label": side["label"], "skipped": f"{side['needs']} is not installed"}
+            write()
             continue
-        def save(result, key=side["key"]):
-            results[key] = {**result, "partial": True}
-            Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
-
         try:
-            results[side["key"]] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"], save)
+            results[key] = measure(cfg, out_dir, side, job["warmup_steps"], job["steps"],
+                                   lambda result, key=key: (results.update({key: {**result, "partial": True}}), write()))
         except Exception as exc:  # one side's failure is a figure too: the stage reports it
             logging.getLogger(__name__).exception("side %s failed", side["label"])
-            results[side["key"]] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        Path(job["result"]).write_text(json.dumps(results, indent=2, default=str))
+            results[key] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        write()
         if i + 1 < len(job["sides"]):
             _forget_run()
     return 0

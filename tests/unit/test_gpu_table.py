@@ -24,7 +24,16 @@ def test_the_page_holds_the_table_the_committed_results_give(capsys):
 def test_every_measured_figure_of_the_results_is_in_the_page():
     page = (ROOT / "docs" / "benchmarks" / "gpu.md").read_text()
     for row, _ in table.latest_rows(table.load_runs(RESULTS)).values():
-        assert table._cell(row["figure"]) in page, row["stage"]
+        assert table._cell(table.figure(row)) in page, row["stage"]
+
+
+def test_a_cell_shows_no_python_reprs_and_the_table_stays_narrow():
+    text = table.render(table.load_runs(RESULTS))
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows and all(line.count(" | ") == 3 for line in rows)  # four columns: stage, figure, target, GPU (run)
+    assert "{" not in text and "'" not in "".join(rows)  # no dict or string repr in a cell
+    syncs = next(line for line in rows if line.startswith("| `host_syncs`"))
+    assert "`__bool__` 3" in syncs and "`item` 1" in syncs  # the kinds in code spans: never bold "bool"
 
 
 def test_an_edited_table_is_caught(tmp_path, capsys):
