@@ -31,10 +31,6 @@ def options(parser) -> None:
     parser.add_argument("--block-steps", type=int, default=1, help="forward+backward passes per timed block")
 
 
-def name(args) -> str:
-    return "linear_attention_documents"
-
-
 def tiny_config():
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -79,7 +75,6 @@ def build_side(side: str, config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
                                              attn_implementation="sdpa" if attention is None else attention.name)
-    model.config.use_cache = False
     if side == "per-document":
         install_per_document(model)
 
@@ -121,7 +116,7 @@ def run(args, report) -> None:
              "per-document/attention-only": lambda g: g["per-document"] / g["attention-only"]},
             lambda g: f"mean doc {mean}: " + ", ".join(f"{side} {tokens / s:.0f} tok/s" for side, s in g.items()))
         row = {f"{side}_tok_s": tokens / statistics.median(s) for side, s in seconds.items()}
-        results[mean] = {**row, "segments_per_row": segments, **{k: v for k, v in stats.items()}}
+        results[mean] = {**row, "segments_per_row": segments, **stats}
         report.line(f"documents of mean {mean} tokens ({segments:.1f} per row of {args.seq_len}): "
                     + ", ".join(f"{side} {row[f'{side}_tok_s']:.0f} tok/s" for side in SIDES)
                     + f"; per-document / plain time {C.fmt_ratio(stats['per-document/plain'])}")

@@ -6,7 +6,7 @@ and losses over the run:
 Every side trains ``recipes/tiny.yaml`` as a DeepSeek-V3 of 4 layers, 128 wide, 8 routed experts of width 64 in 4
 groups of which a token may use 2, 2 per token, one shared expert, no auxiliary loss, in this process, logging every
 step, 8 x 64 tokens per step (warmup 10 steps, then cosine). ``bias``: ``model.router_bias_update_rate=RATE``
-(``lmrecipe/model/routing.py``); ``no bias``: 0. Where the recipe builds ``qwen3_5_moe_text``, a Qwen3.5-MoE of the
+(``lmrecipe/model/routing.py``); ``no bias``: 0. A Qwen3.5-MoE of the
 same expert shape balanced by its auxiliary loss (``model.router_aux_loss_coef``) is a third side. The load is counted
 from the experts the routers chose; per step and layer its imbalance is the busiest expert's tokens over the mean
 (``load_balance/layerN``, 1 = even, 4 = a quarter of the experts take everything). Reported: that figure averaged
@@ -20,7 +20,6 @@ import logging
 import statistics
 import tempfile
 from pathlib import Path
-
 
 PAIRS = None
 SHAPE = ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.intermediate_size=256",
@@ -44,11 +43,9 @@ def sides(args) -> dict[str, list[str]]:
     """Each side's overrides."""
     moe = ["model.num_experts=8", "model.experts_per_token=2", "model.expert_intermediate_size=64",
            "model.shared_experts=1"]
-    deepseek = ["model.arch=deepseek_v3", *moe, *GROUPS]
-    found = {"no bias": [*deepseek, "model.router_aux_loss_coef=0"],
-             "bias": [*deepseek, "model.router_aux_loss_coef=0", f"model.router_bias_update_rate={args.rate}"]}
-    found["Qwen3.5 aux loss"] = ["model.arch=qwen3_5_moe_text", *moe, f"model.router_aux_loss_coef={args.aux}"]
-    return found
+    deepseek = ["model.arch=deepseek_v3", *moe, *GROUPS, "model.router_aux_loss_coef=0"]
+    return {"no bias": deepseek, "bias": [*deepseek, f"model.router_bias_update_rate={args.rate}"],
+            "Qwen3.5 aux loss": ["model.arch=qwen3_5_moe_text", *moe, f"model.router_aux_loss_coef={args.aux}"]}
 
 
 def train_side(args, overrides: list[str], out: Path) -> dict:
@@ -56,7 +53,7 @@ def train_side(args, overrides: list[str], out: Path) -> dict:
     from lmrecipe.observe.metrics_log import read_metrics
     from lmrecipe.train.trainer import train
 
-    cfg = load_config("recipes/tiny.yaml", [f"out_dir={out}", f"data.path={args.data}", f"train.max_steps={args.steps}",
+    cfg = load_config(args.recipe, [f"out_dir={out}", f"data.path={args.data}", f"train.max_steps={args.steps}",
                                             f"train.eval_every_steps={args.steps}", *SHAPE, *overrides])
     train(cfg)
     rows = read_metrics(out / "metrics.jsonl")
@@ -71,15 +68,11 @@ def train_side(args, overrides: list[str], out: Path) -> dict:
 
 def run(args, report) -> None:
     logging.disable(logging.INFO)
-    found = sides(args)
     report.line(f"{args.steps} steps per side, 8 x 64 tokens per step, one process on this CPU; max/mean expert "
                 "load (1 = even) averaged over the 4 MoE layers")
-    if "Qwen3.5 aux loss" not in found:
-        report.line("(no Qwen3.5-MoE side: this tree's recipe does not build model.arch=qwen3_5_moe_text)")
-    results = {}
     with tempfile.TemporaryDirectory(prefix="bench_router_balance_") as tmp:
-        for side, overrides in found.items():
-            results[side] = train_side(args, overrides, Path(tmp) / side.replace(" ", "_").replace(".", ""))
+        results = {side: train_side(args, overrides, Path(tmp) / side.replace(" ", "_").replace(".", ""))
+                   for side, overrides in sides(args).items()}
     report.line()
     report.line("| side | max/mean load, run mean | last tenth | worst step | loss step 1 | last loss | val loss |")
     report.line("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
