@@ -21,12 +21,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import _common as C
+
 PAIRS = None
 SHAPE = ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.intermediate_size=256",
          "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=8", "schedule.warmup_steps=10",
-         "data.document_masking=false", "train.precision=fp32", "logging.log_every_steps=1", "logging.plots=false",
-         "logging.progress_bar=false", "checkpoint.every_steps=0", "checkpoint.export_at_end=false",
-         "checkpoint.resume=none"]
+         "data.document_masking=false", "train.precision=fp32", "logging.log_every_steps=1", "logging.plots=false"]
 GROUPS = ["model.expert_groups=4", "model.expert_groups_per_token=2", "model.dense_layers=0", "model.q_lora_rank=0",
           "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16", "model.v_head_dim=32",
           "model.routed_scaling_factor=1.0"]
@@ -49,13 +49,11 @@ def sides(args) -> dict[str, list[str]]:
 
 
 def train_side(args, overrides: list[str], out: Path) -> dict:
-    from lmrecipe.config import load_config
     from lmrecipe.observe.metrics_log import read_metrics
     from lmrecipe.train.trainer import train
 
-    cfg = load_config(args.recipe, [f"out_dir={out}", f"data.path={args.data}", f"train.max_steps={args.steps}",
-                                            f"train.eval_every_steps={args.steps}", *SHAPE, *overrides])
-    train(cfg)
+    train(C.bench_config(args.recipe, [f"train.max_steps={args.steps}", f"train.eval_every_steps={args.steps}", *SHAPE,
+                                       *overrides], str(out), args.data))
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
     imbalance = [statistics.fmean(v for k, v in r.items() if k.startswith("load_balance/")) for r in steps]
