@@ -9,6 +9,7 @@ the RSS of it and its tokenizer workers is sampled every 20 ms. Modes: *given* (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -83,17 +84,12 @@ def run_prepare(args: list[str]) -> dict:
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         main, peak_total, peak_main = psutil.Process(proc.pid), 0, 0
         while proc.poll() is None:
-            try:
-                tree, with_rss = [main, *main.children(recursive=True)], []
-            except psutil.Error:
-                break
-            for p in tree:
-                try:
-                    with_rss.append((p.pid, p.memory_info().rss))
-                except psutil.Error:
-                    continue
-            peak_total = max(peak_total, sum(rss for _, rss in with_rss))
-            peak_main = max([peak_main] + [rss for pid, rss in with_rss if pid == proc.pid])
+            with_rss = {}
+            with contextlib.suppress(psutil.Error):  # the process, or one of its workers, ended while sampled
+                for p in [main, *main.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        with_rss[p.pid] = p.memory_info().rss
+            peak_total, peak_main = max(peak_total, sum(with_rss.values())), max(peak_main, with_rss.get(proc.pid, 0))
             time.sleep(0.02)
         stderr = proc.stderr.read()
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
