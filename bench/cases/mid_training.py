@@ -13,7 +13,6 @@ peak memory (``VmHWM``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import tempfile
 from pathlib import Path
@@ -80,9 +79,8 @@ def plot(path: Path, tmp: Path, tokens_per_step: int, at: int, single: float, av
 
 def run(args, report) -> None:
     logging.disable(logging.INFO)
-    with contextlib.ExitStack() as stack:
-        tmp = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_mid_")))
-        measure(args, report, tmp)
+    with tempfile.TemporaryDirectory(prefix="bench_mid_") as scratch:  # unused where --work keeps the runs
+        measure(args, report, Path(args.work or scratch))
 
 
 def measure(args, report, tmp: Path) -> None:
