@@ -210,10 +210,10 @@ def test_recurrent_layers_that_cannot_run_per_document_are_refused():
     assert "layers 0" in message and "qwen3_5_moe_text" in message
 
 
-QWEN3_5_MOE_EXTRA = ("model.extra={head_dim: 32, linear_key_head_dim: 32, linear_value_head_dim: 32, "
-                     "linear_num_key_heads: 2, linear_num_value_heads: 4, num_experts: 4, num_experts_per_tok: 2, "
-                     "moe_intermediate_size: 64, shared_expert_intermediate_size: 64}")
-MINIMAX_EXTRA = "model.extra={layer_types: [linear_attention, full_attention, linear_attention, full_attention]}"
+QWEN3_5_MOE_EXTRA = ("model.linear_key_head_dim=32", "model.linear_value_head_dim=32", "model.linear_key_heads=2",
+                     "model.linear_value_heads=4", "model.num_experts=4", "model.experts_per_token=2",
+                     "model.expert_intermediate_size=64", "model.shared_experts=1")
+MINIMAX_EXTRA = ("model.extra={layer_types: [linear_attention, full_attention, linear_attention, full_attention]}",)
 
 
 @pytest.mark.parametrize(("arch", "extra", "masking", "refused"), [
@@ -224,7 +224,7 @@ MINIMAX_EXTRA = "model.extra={layer_types: [linear_attention, full_attention, li
 def test_the_start_up_checks_refuse_only_what_cannot_run_per_document(tmp_path, arch, extra, masking, refused):
     data = write_data(tmp_path / "data", vocab=384)
     cfg = load_config(str(ROOT / "recipes" / "tiny.yaml"),
-                      [f"out_dir={tmp_path / 'run'}", f"data.path={data}", f"model.arch={arch}", extra,
+                      [f"out_dir={tmp_path / 'run'}", f"data.path={data}", f"model.arch={arch}", *extra,
                        f"data.document_masking={masking}"])
     found = preflight(cfg, dry=True)
     if refused:
