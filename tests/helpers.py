@@ -426,3 +426,25 @@ def reset_deepspeed_in_process() -> None:
         if hasattr(ds_groups, name):
             setattr(ds_groups, name, None)
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def saved_bytes(hf_config, tokens: int, dtype=None) -> int:
+    """Bytes of the tensors the model's forward saves for its backward (weights left out), read with saved-tensor
+    hooks on one row of ``tokens`` random ids below 64; ``dtype``: the weights' (default fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype or torch.float32)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    found: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            found[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(input_ids=torch.randint(0, 64, (1, tokens)))
+    return sum(found.values())

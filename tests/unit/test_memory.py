@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, saved_bytes
 from torch import nn
 
 from lmrecipe.config import load_config
@@ -195,26 +195,14 @@ def test_the_model_states_callback_measures_the_gradients_of_the_second_update_b
 def test_the_per_layer_activation_estimate_is_what_a_llama_layer_saves(dtype):
     """Bytes saved for the backward per token and layer, read with saved-tensor hooks (weights excluded), against
     the estimate's per-layer term: the difference between 2 layers and 1."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     tokens = 128
     saved = []
     for layers in (1, 2):
         config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=704, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        found: dict[int, int] = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in weights:
-                found[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.model(input_ids=torch.randint(0, 64, (1, tokens)))
-        saved.append(sum(found.values()))
+        saved.append(saved_bytes(config, tokens, dtype))
     shape = shape_of(256, 2, 4, 2, 704, 64)
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     one, _ = estimate_activations(shape, 1, tokens, precision)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, saved_bytes
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
@@ -158,26 +158,6 @@ def test_the_planner_counts_the_recipes_model_class():
 
 
 # ------------------------------------------------------------------------------------ the estimator's activations
-
-
-def saved_bytes(hf_config, tokens: int) -> int:
-    """Bytes of the tensors the model's forward saves for its backward (weights left out), measured."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    found: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            found[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.model(input_ids=torch.randint(0, 64, (1, tokens)))
-    return sum(found.values())
 
 
 def test_the_estimator_counts_a_latent_attention_layer_as_measured():
