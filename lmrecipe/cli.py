@@ -53,6 +53,7 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
         rank = int(os.environ.get("RANK", "0"))
         error = None
         skip_autotuner_mlflow()
+        use_environment_ninja()
         maybe_skip_torchao_extensions()
         quiet()  # a tool that sets up no logging of its own still drops the lines of lmrecipe/observe/quiet.py
         try:
@@ -110,6 +111,19 @@ def skip_autotuner_mlflow() -> None:
     that import (it then logs nothing to mlflow, which it would not anyway)."""
     if not any(isinstance(finder, _AutotunerMlflowSkip) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AutotunerMlflowSkip())
+
+
+def use_environment_ninja() -> None:
+    """Put this Python environment's ``bin`` first on ``PATH`` when it holds a ``ninja``, as activating it would.
+
+    torch compiles DeepSpeed's ops with the first ``ninja`` on ``PATH``. The environment's (pip's ``ninja``) and a
+    system one (Debian's ``ninja-build``) are different versions that keep incompatible build logs in the same
+    ``TORCH_EXTENSIONS_DIR``: a run started with the other one first compiled every op again, a minute of CPU each,
+    whenever runs from an activated and a non-activated shell (``.venv/bin/python train.py``) alternated."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if os.path.isfile(os.path.join(bin_dir, "ninja")) and path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
 def record_exit(rank: int, code: int, error: str | None, crash: bool = False) -> None:

@@ -12,11 +12,16 @@ import pytest
 import torch
 from helpers import ROOT, SHORT_DOC_LEN, VOCAB, build_docs_site, build_once, write_corpus, write_data
 
+from lmrecipe.cli import use_environment_ninja
+
 # One torch thread in every test process, as in the runs the tests launch (helpers.subprocess_env): `make test` runs
 # two pytest workers beside those runs on two cores, and a thread that waits for a busy core stalls every operation
 # (tests/unit/test_schedule_wsd.py took 33-40 s with one thread and 140-180 s with two while the cores were busy).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# The environment's ninja for DeepSpeed's ops, in this process and every run it launches, as the scripts do
+# (lmrecipe.cli.use_environment_ninja): another ninja first on PATH would compile them again.
+use_environment_ninja()
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,13 @@
-"""What every process pays before training: DeepSpeed's ops compiled ahead (tools/build_ops.py), and no import of
-mlflow for DeepSpeed's autotuner, while the mlflow tracker still imports it."""
+"""What every process pays before training: DeepSpeed's ops compiled ahead (tools/build_ops.py) and not again from
+a shell that finds another ninja first, and no import of mlflow for DeepSpeed's autotuner, while the mlflow tracker
+still imports it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,5 +38,16 @@ def test_deepspeed_imports_without_mlflow_and_mlflow_still_imports():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the ops of a machine without a GPU")
 def test_build_ops_compiles_what_deepspeed_builds_on_first_use_on_a_cpu():
+    """Then run again from a shell whose PATH lists the system's folders alone (not the environment's ``bin``, where
+    pip's ninja is; Debian's ninja-build is another version): the ops are not compiled again, their build logs are
+    untouched."""
+    from torch.utils.cpp_extension import _get_build_directory
+
     proc = run_script(["tools/build_ops.py"], timeout=900)
     assert "DeepSpeed ops ready: cpu_adam, deepspeed_shm_comm" in proc.stderr, proc.stderr[-3000:]
+    logs = [Path(_get_build_directory(name, False)) / ".ninja_log" for name in ("cpu_adam", "deepspeed_shm_comm")]
+    before = [log.read_bytes() for log in logs]
+    system_path = os.pathsep.join(p for p in ("/usr/local/bin", "/usr/bin", "/bin") if os.path.isdir(p))
+    proc = run_script(["tools/build_ops.py"], timeout=900, env_extra={"PATH": system_path})
+    assert "DeepSpeed ops ready: cpu_adam, deepspeed_shm_comm" in proc.stderr, proc.stderr[-3000:]
+    assert [log.read_bytes() for log in logs] == before, "the ops were compiled again with another ninja"
