@@ -1,6 +1,6 @@
 """DeepSeek-V3 and Qwen3.5-MoE runs (docs/moe.md): the tiny recipes train on a CPU; DeepSpeed AutoEP's expert
-parallelism at size 2 on 2 processes equals one process on ZeRO-1, 2 and 3 (DeepSeek-V3) and ZeRO-1 (Qwen3.5-MoE);
-the export loads with ``AutoModelForCausalLM`` and ``eval.py`` gives the run's validation loss; the memory estimate
+parallelism at size 2 on 2 processes equals one process on ZeRO-1, 2 and 3, and a checkpoint of size 2 resumes
+exactly at size 1 (for DeepSeek-V3 with its routing biases); the export loads with ``AutoModelForCausalLM`` and ``eval.py`` gives the run's validation loss; the memory estimate
 equals the measured model states. Each run happens once per session (``cached_run``)."""
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ COMMON = [f"train.max_steps={STEPS}", "train.eval_every_steps=3", "train.precisi
 HALF = STEPS // 2
 MEASURED = ((1, 1), (1, 2))
 """(stage, expert-parallel size) of the DeepSeek-V3 runs that measure their model states, save at step HALF and
-export at the end."""
+export at the end; the Qwen3.5-MoE run at (1, 2) saves at step HALF."""
 
 
 def autoep_run(tmp_path_factory, data, arch: str, stage: int, ep: int):
     """AutoEP at size ``ep`` on ``ep`` processes under ZeRO-``stage``."""
     keys = DEEPSEEK if arch == "deepseek_v3" else QWEN
     extra = (["logging.measure_model_states=true", "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32",
-              f"checkpoint.every_steps={HALF}"] if arch == "deepseek_v3" and (stage, ep) in MEASURED else [])
+              f"checkpoint.every_steps={HALF}"] if arch == "deepseek_v3" and (stage, ep) in MEASURED else
+             [f"checkpoint.every_steps={HALF}"] if (stage, ep) == (1, 2) else [])
     return cached_run(tmp_path_factory, f"{arch}_ep{ep}_zero{stage}", data, [
         *keys, *COMMON, f"distributed.deepspeed_config=zero{stage}", "distributed.expert_layer=autoep",
         f"distributed.expert_parallel_size={ep}", *extra], nproc=ep)
@@ -103,16 +104,39 @@ def test_deepseek_v3_resumes_onto_another_expert_parallel_size_with_its_routing_
     assert flat == pytest.approx([v for layer in want for v in layer], abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def qwen_reference(tmp_path_factory, tiny_data):
+    """One process, AutoEP at size 1, ZeRO-1."""
+    return autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", 1, 1)[0]
+
+
 @pytest.mark.slow
-def test_qwen3_5_moe_expert_parallel_2_equals_one_process(tmp_path_factory, tiny_data):
-    reference, _ = autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", 1, 1)
-    run, stderr = autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", 1, 2)
-    got, want = metric_rows(run, "aux_loss"), metric_rows(reference, "aux_loss")
-    print(f"qwen3_5_moe_text ZeRO-1 ep2: max |loss difference| = "
-          f"{max(abs(metric_rows(run, 'loss')[s] - v) for s, v in metric_rows(reference, 'loss').items()):.3g}")
-    assert_same_run(run, reference, 1e-5)
-    assert sorted(got) == list(range(1, STEPS + 1)) and max(abs(got[s] - want[s]) for s in want) <= 1e-6
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_qwen3_5_moe_expert_parallel_2_equals_one_process(tmp_path_factory, tiny_data, qwen_reference, stage):
+    run, stderr = autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", stage, 2)
+    for key in ("loss", "grad_norm", "val_loss", "aux_loss"):
+        got, want = metric_rows(run, key), metric_rows(qwen_reference, key)
+        print(f"qwen3_5_moe_text ZeRO-{stage} ep2: max |{key} difference| = "
+              f"{max(abs(got[s] - want[s]) for s in want):.3g}")
+    assert_same_run(run, qwen_reference, 1e-5)
+    got, want = metric_rows(run, "aux_loss"), metric_rows(qwen_reference, "aux_loss")
+    assert sorted(got) == list(range(1, STEPS + 1)) and max(abs(got[s] - want[s]) for s in want) <= 1e-5
     assert "AutoEP expert parallel 2: expert groups [0-1]" in stderr
+
+
+@pytest.mark.slow
+def test_qwen3_5_moe_resumes_onto_another_expert_parallel_size(tmp_path, tmp_path_factory, tiny_data, qwen_reference):
+    """The size-2 ZeRO-1 run's step-HALF checkpoint, resumed on 1 process at size 1, continues the one-process run."""
+    source, _ = autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", 1, 2)
+    out = tmp_path / "resumed"
+    proc = run_train(out, tiny_data, [*QWEN, *COMMON, "distributed.deepspeed_config=zero1",
+                                      "distributed.expert_layer=autoep", "distributed.expert_parallel_size=1",
+                                      f"checkpoint.resume={source / 'checkpoints' / step_dir_name(HALF)}"])
+    assert "expert parallel 2 -> 1" in proc.stderr
+    got, want = metric_rows(out, "loss"), metric_rows(qwen_reference, "loss")
+    print(f"qwen3_5_moe_text ep2 -> ep1 resume: max |loss difference| = "
+          f"{max(abs(got[s] - want[s]) for s in got):.3g}")
+    assert_same_run(out, qwen_reference, 1e-5, first_step=HALF + 1)
 
 
 @pytest.mark.slow
