@@ -86,9 +86,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_schedule_rank)  # stable: a file's tests stay together and in order
 
 
-_LONG_FILES = ("test_slurm_cluster.py", "test_train.py", "test_checkpoint.py", "test_export_eval.py",
-               "test_resume_topology.py", "test_moe.py", "test_sequence_parallel.py", "test_slurm.py", "test_ema.py",
-               "test_spikes.py", "test_step.py", "test_document_masking.py", "test_tensor_parallel.py")
+_LONG_FILES = ("test_slurm_cluster.py", "test_doc_commands.py", "test_moe_architectures.py", "test_train.py",
+               "test_moe.py", "test_faults.py", "test_checkpoint.py", "test_step.py", "test_sequence_parallel.py",
+               "test_spikes.py", "test_resume_topology.py", "test_ema.py", "test_export_eval.py", "test_diagnostics.py",
+               "test_mixture.py", "test_tensor_parallel.py", "test_remote.py", "test_slurm.py",
+               "test_document_masking.py", "test_sequence_parallel_kv_heads.py", "test_hangs.py")
+"""The integration files by their time in a run of the suite, longest first."""
 
 
 def _schedule_rank(item) -> tuple[int, int]:

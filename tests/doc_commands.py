@@ -100,17 +100,26 @@ def tag_problems(blocks: list[Block]) -> list[str]:
 
 
 def pages_to_run(blocks: list[Block]) -> dict[str, list[Block]]:
-    """``blocks`` by page, in order, less each page's last blocks that an earlier page holds too: nothing after them
+    """``blocks`` by page, in order, less each page's last blocks whose commands an earlier page runs too (the same
+    words, in any order: ``key=value`` overrides are written in another order on another page): nothing after them
     on their own page can depend on what they write, so running them again proves nothing new."""
     pages: dict[str, list[Block]] = {}
     for block in blocks:
         pages.setdefault(block.page, []).append(block)
-    seen: set[str] = set()
+    seen: set[tuple] = set()
     for page_blocks in pages.values():
-        while page_blocks and page_blocks[-1].text in seen:
+        while page_blocks and commands_key(page_blocks[-1].text) in seen:
             page_blocks.pop()
-        seen.update(block.text for block in page_blocks)
+        seen.update(commands_key(block.text) for block in page_blocks)
     return {page: page_blocks for page, page_blocks in pages.items() if page_blocks}
+
+
+def commands_key(script: str) -> tuple:
+    """What a script runs, blind to comments, line continuations and the order of each command's words."""
+    try:
+        return tuple(tuple(sorted(words)) for line in logical_lines(script) if (words := shlex.split(line, comments=True)))
+    except ValueError:  # not shell words (an unclosed quote): the text itself
+        return (script,)
 
 
 def _first_line(block: Block) -> str:

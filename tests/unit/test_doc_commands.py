@@ -102,3 +102,9 @@ def test_a_page_runs_its_blocks_in_order_less_the_last_ones_an_earlier_page_ran(
     c1 = block("docs/c.md", "train\n")
     # b1 stays (b2 may read what it writes), b3 goes (README ran it, nothing after it); c.md has nothing new
     assert pages_to_run([a1, a2, b1, b2, b3, c1]) == {"README.md": [a1, a2], "docs/b.md": [b1, b2]}
+    # The same command with its overrides in another order, over two lines, with a comment: run once
+    d1 = block("docs/d.md", "train.py recipe a=1 \\\n    b=2   # the tiny run\n")
+    e1 = block("docs/e.md", "train.py recipe b=2 a=1\n")
+    e2 = block("docs/e.md", "train.py recipe b=2 a=3\n")
+    assert pages_to_run([d1, e1]) == {"docs/d.md": [d1]}
+    assert pages_to_run([d1, e2]) == {"docs/d.md": [d1], "docs/e.md": [e2]}
