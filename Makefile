@@ -9,9 +9,11 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 # The suite runs on TEST_WORKERS pytest processes, one test file per worker at a time (its module fixtures are built
-# once); multi-process runs and the SLURM cluster's waits leave a core idle that the other worker uses.
+# once); multi-process runs and the SLURM cluster's waits leave a core idle that the other worker uses. The files go
+# out in the order tests/conftest.py gives them, longest first (xdist's default would send those with the most tests
+# first, and the longest files, which hold few tests, ran alone at the end).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 DATA := data/stdlib
 RUN := runs/tiny
 
