@@ -1,7 +1,8 @@
 """DeepSeek-V3 and Qwen3.5-MoE runs (docs/moe.md): the tiny recipes train on a CPU; DeepSpeed AutoEP's expert
 parallelism at size 2 on 2 processes equals one process on ZeRO-1, 2 and 3, and a checkpoint of size 2 resumes
-exactly at size 1 (for DeepSeek-V3 with its routing biases); the export loads with ``AutoModelForCausalLM`` and ``eval.py`` gives the run's validation loss; the memory estimate
-equals the measured model states. Each run happens once per session (``cached_run``)."""
+exactly at size 1 (DeepSeek-V3's with its routing biases); each size-2 run's export loads with
+``AutoModelForCausalLM`` and ``eval.py`` gives the run's validation loss; the memory estimate equals the measured
+model states. Each run happens once per session (``cached_run``)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,16 @@ QWEN = ["model.arch=qwen3_5_moe_text", "model.num_experts=4", "model.experts_per
 COMMON = [f"train.max_steps={STEPS}", "train.eval_every_steps=3", "train.precision=fp32", "checkpoint.every_steps=0"]
 HALF = STEPS // 2
 MEASURED = ((1, 1), (1, 2))
-"""(stage, expert-parallel size) of the DeepSeek-V3 runs that measure their model states, save at step HALF and
-export at the end; the Qwen3.5-MoE run at (1, 2) saves at step HALF."""
+"""(stage, expert-parallel size) of the runs that measure their model states, save at step HALF and export at the
+end."""
+ARCHS = ("deepseek_v3", "qwen3_5_moe_text")
 
 
 def autoep_run(tmp_path_factory, data, arch: str, stage: int, ep: int):
     """AutoEP at size ``ep`` on ``ep`` processes under ZeRO-``stage``."""
     keys = DEEPSEEK if arch == "deepseek_v3" else QWEN
     extra = (["logging.measure_model_states=true", "checkpoint.export_at_end=true", "checkpoint.export_dtype=fp32",
-              f"checkpoint.every_steps={HALF}"] if arch == "deepseek_v3" and (stage, ep) in MEASURED else
-             [f"checkpoint.every_steps={HALF}"] if (stage, ep) == (1, 2) else [])
+              f"checkpoint.every_steps={HALF}"] if (stage, ep) in MEASURED else [])
     return cached_run(tmp_path_factory, f"{arch}_ep{ep}_zero{stage}", data, [
         *keys, *COMMON, f"distributed.deepspeed_config=zero{stage}", "distributed.expert_layer=autoep",
         f"distributed.expert_parallel_size={ep}", *extra], nproc=ep)
@@ -140,27 +141,34 @@ def test_qwen3_5_moe_resumes_onto_another_expert_parallel_size(tmp_path, tmp_pat
 
 
 @pytest.mark.slow
-def test_deepseek_v3_export_loads_and_evaluates_to_the_runs_validation_loss(tmp_path_factory, tiny_data):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_export_loads_and_evaluates_to_the_runs_validation_loss(tmp_path_factory, tiny_data, arch):
+    """The size-2 run's export (consolidated from the expert-parallel shards)."""
     from transformers import AutoModelForCausalLM
 
-    run, _ = autoep_run(tmp_path_factory, tiny_data, "deepseek_v3", 1, 2)
+    run, _ = autoep_run(tmp_path_factory, tiny_data, arch, 1, 2)
     export = run / "export"
     config = json.loads((export / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] == 4 and config["kv_lora_rank"] == 16
+    assert config["model_type"] == arch
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert model.model.layers[2].mlp.shared_experts.gate_proj.weight.shape == (32, 32)
+    if arch == "deepseek_v3":
+        assert config["n_routed_experts"] == 4 and config["kv_lora_rank"] == 16
+        assert model.model.layers[2].mlp.shared_experts.gate_proj.weight.shape == (32, 32)
+    else:
+        assert config["num_experts"] == 4 and config["layer_types"][:2] == ["linear_attention", "full_attention"]
     proc = run_script(["eval.py", str(export), "--data", str(tiny_data), "--max-batches", "2", "--batch-size", "8"])
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     val_loss = metric_rows(run, "val_loss")[STEPS]
-    print(f"deepseek_v3 export: eval.py {result['loss']:.7f}, the run's validation loss {val_loss:.7f}")
+    print(f"{arch} export: eval.py {result['loss']:.7f}, the run's validation loss {val_loss:.7f}")
     assert result["loss"] == pytest.approx(val_loss, rel=1e-6)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("stage, ep", MEASURED)
-def test_deepseek_v3_memory_estimate_equals_the_measured_model_states(tmp_path_factory, tiny_data, stage, ep):
-    run, _ = autoep_run(tmp_path_factory, tiny_data, "deepseek_v3", stage, ep)
+def test_the_memory_estimate_equals_the_measured_model_states(tmp_path_factory, tiny_data, arch, stage, ep):
+    run, _ = autoep_run(tmp_path_factory, tiny_data, arch, stage, ep)
     cfg = load_config(run / "config.yaml")
     shape = model_shape(build_hf_config(cfg.model, json.loads((tiny_data / "meta.json").read_text())["vocab_size"],
                                         cfg.data.seq_len))
@@ -168,7 +176,7 @@ def test_deepseek_v3_memory_estimate_equals_the_measured_model_states(tmp_path_f
     measured = read_measured(run)
     assert len(measured) == ep
     for rank in measured:
-        print(f"deepseek_v3 ZeRO-{stage} ep{ep}: model states measured {rank['total'] / 1e6:.4f} MB, "
+        print(f"{arch} ZeRO-{stage} ep{ep}: model states measured {rank['total'] / 1e6:.4f} MB, "
               f"estimated {estimate.model_states / 1e6:.4f} MB")
         assert rank["total"] == pytest.approx(estimate.model_states, rel=1e-3)
 
