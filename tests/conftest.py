@@ -83,6 +83,7 @@ def pytest_collection_modifyitems(config, items):
                                 "tests/integration/test_slurm_cluster.py.")
     # Longest files first, one-process unit tests last: the workers finish together instead of one running a long
     # file alone at the end (the SLURM cluster's file, mostly waits on sbatch, goes first so the other fills them).
+    # xdist keeps this order only with --no-loadscope-reorder (`make test` passes it; the quick set does not).
     items.sort(key=_schedule_rank)  # stable: a file's tests stay together and in order
 
 
