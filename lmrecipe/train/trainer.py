@@ -329,11 +329,13 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
             trainer = build_trainer(run, out_dir, signal, recipe, command=command)
             return trainer.fit()
         finally:
-            if trainer is not None:
-                trainer.close()
-            else:
-                run.prefetcher.close()
-            lock.release()
-            # Last: a launcher SIGTERMs the survivors as soon as one rank dies, and a survivor that still closes its
-            # files with the default handler back would die of it before printing which rank was lost.
-            signal.close()
+            try:
+                if trainer is not None:
+                    trainer.close()
+                else:
+                    run.prefetcher.close()
+                lock.release()
+            finally:
+                # Last: a launcher SIGTERMs the survivors as soon as one rank dies, and a survivor that still closes
+                # its files with the default handler back would die of it before printing which rank was lost.
+                signal.close()
