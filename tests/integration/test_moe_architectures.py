@@ -78,6 +78,18 @@ def test_deepseek_v3_expert_parallel_2_equals_one_process(tmp_path_factory, tiny
     assert "AutoEP expert parallel 2: expert groups [0-1]" in stderr
 
 
+def resumed_at_size_1(tmp_path, tmp_path_factory, data, arch: str):
+    """The size-2 ZeRO-1 run of ``arch`` and its step-HALF checkpoint resumed on 1 process at size 1 (run folders)."""
+    source, _ = autoep_run(tmp_path_factory, data, arch, 1, 2)
+    out = tmp_path / "resumed"
+    proc = run_train(out, data, [*(DEEPSEEK if arch == "deepseek_v3" else QWEN), *COMMON,
+                                 "distributed.deepspeed_config=zero1", "distributed.expert_layer=autoep",
+                                 "distributed.expert_parallel_size=1",
+                                 f"checkpoint.resume={source / 'checkpoints' / step_dir_name(HALF)}"])
+    assert "expert parallel 2 -> 1" in proc.stderr
+    return source, out
+
+
 def routing_biases_at(run, step: int) -> list:
     return json.loads((run / "checkpoints" / step_dir_name(step) / "train_state.json").read_text())[
         "extras"]["routing_bias"]["biases"]
@@ -88,12 +100,7 @@ def test_deepseek_v3_resumes_onto_another_expert_parallel_size_with_its_routing_
         tmp_path, tmp_path_factory, tiny_data, deepseek_reference):
     """The size-2 ZeRO-1 run's step-HALF checkpoint, resumed on 1 process at size 1, continues the one-process run:
     its losses, and the routing biases the update moved every step (equal on every rank, so equal across sizes)."""
-    source, _ = autoep_run(tmp_path_factory, tiny_data, "deepseek_v3", 1, 2)
-    out = tmp_path / "resumed"
-    proc = run_train(out, tiny_data, [*DEEPSEEK, *COMMON, "distributed.deepspeed_config=zero1",
-                                      "distributed.expert_layer=autoep", "distributed.expert_parallel_size=1",
-                                      f"checkpoint.resume={source / 'checkpoints' / step_dir_name(HALF)}"])
-    assert "expert parallel 2 -> 1" in proc.stderr
+    source, out = resumed_at_size_1(tmp_path, tmp_path_factory, tiny_data, "deepseek_v3")
     assert_same_run(out, deepseek_reference, 1e-5, first_step=HALF + 1)
     moved, start = routing_biases_at(out, STEPS), routing_biases_at(source, HALF)
     assert moved != start, "the bias did not move after the resume"
@@ -128,12 +135,7 @@ def test_qwen3_5_moe_expert_parallel_2_equals_one_process(tmp_path_factory, tiny
 @pytest.mark.slow
 def test_qwen3_5_moe_resumes_onto_another_expert_parallel_size(tmp_path, tmp_path_factory, tiny_data, qwen_reference):
     """The size-2 ZeRO-1 run's step-HALF checkpoint, resumed on 1 process at size 1, continues the one-process run."""
-    source, _ = autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", 1, 2)
-    out = tmp_path / "resumed"
-    proc = run_train(out, tiny_data, [*QWEN, *COMMON, "distributed.deepspeed_config=zero1",
-                                      "distributed.expert_layer=autoep", "distributed.expert_parallel_size=1",
-                                      f"checkpoint.resume={source / 'checkpoints' / step_dir_name(HALF)}"])
-    assert "expert parallel 2 -> 1" in proc.stderr
+    _, out = resumed_at_size_1(tmp_path, tmp_path_factory, tiny_data, "qwen3_5_moe_text")
     got, want = metric_rows(out, "loss"), metric_rows(qwen_reference, "loss")
     print(f"qwen3_5_moe_text ep2 -> ep1 resume: max |loss difference| = "
           f"{max(abs(got[s] - want[s]) for s in got):.3g}")
