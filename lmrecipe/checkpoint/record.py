@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Protocol
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.checkpoint.tp_split import splits_of
 from lmrecipe.data.sources import TrainingData
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.parallel.topology import Topology
 
 
@@ -112,18 +113,18 @@ class StateRecord:
         size = self.topology.tensor_parallel_size
         if size == 1:
             return None
-        return splits_of(self.accelerator.unwrap_model(model)), self.accelerator.process_index % size
+        return splits_of(unwrap_model(self.accelerator, model)), self.accelerator.process_index % size
 
     def hf_config(self, model) -> dict:
         """The model's transformers config as ``hf/config.json`` holds it."""
-        return json.loads(self.accelerator.unwrap_model(model).config.to_json_string())
+        return json.loads(unwrap_model(self.accelerator, model).config.to_json_string())
 
     def build(self, state: LoopState, model) -> dict:
         """The record at ``state``, as JSON values (a copy: a background write publishes it later)."""
         record = {
             "state": state.state_dict(),
             "topology": self.topology.record(),
-            **({TP_RECORD: splits_of(self.accelerator.unwrap_model(model))}
+            **({TP_RECORD: splits_of(unwrap_model(self.accelerator, model))}
                if self.topology.tensor_parallel_size > 1 else {}),
             "hf_config": self.hf_config(model),
             "config": self.facts.run_config,

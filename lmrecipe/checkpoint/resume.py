@@ -52,6 +52,7 @@ from lmrecipe.checkpoint.storage import (
 from lmrecipe.checkpoint.tp_split import RECORD_KEY as TP_RECORD
 from lmrecipe.config import ScheduleConfig, autoep_size_of
 from lmrecipe.data.sources import TrainingData
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.parallel.topology import Topology
 from lmrecipe.errors import UserError, fail
 from lmrecipe.objstore import is_remote
@@ -147,7 +148,7 @@ class Resumer:
         layer, or a change of what its weights, optimizer state or data position depend on."""
         self._check_optimizer(path, saved)  # before the compatibility check logs the allowed changes
         check_resume_compatible(saved, path, run_config=self.facts.run_config,
-                                hf_config=self.accelerator.unwrap_model(model).config.to_dict(),
+                                hf_config=unwrap_model(self.accelerator, model).config.to_dict(),
                                 data_signature=self.data.signature(), lr_schedule=self.record.lr_schedule,
                                 branch=branch)
 
@@ -380,7 +381,7 @@ def _convert(accelerator, path: Path, saved: dict, model, tmp: Path, dest: Path,
     acc = accelerator
     start = time.perf_counter()
     saved_on = saved_layout(saved)
-    names = optimizer_param_names(acc.unwrap_model(model), bool(saved["config"]["optim"].get("decay_embeddings")))
+    names = optimizer_param_names(unwrap_model(acc, model), bool(saved["config"]["optim"].get("decay_embeddings")))
     source = plan = error = None
     try:
         source = open_source(path, deepspeed_dir=path / DS_TAG if saved_on.zero.deepspeed else None, param_names=names,

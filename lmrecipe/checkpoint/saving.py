@@ -31,6 +31,7 @@ from lmrecipe.checkpoint.storage import (
 from lmrecipe.config import CheckpointConfig, due_at
 from lmrecipe.data.sources import TrainingData
 from lmrecipe.fileio import write_text_atomic
+from lmrecipe.parallel.accelerator import unwrap_model
 
 
 class Saver:
@@ -123,6 +124,6 @@ class Saver:
 
     def _write_hf_dir(self, model, hf_dir: Path) -> None:
         hf_dir.mkdir()
-        self.accelerator.unwrap_model(model).config.to_json_file(hf_dir / "config.json")
+        unwrap_model(self.accelerator, model).config.to_json_file(hf_dir / "config.json")
         for file in self.data.tokenizer_files():
             shutil.copy2(file, hf_dir / file.name)

@@ -10,6 +10,7 @@ ended, under ``outcome`` (:func:`record_outcome`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -63,11 +64,9 @@ def run_metadata(config: dict, world_size: int, precision: str, extra: dict) -> 
     import accelerate
     import transformers
 
-    try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
-    except ImportError:
+    try:  # the installed version, without importing DeepSpeed (about 1.2 s) into a run that does not use it
+        ds_version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
         ds_version = None
     hardware = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():

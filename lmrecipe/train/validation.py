@@ -16,6 +16,7 @@ from lmrecipe.config import due_at
 from lmrecipe.errors import fail
 from lmrecipe.evaluation.evaluate import greedy_continuation
 from lmrecipe.model.loss import validation_loss
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.train.setup import Run
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class PromptSamples:
         self.new_tokens = section.sample_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(run.data.tokenizer_dir)
         self.prompts = [(prompt, self.tokenizer(prompt, add_special_tokens=False).input_ids) for prompt in section.samples]
-        room = self.accelerator.unwrap_model(self.model).config.max_position_embeddings
+        room = unwrap_model(self.accelerator, self.model).config.max_position_embeddings
         for i, (prompt, ids) in enumerate(self.prompts):
             if not ids or len(ids) + self.new_tokens > room:
                 raise fail(f"eval.samples[{i}]={prompt!r} is {len(ids)} tokens and eval.sample_tokens="

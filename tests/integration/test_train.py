@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 
@@ -39,8 +40,10 @@ def assert_losses_match(a: list[dict], b: list[dict], rel: float) -> float:
 
 def test_single_process_run_learns_and_reports(tmp_path, tiny_data):
     out = tmp_path / "run"
-    run_train(out, tiny_data, ["train.max_steps=40", "train.eval_every_steps=20", "logging.log_every_steps=5", "optim.lr=3e-3",
-                                 "logging.plots=true"])
+    proc = run_train(out, tiny_data, ["train.max_steps=40", "train.eval_every_steps=20", "logging.log_every_steps=5",
+                                      "optim.lr=3e-3", "logging.plots=true"], env_extra={"PYTHONPROFILEIMPORTTIME": "1"})
+    # A run without DeepSpeed never imports it (about 1.2 s of every such process's start); it still records its version.
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("import time:") and "| deepspeed" in line]
     rows = train_rows(out)
     assert rows and REQUIRED_KEYS <= rows[0].keys()
     assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
@@ -56,6 +59,7 @@ def test_single_process_run_learns_and_reports(tmp_path, tiny_data):
     assert (out / "training.png").stat().st_size > 10_000
     meta = json.loads((out / "run_meta.json").read_text())
     assert meta["world_size"] == 1 and meta["precision"] == "fp32" and meta["config"]["train"]["max_steps"] == 40
+    assert meta["versions"]["deepspeed"] == importlib.metadata.version("deepspeed")
     assert (out / "config.yaml").is_file()
 
 

@@ -29,6 +29,7 @@ import torch
 
 from lmrecipe.checkpoint.storage import find_resume_checkpoint, read_checkpoint
 from lmrecipe.errors import UserError, fail
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.train.callback import Callback
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class FaultInjection(Callback):
 
     def on_start(self, trainer) -> None:
         run = trainer.run
-        model = run.accelerator.unwrap_model(run.model)
+        model = unwrap_model(run.accelerator, run.model)
         maybe_install_faults(model, run.train_batches, lambda: trainer.running_step)
         maybe_slow_rank(model, run.accelerator.process_index, lambda: trainer.running_step)
 

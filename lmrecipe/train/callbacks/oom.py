@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from lmrecipe.config import AUTO_LOSS_CHUNK_TOKENS
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.parallel.topology import ZeroSetup
 from lmrecipe.errors import UserError, fail
 from lmrecipe.planning.memory import estimate_run, format_bytes, model_shape
@@ -37,7 +38,7 @@ class OOMDiagnosis(Callback):
         run = trainer.run
         self.cfg = run.cfg
         self.runtime = run.runtime
-        self.model = run.accelerator.unwrap_model(run.model)
+        self.model = unwrap_model(run.accelerator, run.model)
 
     def on_error(self, trainer, err: BaseException) -> BaseException | None:
         step = trainer.running_step

@@ -18,6 +18,7 @@ from lmrecipe.observe.device import cpu_threads_line
 from lmrecipe.observe.run_meta import launch_record, record_event
 from lmrecipe.observe.run_report import write_run_end
 from lmrecipe.observe.stragglers import StragglerDetector, rank_hosts
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.parallel.topology import startup_line
 from lmrecipe.planning.prediction import predict_run
 from lmrecipe.train.callback import Callback, EvalResult, Stop
@@ -139,7 +140,7 @@ def run_prediction(run: Run, peak_tflops: float, out_dir: Path) -> dict:
     unset_hf_deepspeed_config()
     accelerator, runtime = run.accelerator, run.runtime
     device = accelerator.device
-    return predict_run(run.cfg.workload(), accelerator.unwrap_model(run.model).config, topology=runtime.topology,
+    return predict_run(run.cfg.workload(), unwrap_model(accelerator, run.model).config, topology=runtime.topology,
                        precision=runtime.precision, accum_steps=runtime.batch.accum_steps,
                        flops_per_token=run.flops_per_token, peak_tflops=peak_tflops,
                        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None, out_dir=out_dir)

@@ -14,6 +14,7 @@ import time
 
 from lmrecipe.config import EvalConfig
 from lmrecipe.evaluation.tasks import NEXT_LINE, describe, flat_metrics, prepare_tasks, resolve_tasks, score_tasks
+from lmrecipe.parallel.accelerator import unwrap_model
 from lmrecipe.train.callback import Callback
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class TaskEval(Callback):
         self.model, self.accelerator, self.attention = run.model, run.accelerator, run.attention
         self.batch_size = train.micro_batch_size
         data_dir = run.data.paths[0]
-        max_length = self.accelerator.unwrap_model(self.model).config.max_position_embeddings
+        max_length = unwrap_model(self.accelerator, self.model).config.max_position_embeddings
         tasks = resolve_tasks(section.tasks, data_dir if NEXT_LINE in section.tasks else None,
                               section.next_line_items, section.seed, max_length)
         tokenizer = AutoTokenizer.from_pretrained(run.data.tokenizer_dir)
