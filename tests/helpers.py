@@ -28,6 +28,7 @@ TINY_OVERRIDES = [
     "data.seq_len=32",
     "data.val_windows=16",
     "logging.plots=false",  # ~1.3 s of CPU per run; the tests of the plots set it back
+    "logging.peak_tflops=0.1",  # no CPU matmul probe (~0.3 s per run): tests/unit/test_report.py tests it
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
     "schedule.warmup_steps=2",

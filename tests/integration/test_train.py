@@ -41,7 +41,7 @@ def assert_losses_match(a: list[dict], b: list[dict], rel: float) -> float:
 def test_single_process_run_learns_and_reports(tmp_path, tiny_data):
     out = tmp_path / "run"
     proc = run_train(out, tiny_data, ["train.max_steps=40", "train.eval_every_steps=20", "logging.log_every_steps=5",
-                                      "optim.lr=3e-3", "logging.plots=true"], env_extra={"PYTHONPROFILEIMPORTTIME": "1"})
+                                      "optim.lr=3e-3", "logging.plots=true", "logging.peak_tflops=null"], env_extra={"PYTHONPROFILEIMPORTTIME": "1"})
     # A run without DeepSpeed never imports it (about 1.2 s of every such process's start); it still records its version.
     assert not [line for line in proc.stderr.splitlines() if line.startswith("import time:") and "| deepspeed" in line]
     rows = train_rows(out)
@@ -60,6 +60,7 @@ def test_single_process_run_learns_and_reports(tmp_path, tiny_data):
     meta = json.loads((out / "run_meta.json").read_text())
     assert meta["world_size"] == 1 and meta["precision"] == "fp32" and meta["config"]["train"]["max_steps"] == 40
     assert meta["versions"]["deepspeed"] == importlib.metadata.version("deepspeed")
+    assert meta["peak_tflops_source"].startswith("matmul probe") and meta["peak_tflops_per_device"] > 0
     assert (out / "config.yaml").is_file()
 
 
