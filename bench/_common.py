@@ -19,18 +19,21 @@ import typing
 from collections import Counter
 from pathlib import Path
 
+from lmrecipe.errors import fail
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 RUNNER = ROOT / "bench" / "run.py"
 RESULT_PREFIX = "BENCH_RESULT "  # a worker prints it before its JSON result
 
 
-class Refusal(Exception):
-    """Bad input: ``bench/run.py`` prints the message and exits 2, before anything is measured or written."""
+def print_result(result: dict, file=None) -> None:
+    print(RESULT_PREFIX + json.dumps(result), file=file or sys.stdout, flush=True)
 
 
-def print_result(result: dict) -> None:
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+def read_result(lines) -> dict | None:
+    """The first result a worker printed among ``lines`` (read no further), or None."""
+    return next((json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)), None)
 
 
 def worker_command(args, kind: str, *extra: str) -> list[str]:
@@ -38,13 +41,13 @@ def worker_command(args, kind: str, *extra: str) -> list[str]:
     return [sys.executable, str(RUNNER), args.case, *args.argv, "--worker", kind, *extra]
 
 
-def run_worker(cmd: list[str], side: str, env: dict | None = None, cwd: Path = ROOT) -> dict:
-    """Run a worker process and return the JSON result it printed last."""
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if not lines:
+def run_worker(cmd: list[str], side: str, env: dict | None = None) -> dict:
+    """Run a worker process and return the JSON result it printed."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = read_result(proc.stdout.splitlines())
+    if result is None:
         raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return result
 
 
 def run_checked(cmd: list[str], env: dict | None = None) -> str:
@@ -102,6 +105,11 @@ class Report:
         print(text, flush=True)
         self.lines.append(text)
 
+    def table(self, header: list[str], rows: list[list]) -> None:
+        """A Markdown table: the first column left-aligned, the others right-aligned."""
+        for cells in (header, ["---"] + ["---:"] * (len(header) - 1), *rows):
+            self.line("| " + " | ".join(map(str, cells)) + " |")
+
     def save(self) -> Path:
         load = [round(x, 2) for x in os.getloadavg()]
         self.line(f"load average at the end: {load}")
@@ -128,9 +136,14 @@ def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
 
 
 def interleave(report: Report, pairs: int, sides: tuple[str, ...], measure: typing.Callable[[str], typing.Any],
-               ratios: dict[str, typing.Callable[[dict], float]], describe=lambda got: "") -> tuple[dict, dict]:
-    """``measure(side)`` for every side, in rotated order, ``pairs`` rounds; a line per round (``describe(got)`` and
-    each ratio). Returns each side's results in round order and ``ratio_stats`` of each named ratio of a round."""
+               ratios: dict[str, typing.Callable[[dict], float]], describe=lambda got: "",
+               warm_up: bool = False) -> tuple[dict, dict]:
+    """``measure(side)`` for every side, in rotated order, ``pairs`` rounds (with ``warm_up``, after a round that is
+    neither kept nor reported); a line per round (``describe(got)`` and each ratio). Returns each side's results in
+    round order and ``ratio_stats`` of each named ratio of a round."""
+    if warm_up:
+        for side in sides:
+            measure(side)
     results: dict[str, list] = {side: [] for side in sides}
     values: dict[str, list[float]] = {name: [] for name in ratios}
     for i, order in enumerate(pair_orders(pairs, sides), start=1):
@@ -148,11 +161,6 @@ def median_of(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def set_threads(threads: int | None) -> None:
-    if threads:
-        __import__("torch").set_num_threads(threads)
-
-
 def sync(device) -> None:
     if getattr(device, "type", str(device)).startswith("cuda"):
         __import__("torch").cuda.synchronize(device)
@@ -163,6 +171,13 @@ def quiet_stdout():
     """Swallow the loop's own progress lines while a timed block runs."""
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         yield
+
+
+def cpu_seconds(*who: int) -> float:
+    """User and system CPU seconds of ``resource.RUSAGE_SELF`` and/or ``RUSAGE_CHILDREN`` (those that have ended)."""
+    import resource
+
+    return sum(usage.ru_utime + usage.ru_stime for usage in map(resource.getrusage, who))
 
 
 def status_kb(field: str, pid: int | str = "self") -> int:
@@ -177,31 +192,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What a timed run must not do: evaluate, checkpoint, export, resume, draw a progress bar, sync a tracker.
+QUIET_RUN = ["train.eval_every_steps=0", "checkpoint.every_steps=0", "checkpoint.export_at_end=false",
+             "checkpoint.resume=none", "logging.progress_bar=false", "logging.trackers=[]"]
+
+
 def bench_config(recipe: str, overrides: list[str], out_dir: str, data_path: str | None = None):
-    """A recipe without what a timed block must not do: evaluate, checkpoint, export, stop at max_steps, sync a tracker."""
+    """A recipe without what a timed block must not do (``QUIET_RUN``), nor stop at max_steps."""
     from lmrecipe.config import load_config
 
-    fixed = [f"out_dir={out_dir}", "train.max_steps=1000000000", "train.eval_every_steps=0", "checkpoint.every_steps=0",
-             "checkpoint.export_at_end=false", "checkpoint.resume=none", "logging.progress_bar=false", "logging.trackers=[]"]
+    fixed = [f"out_dir={out_dir}", "train.max_steps=1000000000", *QUIET_RUN]
     return load_config(recipe, [*fixed, *([f"data.path={data_path}"] if data_path else []), *overrides])
+
+
+def train_command(recipe: str, out_dir, data_path: str, overrides: list[str]) -> list[str]:
+    """``train.py`` on ``recipe`` in a fresh process, without what a timed run must not do (``QUIET_RUN``)."""
+    return [sys.executable, "train.py", recipe, f"out_dir={out_dir}", f"data.path={data_path}", *QUIET_RUN, *overrides]
 
 
 def folder_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 1e6
 
 
-def check_data(path: str) -> None:
-    if not (Path(path) / "meta.json").is_file():
-        raise Refusal(f"no prepared data at {path} (no meta.json there): prepare it with "
-                      f".venv/bin/python tools/prepare_data.py --output {path} --vocab-size 8192, or pass --data "
-                      "a folder tools/prepare_data.py wrote.")
-
-
 def check_tokenizer(path: str, alternative: str = "") -> None:
     if not (Path(path) / "tokenizer.json").is_file():
-        raise Refusal(f"no tokenizer at {path} (no tokenizer.json): prepare data/stdlib with .venv/bin/python "
-                      f"tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass --tokenizer a tokenizer "
-                      f"folder{alternative}.")
+        raise fail(f"no tokenizer at {path} (no tokenizer.json): prepare data/stdlib with .venv/bin/python "
+                   f"tools/prepare_data.py --output data/stdlib --vocab-size 8192, or pass --tokenizer a tokenizer "
+                   f"folder{alternative}.")
 
 
 class Sections(Counter):
@@ -225,6 +242,7 @@ class OursLoop:
         if run.runtime.topology.zero.deepspeed:
             raise SystemExit("OursLoop drives the no-DeepSpeed path; DeepSpeed runs go through train.py (the GPU kit does)")
         self.accelerator, self.precision, self.layout = run.accelerator, run.runtime.precision, run.runtime.batch
+        self.device = self.accelerator.device
         self.train_batches, self.n_params, self.flops_per_token = run.train_batches, run.n_params, run.flops_per_token
         self.tokens_per_step, self.hf_config = run.tokens_per_step, self.accelerator.unwrap_model(run.model).config
         self.sections = Sections()
@@ -237,24 +255,39 @@ class OursLoop:
             self.trainer.step()
 
 
-class RawLoop:
-    """A minimal PyTorch loop on the same Hugging Face model: forward, fp32 cross-entropy, ``(loss / accum).backward()``,
-    ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``; no Accelerate, no bookkeeping. ``micro_batches(step)``: the
-    micro-batches of a step (``prebuilt_batches``)."""
+@contextlib.contextmanager
+def ours_loop(recipe: str, overrides: list[str], data_path: str | None):
+    """An ``OursLoop`` of ``bench_config(recipe, overrides)`` in a temporary folder, closed (the folder removed) after."""
+    import tempfile
 
-    def __init__(self, cfg, hf_config, device, precision: str, micro_batches):
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        loop = OursLoop(bench_config(recipe, overrides, tmp, data_path), Path(tmp))
+        try:
+            yield loop
+        finally:
+            loop.close()
+
+
+class RawLoop:
+    """A minimal PyTorch loop on the same Hugging Face model as ``ours`` (an ``OursLoop``): forward, fp32
+    cross-entropy, ``(loss / accum).backward()``, ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``; no Accelerate, no
+    bookkeeping. Its micro-batches are those of ``ours``' first ``cached_steps`` steps, built once: step ``s`` reuses
+    those of ``s % cached_steps``."""
+
+    def __init__(self, ours: OursLoop, cached_steps: int = 16):
         import torch
 
         from lmrecipe.model.build import build_model
-        from lmrecipe.optim import param_groups
+        from lmrecipe.optim import build_optimizer
 
+        cfg = ours.cfg
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, cfg.train, hf_config).to(device).train()
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        self.device, self.micro_batches, self.step, self.sections = device, micro_batches, 0, Sections()
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
+        self.model = build_model(cfg.model, cfg.train, ours.hf_config).to(ours.device).train()
+        self.optimizer = build_optimizer(self.model, cfg.optim, cpu_offload=False)  # the trainer's AdamW and groups
+        self.device, self.step, self.sections = ours.device, 0, Sections()
+        self.micro_batches = [list(ours.train_batches.micro_batches(s)) for s in range(cached_steps)]
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ours.precision)
+        self.grad_clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
 
     def run(self, n_steps: int) -> None:
         import torch
@@ -264,7 +297,7 @@ class RawLoop:
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
         for _ in range(n_steps):
-            batches = self.micro_batches(self.step)
+            batches = self.micro_batches[self.step % len(self.micro_batches)]
             for inputs, targets, _ in batches:
                 t0 = clock()
                 with autocast:
@@ -282,24 +315,18 @@ class RawLoop:
             self.step += 1
 
 
-def prebuilt_batches(train_batches, n_steps: int):
-    """The micro-batches of the first ``n_steps`` steps, built once; step ``s`` reuses those of ``s % n_steps``."""
-    cache = [list(train_batches.micro_batches(s)) for s in range(n_steps)]
-    return lambda step: cache[step % n_steps]
-
-
 class Timing(typing.NamedTuple):
     wall_s: float  # what tokens/s is made of
     cpu_s: float  # this process's CPU seconds: blind to time descheduled by other processes' load
 
 
-def timed_block(loop, n_steps: int, device) -> Timing:
-    """Wall and CPU seconds of ``n_steps`` steps of ``loop`` (device work included)."""
-    sync(device)
+def timed_block(loop, n_steps: int) -> Timing:
+    """Wall and CPU seconds of ``n_steps`` steps of ``loop`` (an ``OursLoop`` or ``RawLoop``; device work included)."""
+    sync(loop.device)
     start, cpu_start = time.perf_counter(), time.process_time()
     with quiet_stdout():
         loop.run(n_steps)
-    sync(device)
+    sync(loop.device)
     return Timing(time.perf_counter() - start, time.process_time() - cpu_start)
 
 
@@ -331,17 +358,22 @@ def side_checkpointer(run, folder: Path, background: bool):
     return build_checkpointer(dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, checkpoint=section)), folder)
 
 
-def save_round(run, checkpointer, state, steps_between: int) -> dict:
-    """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
+def advance(run, state) -> None:
+    """One ``train_step`` of ``run`` at ``state``'s step, recorded in ``state`` as the loop does."""
     from lmrecipe.train.step import train_step
 
+    state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+
+
+def save_round(run, checkpointer, state, steps_between: int) -> dict:
+    """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
     sync(run.accelerator.device)
     start = time.perf_counter()
     checkpointer.maybe_save(run.model, state)
     save_s, steps_s = time.perf_counter() - start, []
     for _ in range(steps_between):
         step_start = time.perf_counter()
-        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
+        advance(run, state)
         steps_s.append(time.perf_counter() - step_start)
     sync(run.accelerator.device)
     start = time.perf_counter()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import _common as C
 
+from lmrecipe.errors import UserError
+
 CASES = Path(__file__).resolve().parent / "cases"
 
 
@@ -67,7 +69,8 @@ def run_case(name: str, argv: list[str]) -> int:
     device = getattr(args, "device", "cpu")
     if device == "cpu" and getattr(case, "DEVICE", False):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU figures, also on a GPU machine
-    C.set_threads(args.threads)
+    if args.threads:
+        __import__("torch").set_num_threads(args.threads)
     if getattr(args, "worker", None):
         with C.quiet_stdout():
             result = case.worker(args)
@@ -75,7 +78,9 @@ def run_case(name: str, argv: list[str]) -> int:
             C.print_result(result)
         return 0
     if getattr(args, "data", None):
-        C.check_data(args.data)
+        from lmrecipe.data.format import load_meta  # its UserError names the fix
+
+        load_meta(args.data)
     if hasattr(case, "check"):
         case.check(args)
     report = C.Report(case.name(args) if hasattr(case, "name") else name, device, args.output)
@@ -94,7 +99,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         return run_case(argv[0], argv[1:])
-    except C.Refusal as refusal:
+    except UserError as refusal:
         print(f"bench/run.py {argv[0]}: {refusal}", file=sys.stderr)
         return 2
 

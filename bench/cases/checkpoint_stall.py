@@ -29,7 +29,6 @@ def name(args) -> str:
 
 def run(args, report) -> None:
     from lmrecipe.train.state import TrainState
-    from lmrecipe.train.step import train_step
 
     logging.disable(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_", dir=args.tmp) as tmp:
@@ -44,19 +43,17 @@ def run(args, report) -> None:
             with C.quiet_stdout():
                 return C.save_round(run, checkpointers[side], state, args.steps_between)
 
-        for _ in range(2):  # warm-up: the first steps, and one save of each side
-            state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
-        for side in SIDES:
-            quiet_round(side)
-        size = C.folder_mb(checkpointers["sync"].latest)
-        report.line(f"checkpoint size {size:,.0f} MB")
+        for _ in range(2):  # warm-up: the first steps (and one save of each side, interleave's warm-up round)
+            C.advance(run, state)
         rounds, stats = C.interleave(
             report, args.pairs, SIDES, quiet_round,
             {"blocked ratio": lambda g: g["sync"]["blocked_s"] / g["background"]["blocked_s"],
              "round ratio": lambda g: ((g["sync"]["blocked_s"] + g["sync"]["steps_s"])
                                        / (g["background"]["blocked_s"] + g["background"]["steps_s"]))},
             lambda g: " | ".join(f"{side} save {1e3 * r['save_s']:,.0f} ms + wait {1e3 * r['wait_s']:,.0f} ms, "
-                                 f"step {1e3 * r['step_s']:,.0f} ms" for side, r in g.items()))
+                                 f"step {1e3 * r['step_s']:,.0f} ms" for side, r in g.items()), warm_up=True)
+        size = C.folder_mb(checkpointers["sync"].latest)
+        report.line(f"checkpoint size {size:,.0f} MB")
         for side in SIDES:
             ms = {key: 1e3 * C.median_of(rounds[side], key) for key in ("blocked_s", "save_s", "wait_s", "step_s")}
             report.line(f"{side:>10}: loop blocked {ms['blocked_s']:,.0f} ms per checkpoint (save {ms['save_s']:,.0f} ms "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,15 +57,13 @@ def run(args, report) -> None:
 def in_process(args, report) -> None:
     from lmrecipe.data.batches import TrainBatches
 
-    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
-        cfg = C.bench_config(args.recipe, args.overrides, out_dir=tmp, data_path=args.data)
-        ours = C.OursLoop(cfg, Path(tmp))
-        device = ours.accelerator.device
+    with C.ours_loop(args.recipe, args.overrides, args.data) as ours:
+        cfg, device = ours.cfg, ours.device
         # The loader under test reads other steps than the loop, so neither finds the other's pages just touched.
         loader = TrainBatches(ours.train_batches.windows, ours.layout, cfg.train.seed + 1)
         report.line(f"1. in-process, {args.recipe} {' '.join(args.overrides)}: micro-batch {cfg.train.micro_batch_size} "
                     f"x seq_len {cfg.data.seq_len}, accumulation {ours.layout.accum_steps}, device {device}")
-        C.timed_block(ours, 2, device)
+        C.timed_block(ours, 2)
         loader_block(loader, 0, 10, device)
         next_step = iter(range(10, 10**9, args.loader_steps))
 
@@ -75,7 +72,7 @@ def in_process(args, report) -> None:
                 seconds, count = loader_block(loader, next(next_step), args.loader_steps, device)
                 return {"rate": count / seconds}
             ours.sections.clear()
-            seconds = C.timed_block(ours, args.block_steps, device).wall_s
+            seconds = C.timed_block(ours, args.block_steps).wall_s
             return {"rate": args.block_steps * ours.layout.accum_steps / seconds, "share": ours.sections["data"] / seconds}
 
         got, stats = C.interleave(report, args.pairs, ("loader", "training"), measure,
@@ -83,7 +80,6 @@ def in_process(args, report) -> None:
                                   lambda g: (f"loader {g['loader']['rate']:,.0f} micro-batches/s, training consumes "
                                              f"{g['training']['rate']:,.2f}/s, fetch share of the training block "
                                              f"{100 * g['training']['share']:.3f}%"))
-        ours.close()
     shares = C.ratio_stats([g["share"] for g in got["training"]])
     report.line(f"loader / training micro-batches per second: {C.fmt_ratio(stats['headroom'])}")
     report.line(f"fetch share of step time, in-process: {100 * shares['median']:.3f}% ({100 * shares['min']:.3f}-"
@@ -94,10 +90,8 @@ def in_process(args, report) -> None:
 
 def real_run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_data_run_") as out_dir:
-        cmd = [sys.executable, "train.py", args.recipe, f"out_dir={out_dir}", f"data.path={args.data}",
-               f"train.max_steps={args.run_steps}", "train.eval_every_steps=0", "checkpoint.every_steps=0",
-               "checkpoint.export_at_end=false", "logging.progress_bar=false", "logging.trackers=[]",
-               "logging.log_every_steps=10", *args.overrides]
+        cmd = C.train_command(args.recipe, out_dir, args.data, [f"train.max_steps={args.run_steps}",
+                                                                "logging.log_every_steps=10", *args.overrides])
         threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
         C.run_checked(cmd, {**os.environ, "ACCELERATE_DISABLE_RICH": "1", **threads})
         rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

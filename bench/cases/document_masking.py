@@ -60,14 +60,12 @@ def bench_step(args, report) -> dict:
             runs = {side: build_run(C.bench_config(args.recipe, [f"data.document_masking={str(side == 'masked').lower()}",
                                                                  *overrides], f"{tmp}/{side}", args.data), Path(tmp) / side)
                     for side in ("masked", "plain")}
-            for run in runs.values():
-                time_steps(run, 0, 2)  # warm-up
-            first = {side: iter(range(2, 10**9, args.block_steps)) for side in runs}
+            first = {side: iter(range(0, 10**9, args.block_steps)) for side in runs}
             seconds, stats = C.interleave(
                 report, args.pairs, ("masked", "plain"),
                 lambda side: time_steps(runs[side], next(first[side]), args.block_steps),
                 {"masked/plain": lambda g: g["masked"] / g["plain"]},
-                lambda g: f"{model}: " + ", ".join(f"{side} {1e3 * s:.0f} ms/step" for side, s in g.items()))
+                lambda g: f"{model}: " + ", ".join(f"{side} {1e3 * s:.0f} ms/step" for side, s in g.items()), warm_up=True)
             for run in runs.values():
                 run.prefetcher.close()
         n_params = runs["plain"].n_params

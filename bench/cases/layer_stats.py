@@ -9,9 +9,7 @@ the mean unlogged step's (wall too).
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import _common as C
 
@@ -27,15 +25,15 @@ def options(parser) -> None:
                         help="logging.log_every_steps, the block length (default: %(default)s)")
 
 
-def timed_steps(loop, n_steps: int, device) -> list[tuple[int, float, float]]:
+def timed_steps(loop, n_steps: int) -> list[tuple[int, float, float]]:
     """(step, CPU seconds, wall seconds) of each of the next ``n_steps`` steps of ``loop``."""
     out = []
     with C.quiet_stdout():
         for _ in range(n_steps):
-            C.sync(device)
+            C.sync(loop.device)
             start, cpu_start = time.perf_counter(), time.process_time()
             loop.trainer.step()
-            C.sync(device)
+            C.sync(loop.device)
             out.append((loop.state.step, time.process_time() - cpu_start, time.perf_counter() - start))
     return out
 
@@ -43,22 +41,16 @@ def timed_steps(loop, n_steps: int, device) -> list[tuple[int, float, float]]:
 def run(args, report) -> None:
     from lmrecipe.observe.console import log_due
 
-    with tempfile.TemporaryDirectory(prefix="bench_layer_stats_") as tmp:
-        loops = {}
-        for side in ("off", "on"):
-            cfg = C.bench_config(args.recipe, [*args.overrides, f"logging.log_every_steps={args.log_every}",
-                                               f"logging.layer_stats={'true' if side == 'on' else 'false'}"],
-                                 out_dir=f"{tmp}/{side}", data_path=args.data)
-            loops[side] = C.OursLoop(cfg, Path(tmp) / side)
-        off, device = loops["off"], loops["off"].accelerator.device
+    every = [*args.overrides, f"logging.log_every_steps={args.log_every}"]
+    with (C.ours_loop(args.recipe, [*every, "logging.layer_stats=false"], args.data) as off,
+          C.ours_loop(args.recipe, [*every, "logging.layer_stats=true"], args.data) as on):
+        loops, cfg = {"off": off, "on": on}, off.cfg
         report.line(f"model: {off.n_params / 1e6:.2f}M params, {cfg.model.num_layers} layers x {cfg.model.hidden_size} "
-                    f"wide, {off.tokens_per_step} tokens/step, precision {off.precision}, device {device}; a row every "
-                    f"{args.log_every} steps")
-        for loop in loops.values():  # step 1 (logged, first-call costs) and the rest of its block, untimed
-            timed_steps(loop, args.log_every, device)
+                    f"wide, {off.tokens_per_step} tokens/step, precision {off.precision}, device {off.device}; a row "
+                    f"every {args.log_every} steps")
 
         def measure(side: str) -> dict:
-            steps = timed_steps(loops[side], args.log_every, device)
+            steps = timed_steps(loops[side], args.log_every)
             kinds = {kind: [(cpu, wall) for step, cpu, wall in steps
                             if log_due(cfg.logging, step, cfg.train.max_steps) == (kind == "logged")] for kind in KINDS}
             means = {kind: [statistics.mean(v[j] for v in values) for j in (0, 1)] for kind, values in kinds.items()}
@@ -67,8 +59,10 @@ def run(args, report) -> None:
         def ratio(kind: str, j: int):
             return lambda got: got["on"]["mean"][kind][j] / got["off"]["mean"][kind][j]
 
+        # the warm-up round: step 1 (logged, first-call costs) and the rest of its block
         got, stats = C.interleave(report, args.pairs, ("off", "on"), measure,
-                                  {f"{kind} {what}": ratio(kind, j) for kind in KINDS for j, what in ((0, "CPU"), (1, "wall"))})
+                                  {f"{kind} {what}": ratio(kind, j) for kind in KINDS for j, what in ((0, "CPU"), (1, "wall"))},
+                                  warm_up=True)
         figures = {}
         for kind in KINDS:
             median = {side: statistics.median(ms for r in got[side] for ms in r["cpu_ms"][kind]) for side in loops}
@@ -78,5 +72,3 @@ def run(args, report) -> None:
             figures[kind] = {"cpu_ratio": stats[f"{kind} CPU"], "wall_ratio": stats[f"{kind} wall"], "median_cpu_ms": median}
         report.figures = {**figures, "n_params": off.n_params, "tokens_per_step": off.tokens_per_step,
                           "log_every_steps": args.log_every}
-        for loop in loops.values():
-            loop.close()

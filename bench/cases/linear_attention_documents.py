@@ -108,13 +108,12 @@ def run(args, report) -> None:
     for mean in (int(x) for x in args.doc_lens.split(",")):
         work = batches(args.seq_len, args.rows, mean, args.block_steps, seed=mean)
         segments = statistics.mean(b.n_segments / args.rows for _, _, b in work)
-        for model, kwargs in sides.values():  # warm-up
-            time_block(model, kwargs, work[:1])
         seconds, stats = C.interleave(
             report, args.pairs, SIDES, lambda side: time_block(*sides[side], work),
             {"per-document/plain": lambda g: g["per-document"] / g["plain"],
              "per-document/attention-only": lambda g: g["per-document"] / g["attention-only"]},
-            lambda g: f"mean doc {mean}: " + ", ".join(f"{side} {tokens / s:.0f} tok/s" for side, s in g.items()))
+            lambda g: f"mean doc {mean}: " + ", ".join(f"{side} {tokens / s:.0f} tok/s" for side, s in g.items()),
+            warm_up=True)
         row = {f"{side}_tok_s": tokens / statistics.median(s) for side, s in seconds.items()}
         results[mean] = {**row, "segments_per_row": segments, **stats}
         report.line(f"documents of mean {mean} tokens ({segments:.1f} per row of {args.seq_len}): "

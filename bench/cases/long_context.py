@@ -29,8 +29,6 @@ LOSS_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
 SP_MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_heads=4", "train.micro_batch_size=1",
             "data.document_masking=false", "train.loss_chunk_tokens=1024", "distributed.deepspeed_config=zero1"]
 PAIRS = None
-HEADER = ("| configuration | processes | peak per rank (GiB) | vs baseline | estimate (GiB) | estimate / measured | "
-          "step (s) | vs baseline | loss |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def options(parser) -> None:
@@ -93,22 +91,24 @@ def run(args, report) -> None:
     for config, overrides, nproc in configs(args.what):
         results.append(measure(args, config, overrides, nproc))
         report.line(f"measured {config}: {json.dumps(results[-1])}")
-    report.line(HEADER)
+    rows, gib = [], 1024**3
     for i, r in enumerate(results):
-        base, gib = results[0] if args.what == "loss" else results[i - i % 2], 1024**3
-        report.line(f"| {r['name']} | {r['nproc']} | {r['peak_bytes'] / gib:.2f} | {r['peak_bytes'] / base['peak_bytes']:.2f}x | "
-                    f"{r['estimate_bytes'] / gib:.2f} | {r['estimate_bytes'] / r['peak_bytes']:.2f} | {r['step_s']:.2f} | "
-                    f"{r['step_s'] / base['step_s']:.2f}x | {r['loss']:.4f} |")
+        base = results[0] if args.what == "loss" else results[i - i % 2]
+        rows.append([r["name"], r["nproc"], f"{r['peak_bytes'] / gib:.2f}", f"{r['peak_bytes'] / base['peak_bytes']:.2f}x",
+                     f"{r['estimate_bytes'] / gib:.2f}", f"{r['estimate_bytes'] / r['peak_bytes']:.2f}", f"{r['step_s']:.2f}",
+                     f"{r['step_s'] / base['step_s']:.2f}x", f"{r['loss']:.4f}"])
+    report.table(["configuration", "processes", "peak per rank (GiB)", "vs baseline", "estimate (GiB)",
+                  "estimate / measured", "step (s)", "vs baseline", "loss"], rows)
     report.figures = {r["name"]: r for r in results}
 
 
 def estimated_step_bytes(cfg) -> float:
     """lmrecipe.planning.memory's step peak on one rank: one micro-batch's activations with the output layer's."""
-    from lmrecipe.data.format import load_meta
-    from lmrecipe.planning.memory import estimate_activations, model_shape
     from lmrecipe.model.build import build_hf_config
+    from lmrecipe.planning.memory import estimate_activations, model_shape
+    from lmrecipe.planning.zero_comparison import recipe_vocab_size
 
-    vocab = cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"])
+    vocab = recipe_vocab_size(cfg.model, cfg.data)
     shape = model_shape(build_hf_config(cfg.model, vocab, cfg.data.seq_len))
     full, checkpointed = estimate_activations(
         shape, cfg.train.micro_batch_size, cfg.data.seq_len, "fp32", cfg.model.attn_implementation,

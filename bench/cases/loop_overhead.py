@@ -8,9 +8,6 @@ per-section breakdown beside it.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import _common as C
 
 PAIRS = 20
@@ -26,20 +23,17 @@ def options(parser) -> None:
 
 
 def run(args, report) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench_loop_") as tmp:
-        cfg = C.bench_config(args.recipe, args.overrides, out_dir=tmp, data_path=args.data)
-        ours = C.OursLoop(cfg, Path(tmp))
-        device, batches = ours.accelerator.device, C.prebuilt_batches(ours.train_batches, 16)
-        loops = {"ours": ours, "raw": C.RawLoop(cfg, ours.hf_config, device, ours.precision, batches)}
+    with C.ours_loop(args.recipe, args.overrides, args.data) as ours:
+        cfg, loops = ours.cfg, {"ours": ours, "raw": C.RawLoop(ours)}
         report.line(f"model: {ours.n_params / 1e6:.2f}M params, {cfg.model.num_layers} layers x {cfg.model.hidden_size} "
                     f"wide, seq_len {cfg.data.seq_len}, micro-batch {cfg.train.micro_batch_size} x accumulation "
                     f"{ours.layout.accum_steps} = {ours.tokens_per_step} tokens/step, precision {ours.precision}, "
-                    f"grad_clip {cfg.optim.grad_clip}, device {device}")
+                    f"grad_clip {cfg.optim.grad_clip}, device {ours.device}")
         for loop in loops.values():
-            C.timed_block(loop, args.warmup_steps, device)
+            C.timed_block(loop, args.warmup_steps)
             loop.sections.clear()
         timings, stats = C.interleave(
-            report, args.pairs, ("ours", "raw"), lambda side: C.timed_block(loops[side], args.block_steps, device),
+            report, args.pairs, ("ours", "raw"), lambda side: C.timed_block(loops[side], args.block_steps),
             {"ours/raw tokens/s": lambda got: got["raw"].wall_s / got["ours"].wall_s,
              "CPU-time ratio": lambda got: got["raw"].cpu_s / got["ours"].cpu_s},
             lambda got: "  ".join(f"{side} {args.block_steps * ours.tokens_per_step / t.wall_s:,.0f} tok/s"
@@ -57,7 +51,6 @@ def run(args, report) -> None:
         report.figures = {"ratio_ours_over_raw": ratio, "extra_ms_per_step": extra_ms, "implied_ratio": 1 - share,
                           "cpu_time_ratio": cpu, "ms_per_step": breakdown, "tokens_per_sec": tokens_per_sec,
                           "tokens_per_step": ours.tokens_per_step, "n_params": ours.n_params}
-        ours.close()
 
 
 def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:

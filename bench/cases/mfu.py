@@ -9,8 +9,6 @@ figure is the GPU kit's (``bench/gpu/run.py``, stage mfu_zero2).
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import _common as C
 
@@ -33,23 +31,20 @@ def worker(args) -> dict:
 
     name = args.models[0]
     recipe, overrides = MODELS[name]
-    with tempfile.TemporaryDirectory(prefix="bench_mfu_") as tmp:
-        cfg = C.bench_config(recipe, overrides, out_dir=tmp, data_path=args.data)
-        ours = C.OursLoop(cfg, Path(tmp))
-        device = ours.accelerator.device
+    with C.ours_loop(recipe, overrides, args.data) as ours:
+        cfg = ours.cfg
         desc = (f"{name}: {ours.n_params / 1e6:.1f}M params ({cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
                 f"vocab {ours.hf_config.vocab_size}), seq_len {cfg.data.seq_len}, {cfg.train.micro_batch_size} x "
                 f"{ours.layout.accum_steps} sequences/step, {ours.flops_per_token / 1e6:.1f} MFLOP/token, {ours.precision}")
-        C.timed_block(ours, 1, device)
+        C.timed_block(ours, 1)
         achieved, peak = [], []
         for order in C.pair_orders(args.pairs, ("train", "peak")):
             for side in order:
                 if side == "peak":
                     peak.append(probe_cpu_matmul_tflops("fp32"))
                     continue
-                seconds = C.timed_block(ours, args.block_steps, device).wall_s
+                seconds = C.timed_block(ours, args.block_steps).wall_s
                 achieved.append(args.block_steps * ours.tokens_per_step * ours.flops_per_token / seconds / 1e12)
-        ours.close()
     return {"desc": desc, "achieved_tflops": achieved, "square_tflops": peak,
             "mfu_square": C.ratio_stats([a / p for a, p in zip(achieved, peak)]),
             "tokens_per_sec": [a * 1e12 / ours.flops_per_token for a in achieved]}

@@ -10,13 +10,10 @@ transformers' torch fallback here (no flash-linear-attention, no causal-conv1d o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import _common as C
 
@@ -36,20 +33,16 @@ def options(parser) -> None:
 def worker(args) -> None:
     """One recipe's process: a warm-up block, then a timed block for each ``block`` line on stdin (the parent's turn);
     its replies go to the real stdout, past the runner's ``quiet_stdout``."""
-    def say(**result) -> None:
-        print(C.RESULT_PREFIX + json.dumps(result), file=sys.__stdout__, flush=True)
-
     name = args.recipe_name
-    with tempfile.TemporaryDirectory(prefix="bench_moe_archs_") as tmp:
-        ours = C.OursLoop(C.bench_config(RECIPES[name], [*SAME, *args.set], out_dir=tmp, data_path=args.data), Path(tmp))
-        C.timed_block(ours, 1, ours.accelerator.device)
-        say(ready=f"{name} ({RECIPES[name]}): {ours.n_params / 1e6:.2f}M params, {ours.tokens_per_step} tokens per "
-                  f"step, {ours.flops_per_token / 1e6:.2f} MFLOP/token", tokens_per_step=ours.tokens_per_step)
+    with C.ours_loop(RECIPES[name], [*SAME, *args.set], args.data) as ours:
+        C.timed_block(ours, 1)
+        C.print_result({"ready": f"{name} ({RECIPES[name]}): {ours.n_params / 1e6:.2f}M params, {ours.tokens_per_step} "
+                                 f"tokens per step, {ours.flops_per_token / 1e6:.2f} MFLOP/token",
+                        "tokens_per_step": ours.tokens_per_step}, sys.__stdout__)
         for line in sys.stdin:
             if line.strip() != "block":
                 break
-            say(seconds=C.timed_block(ours, args.block_steps, ours.accelerator.device).wall_s)
-        ours.close()
+            C.print_result({"seconds": C.timed_block(ours, args.block_steps).wall_s}, sys.__stdout__)
 
 
 def run(args, report) -> None:
@@ -59,10 +52,10 @@ def run(args, report) -> None:
                                       text=True, bufsize=1) for name in RECIPES}
 
     def reply(name: str) -> dict:
-        for line in workers[name].stdout:
-            if line.startswith(C.RESULT_PREFIX):
-                return json.loads(line[len(C.RESULT_PREFIX):])
-        raise SystemExit(f"{name} worker ended without a result (run it alone: {' '.join(workers[name].args)})")
+        result = C.read_result(workers[name].stdout)
+        if result is None:
+            raise SystemExit(f"{name} worker ended without a result (run it alone: {' '.join(workers[name].args)})")
+        return result
 
     def measure(name: str) -> float:
         workers[name].stdin.write("block\n")
@@ -80,10 +73,8 @@ def run(args, report) -> None:
         proc.wait()
     tokens = {n: [ready[n]["tokens_per_step"] * args.block_steps / s for s in seconds[n]] for n in RECIPES}
     report.line()
-    report.line(f"| recipe | tokens/s (median of {args.pairs} rounds of {args.block_steps} steps) | over qwen3_moe "
-                "(median, min, max of the rounds) |")
-    report.line("| --- | ---: | ---: |")
-    for name in RECIPES:
-        report.line(f"| {name} | {statistics.median(tokens[name]):,.0f} | {C.fmt_ratio(stats[name])} |")
+    report.table(["recipe", f"tokens/s (median of {args.pairs} rounds of {args.block_steps} steps)",
+                  "over qwen3_moe (median, min, max of the rounds)"],
+                 [[name, f"{statistics.median(tokens[name]):,.0f}", C.fmt_ratio(stats[name])] for name in RECIPES])
     report.figures = {"block_steps": args.block_steps, "tokens_per_sec": tokens, "over_qwen3_moe": stats,
                       "descs": {n: got["ready"] for n, got in ready.items()}}

@@ -39,16 +39,15 @@ def run(args, report) -> None:
     from transformers import AutoModelForCausalLM
 
     from lmrecipe.config import load_config
-    from lmrecipe.data.format import load_meta
     from lmrecipe.model.build import build_hf_config
-    from lmrecipe.planning.zero_comparison import run_comparison
+    from lmrecipe.planning.zero_comparison import recipe_vocab_size, run_comparison
 
     logging.disable(logging.INFO)
     overrides = [*WIDE, f"data.path={args.data}", *args.set]
     sides = {"EP1": args.zero, "EP2": f"{args.zero}+ep2"}
     cfg = load_config(MOE_RECIPE, [*overrides, f"distributed.deepspeed_config={args.zero}"])
     with torch.device("meta"):  # all parameters, and those in experts
-        hf_config = build_hf_config(cfg.model, load_meta(args.data)["vocab_size"], cfg.data.seq_len)
+        hf_config = build_hf_config(cfg.model, recipe_vocab_size(cfg.model, cfg.data), cfg.data.seq_len)
         params = dict(AutoModelForCausalLM.from_config(hf_config).named_parameters())
     total = sum(p.numel() for p in params.values())
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
@@ -68,13 +67,13 @@ def run(args, report) -> None:
     tokens = {side: [r.tokens_per_sec for r in rs] for side, rs in results.items()}
     states = {side: (rs[0].model_states_measured_mb, rs[0].model_states_estimated_mb, rs[0].final_loss)
               for side, rs in results.items()}
-    report.line("| side | tokens/s (median) | step time (ms) | model states per rank, measured (MB) | estimated (MB) | "
-                "final loss |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
     for side in sides:
-        median = statistics.median(tokens[side])
-        measured, estimated, loss = states[side]
-        report.line(f"| {side} ({sides[side]}) | {median:,.0f} | {1e3 * tokens_per_step / median:.1f} | "
-                    f"{measured:.2f} | {estimated:.2f} | {loss:.4f} |")
+        median, (measured, estimated, loss) = statistics.median(tokens[side]), states[side]
+        rows.append([f"{side} ({sides[side]})", f"{median:,.0f}", f"{1e3 * tokens_per_step / median:.1f}",
+                     f"{measured:.2f}", f"{estimated:.2f}", f"{loss:.4f}"])
+    report.table(["side", "tokens/s (median)", "step time (ms)", "model states per rank, measured (MB)",
+                  "estimated (MB)", "final loss"], rows)
     report.line(f"EP2 / EP1 tokens/s: {C.fmt_ratio(stats['EP2/EP1'])}; model states per rank EP2 / EP1: "
                 f"{states['EP2'][0] / states['EP1'][0]:.3f} (estimated {states['EP2'][1] / states['EP1'][1]:.3f})")
     report.figures = {"zero": args.zero, "steps": args.steps, "tokens_per_step": tokens_per_step, "params": total,

@@ -78,8 +78,7 @@ def run_prepare(args: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_prepmem_") as tmp:
         out = Path(tmp) / "out"
         env = {**os.environ, "PYTHONPATH": str(C.ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu_start, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
+        cpu_start, start = C.cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
         proc = subprocess.Popen([sys.executable, str(C.ROOT / "tools" / "prepare_data.py"), "--output", str(out), *args],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         main, peak_total, peak_main = psutil.Process(proc.pid), 0, 0
@@ -92,8 +91,7 @@ def run_prepare(args: list[str]) -> dict:
             peak_total, peak_main = max(peak_total, sum(with_rss.values())), max(peak_main, with_rss.get(proc.pid, 0))
             time.sleep(0.02)
         stderr = proc.stderr.read()
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        wall, cpu = time.perf_counter() - start, usage.ru_utime + usage.ru_stime - cpu_start
+        wall, cpu = time.perf_counter() - start, C.cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_start
         if proc.returncode != 0:
             raise SystemExit(f"prepare_data.py failed ({proc.returncode}):\n{stderr[-4000:]}")
         splits = json.loads((out / "meta.json").read_text())["splits"].values()

@@ -37,12 +37,6 @@ def name(args) -> str:
     return "prepare_scaling" + ("_trained" if args.prepare_tokenizer == "trained" else "")
 
 
-def cpu_seconds() -> float:
-    """CPU seconds of this process and of its finished children (prepare's tokenizer workers)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def worker(args) -> dict:
     from lmrecipe.data.prepare.pipeline import prepare
     from lmrecipe.data.prepare.read import DocumentSource
@@ -50,11 +44,12 @@ def worker(args) -> dict:
     logging.basicConfig(level=logging.WARNING)
     side, tokenizer, max_documents = args.worker, args.tokenizer, args.max_documents or None
     if side in ("p1", "p2"):
+        who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)  # this process and prepare's (ended) tokenizer workers
         with tempfile.TemporaryDirectory(prefix="bench_prep_") as tmp:
-            start, cpu_start = time.perf_counter(), cpu_seconds()
+            start, cpu_start = time.perf_counter(), C.cpu_seconds(*who)
             meta = prepare(output=Path(tmp) / "out", tokenizer=None if args.prepare_tokenizer == "trained" else tokenizer,
                            vocab_size=8192, num_proc=int(side[1]), max_documents=max_documents)
-            wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+            wall, cpu = time.perf_counter() - start, C.cpu_seconds(*who) - cpu_start
         n_tokens = sum(s["n_tokens"] for s in meta["splits"].values())
         return {"tokens_per_sec": meta["timing"]["tokens_per_sec"], "tokens": n_tokens,
                 "tokenize_seconds": meta["timing"]["tokenize_seconds"], "prepare_wall_seconds": wall,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import _common as C
 
+from lmrecipe.errors import fail
+
 PAIRS = 6
 SIDES = ("off", "on")
 
@@ -34,7 +36,7 @@ def options(parser) -> None:
 
 def check(args) -> None:
     if args.endpoint and not args.bucket:
-        raise C.Refusal(f"--endpoint {args.endpoint} needs --bucket: name a bucket that exists there.")
+        raise fail(f"--endpoint {args.endpoint} needs --bucket: name a bucket that exists there.")
 
 
 def run(args, report) -> None:
@@ -61,21 +63,17 @@ def measure(args, report, tmp: Path, url: str) -> None:
     from lmrecipe.train.callbacks.checkpointing import build_checkpointer
     from lmrecipe.train.callbacks.remote import Uploader
     from lmrecipe.train.state import TrainState
-    from lmrecipe.train.step import train_step
 
     run = C.build_wide_run(args, tmp / "run", ["checkpoint.keep_last=2"])
     checkpointer = build_checkpointer(run, tmp / "run")
     store, state = Store.open(url), TrainState()
 
-    def step():
-        state.record_step(train_step(run, state.step).skipped, run.tokens_per_step)
-
     def save():
-        step()  # each save its own folder
+        C.advance(run, state)  # each save its own folder
         with C.quiet_stdout():
             return checkpointer.maybe_save(run.model, state)
 
-    step()
+    C.advance(run, state)
     size_mb = C.folder_mb(save())
     report.line(f"model {run.n_params / 1e6:.1f}M params, checkpoint {size_mb:,.1f} MB, {args.steps_between} steps "
                 f"between saves, threads {args.threads or 'default'}, object storage {os.environ.get('AWS_ENDPOINT_URL')}")
@@ -95,16 +93,14 @@ def measure(args, report, tmp: Path, url: str) -> None:
             if side == "on":
                 uploader.submit(folder)
             for _ in range(args.steps_between):
-                step()
+                C.advance(run, state)
         seconds = time.perf_counter() - start
         while uploader.busy():  # drained outside the timed part: the next round starts with the worker idle
             time.sleep(0.01)
         return seconds
 
-    for side in SIDES:
-        one_round(side)
     times, stats = C.interleave(report, args.pairs, SIDES, one_round, {"ratio": lambda g: g["on"] / g["off"]},
-                                lambda g: f"off {1e3 * g['off']:,.0f} ms | on {1e3 * g['on']:,.0f} ms")
+                                lambda g: f"off {1e3 * g['off']:,.0f} ms | on {1e3 * g['on']:,.0f} ms", warm_up=True)
     uploader.close()
     report.line(f"round (save + {args.steps_between} steps), upload on / off: {C.fmt_ratio(stats['ratio'])}; median off "
                 f"{1e3 * statistics.median(times['off']):,.0f} ms, on {1e3 * statistics.median(times['on']):,.0f} ms")

@@ -72,10 +72,7 @@ def run(args, report) -> None:
         results = {side: train_side(args, overrides, Path(tmp) / side.replace(" ", "_").replace(".", ""))
                    for side, overrides in sides(args).items()}
     report.line()
-    report.line("| side | max/mean load, run mean | last tenth | worst step | loss step 1 | last loss | val loss |")
-    report.line("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for side, r in results.items():
-        report.line(f"| {side} | {r['imbalance_mean']:.3f} | {r['imbalance_last_tenth']:.3f} | "
-                    f"{r['imbalance_worst']:.3f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | "
-                    f"{r['val_loss']:.4f} |")
+    report.table(["side", "max/mean load, run mean", "last tenth", "worst step", "loss step 1", "last loss", "val loss"],
+                 [[side, *(f"{r[k]:.3f}" for k in ("imbalance_mean", "imbalance_last_tenth", "imbalance_worst")),
+                   *(f"{r[k]:.4f}" for k in ("first_loss", "last_loss", "val_loss"))] for side, r in results.items()])
     report.figures = {"steps": args.steps, "rate": args.rate, "aux": args.aux, "sides": results}

@@ -16,7 +16,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,8 +23,6 @@ from pathlib import Path
 import _common as C
 
 PAIRS = 5
-OVERRIDES = ["logging.log_every_steps=1", "logging.progress_bar=false", "logging.trackers=[]", "train.eval_every_steps=0",
-             "checkpoint.every_steps=0", "checkpoint.resume=none", "checkpoint.export_at_end=false"]
 
 
 def options(parser) -> None:
@@ -96,7 +93,7 @@ def build_large(small: Path, dest: Path, tokens: int, sparse: bool) -> Path:
 
 def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float = 300) -> tuple[float, int]:
     metrics = run_dir / "metrics.jsonl"
-    cmd = [sys.executable, "train.py", recipe, f"out_dir={run_dir}", f"data.path={data}", *OVERRIDES]
+    cmd = C.train_command(recipe, run_dir, data, ["logging.log_every_steps=1"])
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=C.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -34,13 +34,13 @@ def trainer_run(cfg, step_end, device_name: str, out_dir: str) -> None:
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from lmrecipe.data.format import load_meta, open_data
+    from lmrecipe.data.format import open_data
     from lmrecipe.model.build import build_hf_config, build_model
     from lmrecipe.optim import build_optimizer, lr_at
     from lmrecipe.parallel.precision import resolve_precision
+    from lmrecipe.planning.zero_comparison import recipe_vocab_size
 
-    hf_config = build_hf_config(cfg.model, cfg.model.vocab_size or int(load_meta(cfg.data.path)["vocab_size"]),
-                                cfg.data.seq_len)
+    hf_config = build_hf_config(cfg.model, recipe_vocab_size(cfg.model, cfg.data), cfg.data.seq_len)
     _, windows, _ = open_data(cfg.data.path, cfg.data.seq_len, hf_config.vocab_size)
 
     class Windows(torch.utils.data.Dataset):
