@@ -4,6 +4,7 @@ unknown case exits 2 naming it and the cases, before anything is imported, measu
 from __future__ import annotations
 
 import importlib.util
+import re
 
 from helpers import ROOT
 
@@ -23,3 +24,12 @@ def test_the_runner_lists_every_case_and_refuses_an_unknown_one(monkeypatch, cap
     assert runner.main(["loop_overheads", "--pairs", "1"]) == 2
     err = capsys.readouterr().err
     assert "no case named 'loop_overheads'" in err and "loop_overhead," in err and "Traceback" not in err
+
+
+def test_every_benchmark_the_docs_name_is_a_case():
+    cases = {p.stem for p in (ROOT / "bench" / "cases").glob("*.py")}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {(page.relative_to(ROOT).as_posix(), name) for page in pages
+             for name in re.findall(r"bench/run\.py ([a-z_]+)", page.read_text())}
+    assert named, "no page names a benchmark: the pattern no longer matches the docs"
+    assert not [f"{page}: {name}" for page, name in sorted(named) if name not in cases]
