@@ -11,10 +11,10 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
   page's last blocks are left out when an earlier page ran the same;
 - checks the ``GPU`` and ``SLURM`` blocks with ``bash -n`` and runs each of their ``train.py`` commands (and
   ``sbatch slurm/train.sbatch`` jobs) as ``python train.py ARGS --dry-run`` (with :data:`ON_A_CPU`; not those
-  that name an ``s3://`` URL), with the launch's process count as
-  ``WORLD_SIZE``: the dry run checks the
-  recipe, the overrides, the DeepSpeed config and the launch's process count on a CPU. A data folder such a command
-  names that the demo does not prepare (the user's own corpus) is stood in for by ``data/stdlib``;
+  that name an ``s3://`` URL), with the launch's process count as ``WORLD_SIZE``; bash expands each line and
+  train.py's ``main`` runs it in the test's process (:data:`RECORDER`): the dry run checks the recipe, the
+  overrides, the DeepSpeed config and the launch's process count on a CPU. A data folder such a command names that
+  the demo does not prepare (the user's own corpus) is stood in for by ``data/stdlib``;
 - checks the ``S3`` and ``NET`` blocks with ``bash -n`` only: their dry run would need the endpoint or the hub;
 - checks with ``bash -n`` only the CPU blocks of the benchmark and mid-training pages (:data:`NOT_RUN`), those of a
   ZeRO comparison (:data:`RUN_ELSEWHERE`) and those that build the environment or run the suite (``make demo``,
@@ -23,6 +23,9 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import os
 import re
 import shlex
@@ -163,7 +166,7 @@ def test_every_cpu_block_runs_after_make_demo(demo, blocks, tmp_path):
     assert not failures, f"{len(failures)} CPU block(s) failed:\n\n" + "\n\n".join(failures)
 
 
-def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(demo, blocks):
+def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(demo, blocks, train_main):
     failures, seen, start, cpu = [], set(), time.perf_counter(), 0.0
     for block in blocks:
         if block.tag not in ("GPU", "SLURM", "S3", "NET") and not (block.tag == "CPU" and not_run(block)):
@@ -179,7 +182,7 @@ def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(dem
         if not runs or script in seen:
             continue
         seen.add(script)
-        ran = dry_run(demo, script)
+        ran = dry_run(train_main, demo, script)
         cpu += ran.cpu_s
         if ran.returncode != 0:
             failures.append(failure(block, "the dry run of its train.py commands", ran, script))
@@ -187,17 +190,74 @@ def test_every_other_block_parses_and_its_training_commands_pass_the_dry_run(dem
     assert not failures, f"{len(failures)} block(s) failed:\n\n" + "\n\n".join(failures)
 
 
-def dry_run(root: Path, script: str) -> Ran:
-    """``script`` (dry runs) with bash -e; a data folder it names that does not exist in the copy is linked to
-    ``data/stdlib`` (a user's own corpus) and the script run again."""
-    env = {**block_env(root), "PYTHONWARNINGS": "ignore"}
+RECORDER = """python() {  # records the call (its environment, then its arguments) for the test's process to run
+  __calls=$((${__calls:-0} + 1))
+  { env -0; printf '%s\\0' "--arguments--" "$@"; } > "$LMRECIPE_TEST_CALLS/$__calls"
+}
+"""
+"""Prepended to a dry-run script: each ``python train.py ARGS --dry-run`` line, with its assignments, is recorded by
+bash as written (variables expanded, quoting resolved, ``NAME=value`` words in the call's environment) instead of
+starting an interpreter."""
+
+
+@pytest.fixture(scope="module")
+def train_main():
+    """train.py's ``main``, run in this process: one interpreter's imports for every dry run of the docs."""
+    spec = importlib.util.spec_from_file_location("train_of_the_docs", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def recorded_calls(root: Path, script: str) -> tuple[Ran, list[tuple[dict, list[str]]]]:
+    """``script`` run by bash with :data:`RECORDER`: each call's environment and arguments, in order."""
+    with tempfile.TemporaryDirectory() as calls:
+        env = {**block_env(root), "LMRECIPE_TEST_CALLS": calls}
+        ran = run_bash(root, RECORDER + script, "-e", "-o", "pipefail", env=env)
+        recorded = []
+        for path in sorted(Path(calls).iterdir(), key=lambda p: int(p.name)):
+            words = path.read_bytes().decode().split("\0")[:-1]
+            cut = words.index("--arguments--")
+            recorded.append((dict(w.split("=", 1) for w in words[:cut] if "=" in w), words[cut + 1:]))
+    return ran, recorded
+
+
+def call_in_process(main, root: Path, env: dict, argv: list[str]) -> tuple[int, str]:
+    """``main(argv)`` from ``root`` under ``env`` (the call's environment as bash gave it), its code and output;
+    this process's environment and folder restored after."""
+    saved_env, saved_cwd, out = dict(os.environ), os.getcwd(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(root)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(argv)
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return code, out.getvalue()
+
+
+def dry_run(main, root: Path, script: str) -> Ran:
+    """The dry runs of ``script`` in this process, in order, stopping at the first that fails (``bash -e``); a data
+    folder one names that does not exist in the copy is linked to ``data/stdlib`` (a user's own corpus) and the
+    script run again."""
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(4):
-        ran = run_bash(root, script, "-e", "-o", "pipefail", env=env)
-        missing = [Path(name) for name in _MISSING_DATA.findall(ran.output)]
+        ran, calls = recorded_calls(root, script)
+        output, code = ran.output, ran.returncode
+        for env, argv in calls if code == 0 else ():
+            assert argv[0] == "train.py", f"a dry-run script calls python {shlex.join(argv)}"
+            code, said = call_in_process(main, root, env, argv[1:])
+            output += said
+            if code != 0:
+                break
+        missing = [Path(name) for name in _MISSING_DATA.findall(output)]
         missing = [p for p in missing if not p.is_absolute() and not (root / p).exists() and ".." not in p.parts]
-        if ran.returncode == 0 or not missing:
-            return ran
+        if code == 0 or not missing:
+            break
         for path in missing:
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).symlink_to((root / "data" / "stdlib").resolve(), target_is_directory=True)
-    return ran
+    return Ran(code, output, ran.cpu_s + time.process_time() - cpu, time.perf_counter() - start)

@@ -1,5 +1,6 @@
 """DeepSeek-V3 and Qwen3.5-MoE runs (docs/moe.md): the tiny recipes train on a CPU; DeepSpeed AutoEP's expert
-parallelism at size 2 on 2 processes equals one process on ZeRO-1, 2 and 3, and a checkpoint of size 2 resumes
+parallelism at size 2 on 2 processes equals one process on ZeRO-1 and 3 (tests/integration/test_moe.py runs the
+default architecture on ZeRO-2 as well), and a checkpoint of size 2 resumes
 exactly at size 1 (DeepSeek-V3's with its routing biases); each size-2 run's export loads with
 ``AutoModelForCausalLM`` and ``eval.py`` gives the run's validation loss; the memory estimate equals the measured
 model states. Each run happens once per session (``cached_run``)."""
@@ -68,7 +69,7 @@ def deepseek_reference(tmp_path_factory, tiny_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_deepseek_v3_expert_parallel_2_equals_one_process(tmp_path_factory, tiny_data, deepseek_reference, stage):
     run, stderr = autoep_run(tmp_path_factory, tiny_data, "deepseek_v3", stage, 2)
     for key in ("loss", "grad_norm", "val_loss"):
@@ -119,7 +120,7 @@ def qwen_reference(tmp_path_factory, tiny_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_qwen3_5_moe_expert_parallel_2_equals_one_process(tmp_path_factory, tiny_data, qwen_reference, stage):
     run, stderr = autoep_run(tmp_path_factory, tiny_data, "qwen3_5_moe_text", stage, 2)
     for key in ("loss", "grad_norm", "val_loss", "aux_loss"):
