@@ -189,7 +189,8 @@ def test_document_batch_rejects_windows_outside_the_split(offsets):
 
 
 EQUIVALENCE_CASES = [("llama", "sdpa"), ("llama", "eager"), ("llama", "flash_attention_2"), ("llama", "flash_attention_3"),
-                     ("gpt2", "sdpa"), ("gpt2", "eager"), ("mistral-sliding-window", "sdpa")]
+                     ("llama", "varlen"), ("gpt2", "sdpa"), ("gpt2", "eager"), ("gpt2", "varlen"),
+                     ("mistral-sliding-window", "sdpa")]
 
 
 @pytest.mark.parametrize(("arch", "requested"), EQUIVALENCE_CASES, ids=[f"{a}-{r}" for a, r in EQUIVALENCE_CASES])
@@ -229,7 +230,7 @@ def test_without_masking_the_packed_batch_differs_from_its_documents(arch):
     assert loss_diff > 1e-4 and grad_diff > 1e-2, (loss_diff, grad_diff)
 
 
-@pytest.mark.parametrize("requested", ["sdpa", "eager", "flash_attention_2"])
+@pytest.mark.parametrize("requested", ["sdpa", "eager", "flash_attention_2", "varlen"])
 def test_masked_forward_and_backward_make_no_host_sync(requested, request):
     if requested.startswith("flash"):
         request.getfixturevalue("fake_flash_kernel")
@@ -270,7 +271,7 @@ def test_a_forward_without_the_document_keywords_fails_loudly():
 
 
 REFUSALS = {
-    "flex": ("flex_attention", tiny_llama_config(), "no flex_attention backward on CPU"),
+    "varlen-sliding-window": ("varlen", tiny_mistral_config(), "runs plain causal attention per document"),
     "unknown": ("flash_attention_4", tiny_llama_config(), "supports model.attn_implementation in"),
     "no-position-ids": ("sdpa", MptConfig(), "takes no position_ids"),
     "no-attention-interface": ("sdpa", FalconConfig(), "AttentionInterface"),
