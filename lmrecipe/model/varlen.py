@@ -42,8 +42,10 @@ def varlen_kwargs(batch, device: torch.device | str) -> dict:
     """The offsets of ``batch`` (a DocumentBatch) for :func:`document_varlen_forward`: on ``device`` (copied with
     ``non_blocking=True``) and on the host."""
     host = torch.as_tensor(batch.cu_seqlens)
-    return {CU_SEQLENS: host.to(device, dtype=torch.int32, non_blocking=True),
-            HOST_CU_SEQLENS: host.to(torch.int64)}
+    offsets = {CU_SEQLENS: host.to(device, dtype=torch.int32, non_blocking=True), HOST_CU_SEQLENS: host.to(torch.int64)}
+    for tensor in offsets.values():  # a compiled layer takes any document count without recompiling
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return offsets
 
 
 def varlen_kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -90,6 +92,7 @@ def flash_varlen(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_
     return FlashVarlen.apply(query, key, value, cum_seq_q, max_q, dropout_p, is_causal, scale)
 
 
+@torch.compiler.disable  # a loop over host offsets: traced, it would recompile for each document layout
 def per_document_sdpa(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
                       scale=None, host_cum_seq=None) -> torch.Tensor:
     """:func:`flash_varlen`'s contract in plain torch, for machines without the kernel: each segment of the flattened

@@ -1,6 +1,8 @@
 """Document masking without a dense mask (``lmrecipe/model/varlen.py``): the varlen plumbing through its CPU
-stand-in against each document run alone, the ATen flash pair's call checked on meta tensors, key/value heads never
-repeated, FlexAttention's forward, the run's attention record and the refusals."""
+stand-in and through ``FlashVarlen`` (the ATen flash pair, run here by a CPU kernel written to the ops' contract)
+against each document run alone, the pair's call checked on meta tensors, key/value heads never repeated, a compiled
+layer that does not recompile across document layouts, FlexAttention's forward, the run's attention record and the
+refusals."""
 
 from __future__ import annotations
 
@@ -61,7 +63,71 @@ def varlen_attention(query, key, value, batch, scaling=None):
     return varlen.document_varlen_forward(None, query, key, value, None, scaling=scaling, **kwargs)[0]
 
 
-def test_the_stand_in_plumbing_equals_each_document_alone_forward_and_gradients():
+def _documents(query, key, value, cu_seqlens):
+    for a, b in pairwise(cu_seqlens.tolist()):
+        q, k, v = (x[a:b].transpose(0, 1).float() for x in (query, key, value))
+        group = q.shape[0] // k.shape[0]
+        yield a, b, q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+
+
+def _probabilities(q, k, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(torch.ones(len(q[0]), len(k[0]), dtype=torch.bool).triu(1),
+                                                           float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp(), lse
+
+
+def cpu_flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                      *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+                      block_table=None, num_splits=None):
+    """``aten::_flash_attention_forward``'s varlen contract on a CPU (causal, no dropout): the output, the
+    log-sum-exp ``[heads, tokens]``, the philox seed and offset, an empty debug mask."""
+    assert cum_seq_q is cum_seq_k and max_q == max_k == SEQ_OF_RUN[0] and is_causal and not return_debug_mask
+    output, lse_all = torch.empty_like(query), torch.empty(query.shape[1], query.shape[0])
+    for a, b, q, k, v in _documents(query, key, value, cum_seq_q):
+        p, lse_all[:, a:b] = _probabilities(q, k, scale)
+        output[a:b] = (p @ v).transpose(0, 1).to(query.dtype)
+    return output, lse_all, torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), query.new_empty(0)
+
+
+def cpu_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                       is_causal, philox_seed, philox_offset, *, scale=None, window_size_left=None,
+                       window_size_right=None):
+    """``aten::_flash_attention_backward``'s contract on a CPU: the gradients of query, key and value, the key/value
+    ones summed over each head's query group."""
+    assert philox_seed.dtype == torch.uint64 and logsumexp.shape == (query.shape[1], query.shape[0])
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    grads = [torch.zeros_like(x) for x in (query, key, value)]
+    for a, b, q, k, v in _documents(query, key, value, cum_seq_q):
+        p, _ = _probabilities(q, k, scale)
+        d_out = grad_out[a:b].transpose(0, 1).float()
+        d_scores = p * (d_out @ v.transpose(-1, -2) - (d_out * (p @ v)).sum(-1, keepdim=True))
+        d_k, d_v = (x.unflatten(0, (key.shape[1], -1)).sum(1)
+                    for x in (d_scores.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ d_out))
+        for grad, part in zip(grads, (d_scores @ k * scale, d_k, d_v)):
+            grad[a:b] = part.transpose(0, 1).to(grad.dtype)
+    return tuple(grads)
+
+
+SEQ_OF_RUN = [SEQ]  # the window the emulated kernel expects as max_q/max_k (a run's data.seq_len)
+
+
+@pytest.fixture
+def cpu_flash_kernel(monkeypatch):
+    """``varlen`` takes its CUDA path (``FlashVarlen``) on this CPU, the ATen pair run by the kernels above."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_flash_attention_forward", cpu_flash_forward, "CPU")
+    library.impl("_flash_attention_backward", cpu_flash_backward, "CPU")
+    monkeypatch.setattr(varlen, "varlen_kernel_name", lambda device, dtype: varlen.FLASH_KERNEL)
+    yield
+    library._destroy()
+
+
+@pytest.mark.parametrize("kernel", ["stand-in", "aten-pair"])
+def test_the_plumbing_equals_each_document_alone_forward_and_gradients(kernel, request):
+    if kernel == "aten-pair":
+        request.getfixturevalue("cpu_flash_kernel")
     batch = layout_batch()
     assert batch.n_segments == 8 and batch.max_seqlen == SEQ  # a document spans row 0 whole
     inputs, ref_inputs = qkv(), qkv()
@@ -191,11 +257,19 @@ def test_a_varlen_forward_without_the_offsets_fails_loudly():
 
 
 STEPS = 6
+COUNTS: list[dict] = []  # dynamo's counters after each step of the last runs
 
 
-def train_fp32(out_dir, data, attn_implementation: str) -> tuple[list[float], dict]:
-    """``STEPS`` fp32 steps of the tiny model (grouped-query: 2 key/value heads) on short documents, in this process;
-    the logged losses and ``run_meta.json``."""
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def train_fp32(out_dir, data, attn_implementation: str, compile_mode: str = "none") -> tuple[list[float], dict]:
+    """``STEPS`` fp32 steps of the tiny model (grouped-query: 2 key/value heads) on short documents, in this process
+    (of a run one step longer: no validation); the logged losses and ``run_meta.json``."""
     import json
 
     from helpers import TINY_OVERRIDES
@@ -207,23 +281,29 @@ def train_fp32(out_dir, data, attn_implementation: str) -> tuple[list[float], di
     cfg = load_config("recipes/tiny.yaml", [
         f"out_dir={out_dir}", f"data.path={data}", *TINY_OVERRIDES, f"train.max_steps={STEPS + 1}",
         "train.precision=fp32", "model.num_kv_heads=2", "train.eval_every_steps=0", "checkpoint.every_steps=0",
-        "checkpoint.resume=none", f"model.attn_implementation={attn_implementation}"])
+        "checkpoint.resume=none", f"model.attn_implementation={attn_implementation}", f"train.compile={compile_mode}"])
     run = setup.build_run(cfg, out_dir)
     trainer = build_trainer(run, out_dir)
     trainer.start()
     try:
         for _ in range(STEPS):
             trainer.step()
+            COUNTS.append(dynamo_counts())
     finally:
         trainer.close()
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [row["loss"] for row in rows if "loss" in row], json.loads((out_dir / "run_meta.json").read_text())
 
 
-def test_varlen_trains_as_the_dense_mask(tmp_path, short_docs, caplog, monkeypatch):
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory, short_docs) -> tuple[list[float], dict]:
+    return train_fp32(tmp_path_factory.mktemp("sdpa"), short_docs, "sdpa")
+
+
+def test_varlen_trains_as_the_dense_mask(tmp_path, short_docs, caplog, monkeypatch, dense_run):
     import logging
 
-    dense, dense_meta = train_fp32(tmp_path / "sdpa", short_docs, "sdpa")
+    dense, dense_meta = dense_run
     calls = []
     stand_in = varlen.per_document_sdpa
     monkeypatch.setattr(varlen, "per_document_sdpa", lambda *a, **k: calls.append(a[1].shape) or stand_in(*a, **k))
@@ -256,3 +336,22 @@ def test_start_up_refuses_what_cannot_train_here(tmp_path, short_docs, monkeypat
     assert ("no FlexAttention backward on a CPU" in message if "flex" in overrides[0] else
             "Set data.document_masking=true, or model.attn_implementation=sdpa" in message), message
     assert not (tmp_path / "run_meta.json").exists()
+
+
+@pytest.mark.slow
+def test_a_compiled_layer_runs_the_aten_pair_without_recompiling_across_layouts(tmp_path, short_docs, dense_run,
+                                                                              cpu_flash_kernel):
+    """train.compile=layers on the CUDA path: one graph for both layers, compiled at step 1, no graph break and no
+    recompile while the document layouts change (max_q = max_k = the window, the offsets' length marked dynamic)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    COUNTS.clear()
+    SEQ_OF_RUN[0] = 32  # the tiny runs' data.seq_len
+    try:
+        compiled, _ = train_fp32(tmp_path, short_docs, "varlen", "layers")
+    finally:
+        SEQ_OF_RUN[0] = SEQ
+    assert COUNTS[0] == COUNTS[-1] == {"frames": 1, "graphs": 1, "graph_breaks": 0}, COUNTS
+    assert max(abs(a - b) for a, b in zip(dense_run[0], compiled)) <= 1e-5, (dense_run[0], compiled)
