@@ -318,7 +318,8 @@ def attention_record(requested: str, document_masking: bool, hf_config, seq_len:
     """What the training attention runs, for ``run_meta.json`` and the start-up log: the implementation, its kernel,
     and the SDPA backend torch picks (``torch._fused_sdp_choice``, None where no SDPA runs) for a one-row dummy of
     the run's query/key heads, head size, window, dtype and device, with the mask kind the path passes. Called once
-    at start-up: nothing is read back in the loop."""
+    at start-up: nothing is read back in the loop. The dummies are one row of what the path allocates each forward
+    (for a dense mask, ``seq_len^2`` elements)."""
     dtype = PRECISION_DTYPES.get(precision, torch.float32)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -205,11 +205,27 @@ def test_masked_packed_batch_equals_its_documents_run_alone(arch, requested, req
     assert loss_diff < 1e-6 and grad_diff < 1e-6, (loss_diff, grad_diff)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_logits_equal_its_documents_run_alone():
+    """Forward only: torch 2.13 has no FlexAttention backward on a CPU (training with it is refused there)."""
+    config = tiny_llama_config()
+    inputs, _, batch = packed_batch()
+    attention = build_document_attention("flex_attention", config)
+    model = build(config, attention.name)
+    reference = build(config, "eager", model.state_dict())
+    with torch.no_grad():
+        logits = model(input_ids=inputs, use_cache=False, **attention.forward_kwargs(batch, "cpu")).logits.flatten(0, 1)
+        alone = torch.cat([reference(input_ids=inputs.flatten()[None, first:stop], use_cache=False).logits[0]
+                           for first, stop in pairwise(batch.cu_seqlens.tolist())])
+    assert (logits - alone).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("requested", ["sdpa", "varlen"])
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_document_keywords_reach_the_attention_under_gradient_checkpointing(reentrant):
+def test_document_keywords_reach_the_attention_under_gradient_checkpointing(reentrant, requested):
     config = tiny_llama_config()
     inputs, targets, batch = packed_batch()
-    attention = build_document_attention("sdpa", config)
+    attention = build_document_attention(requested, config)
     model = build(config, attention.name)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()

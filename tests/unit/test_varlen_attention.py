@@ -355,3 +355,28 @@ def test_a_compiled_layer_runs_the_aten_pair_without_recompiling_across_layouts(
         SEQ_OF_RUN[0] = SEQ
     assert COUNTS[0] == COUNTS[-1] == {"frames": 1, "graphs": 1, "graph_breaks": 0}, COUNTS
     assert max(abs(a - b) for a, b in zip(dense_run[0], compiled)) <= 1e-5, (dense_run[0], compiled)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_stand_in_on_a_gpu_is_a_warning_naming_the_fix(device, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from helpers import ROOT
+
+    from lmrecipe.config import load_config
+    from lmrecipe.data.batches import BatchLayout
+    from lmrecipe.parallel.topology import Topology
+    from lmrecipe.train.callbacks.reporting import log_start
+
+    run = SimpleNamespace(cfg=load_config(ROOT / "recipes" / "tiny.yaml", []), model=torch.nn.Linear(2, 2),
+                          n_params=10**6, n_active_params=None,
+                          runtime=SimpleNamespace(topology=Topology(1), batch=BatchLayout(8, 8, 1, 0), precision="fp32"),
+                          accelerator=SimpleNamespace(is_main_process=False, device=torch.device(device)))
+    with caplog.at_level(logging.INFO):
+        log_start(run, {"implementation": "varlen", "kernel": varlen.STAND_IN, "sdpa_backend": "MATH"})
+    warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == (["model.attn_implementation=varlen runs its per-document stand-in on this GPU: torch's flash "
+                       "variable-length kernel takes bf16/fp16 (train.precision=fp32) from a torch built with flash "
+                       "attention. Set train.precision=bf16, or model.attn_implementation=sdpa."]
+                      if device == "cuda" else [])

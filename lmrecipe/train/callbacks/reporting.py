@@ -14,6 +14,7 @@ import torch
 from lmrecipe.config import save_config
 from lmrecipe.model.attention import attention_record
 from lmrecipe.model.loss import chunked_head
+from lmrecipe.model.varlen import STAND_IN
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.device import cpu_threads_line
 from lmrecipe.observe.run_meta import launch_record, record_event
@@ -139,6 +140,10 @@ def log_start(run: Run, attention: dict) -> None:
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
     logger.info("attention: %s, kernel: %s, SDPA backend: %s", attention["implementation"], attention["kernel"],
                 attention["sdpa_backend"] or "none")
+    if attention["kernel"] == STAND_IN and run.accelerator.device.type == "cuda":  # correct, one SDPA per document
+        logger.warning("model.attn_implementation=varlen runs its per-document stand-in on this GPU: torch's flash "
+                       "variable-length kernel takes bf16/fp16 (train.precision=%s) from a torch built with flash "
+                       "attention. Set train.precision=bf16, or model.attn_implementation=sdpa.", runtime.precision)
     if run.accelerator.is_main_process and run.accelerator.device.type == "cpu":  # the run's line, said once
         logger.info("%s", cpu_threads_line(runtime.topology.world_size))
 
