@@ -23,7 +23,7 @@ What each parallel split supports, at a glance (the rows below are the contract)
 - Sequence parallelism (``distributed.sequence_parallel_size`` > 1, Ulysses): needs a DeepSpeed config (any stage,
   but not ZeRO-1 in bf16 or fp8: refused once the JSON is read); the split must divide the attention heads, divide or
   be a multiple of the key/value heads (fewer key/value heads than the split are replicated), and divide
-  ``data.seq_len``; needs an attention that takes no 4D mask (not ``eager``); not with ``eval.tasks``,
+  ``data.seq_len``; needs sdpa or a flash kernel (not ``eager``, ``varlen`` or ``flex_attention``); not with ``eval.tasks``,
   ``eval.samples`` or ``logging.layer_stats``.
 """
 
@@ -165,6 +165,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"data.seq_len={c.data.seq_len} exceeds the model's max_position_embeddings="
                    f"{c.model.max_position_embeddings}.",
          "Lower data.seq_len or raise model.max_position_embeddings."),
+    Rule("varlen_needs_document_masking",
+         lambda c: c.model.attn_implementation == "varlen" and not c.data.document_masking,
+         "model.attn_implementation=varlen runs attention per document, from the boundaries data.document_masking "
+         "provides, and data.document_masking=false.",
+         "Set data.document_masking=true, or model.attn_implementation=sdpa for causal attention over whole windows."),
 
     # --- Mixture of experts (docs/moe.md)
     Rule("qwen3_5_moe_is_multimodal",
@@ -382,9 +387,11 @@ RULES: tuple[Rule, ...] = (
                       "every rank of a group holds an equal share of each window.",
         lambda sp, c: f"Choose a seq_len that is a multiple of {sp}."),
     _sequence_parallel(
-        "attention", lambda sp, c: c.model.attn_implementation == "eager",
-        "model.attn_implementation=eager cannot run under sequence parallelism (eager needs the full 4D mask, and "
-        "DeepSpeed's Ulysses wrapper drops it).",
+        "attention", lambda sp, c: c.model.attn_implementation in ("eager", "varlen", "flex_attention"),
+        lambda sp, c: f"model.attn_implementation={c.model.attn_implementation} cannot run under sequence parallelism "
+                      + ("(eager needs the full 4D mask, and DeepSpeed's Ulysses wrapper drops it)." if
+                         c.model.attn_implementation == "eager" else "(its document offsets or block mask are built "
+                         "for the whole window, which Ulysses' all-to-all does not hand on)."),
         "Use model.attn_implementation=sdpa, flash_attention_2 or flash_attention_3, or set "
         "distributed.sequence_parallel_size=1."),
     _sequence_parallel(

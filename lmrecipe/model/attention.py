@@ -13,6 +13,8 @@ attention module -> attention function), so per-batch data reaches it without ch
   (transformers passes a 4D mask through as is). Refused for models with sliding-window layers.
 - ``flash_attention_2`` / ``flash_attention_3`` -> the names of :data:`DOCUMENT_FLASH`: the variable-length kernel
   with ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the host, over the batch flattened row-major.
+- ``varlen`` / ``flex_attention`` -> ``varlen.VARLEN`` / ``varlen.FLEX`` (``lmrecipe/model/varlen.py``): no dense
+  mask; torch's own flash variable-length kernel (a per-document stand-in without it), or FlexAttention.
 
 Every path passes ``position_ids`` restarting at each document. A model with gated DeltaNet layers (Qwen3.5,
 Qwen3-Next) also gets the keyword ``linear_attention_documents``: those layers run per document
@@ -33,13 +35,17 @@ import torch.nn.functional as F
 from lmrecipe.errors import fail
 from lmrecipe.model.linear_attention import KEYWORD as LINEAR_KEYWORD
 from lmrecipe.model.linear_attention import check_linear_attention, document_segments
+from lmrecipe.model.varlen import (BLOCK_MASK, FLEX, STAND_IN, VARLEN, document_block_mask, document_flex_forward,
+                                   document_varlen_forward, varlen_kernel_name, varlen_kwargs)
 
 DOCUMENT_SDPA = "lmrecipe_document_sdpa"
 """transformers' SDPA attention under the ``document_mask`` keyword argument (see :func:`document_sdpa_forward`)."""
 DOCUMENT_FLASH = {"flash_attention_2": "lmrecipe_document_fa2", "flash_attention_3": "lmrecipe_document_fa3"}
 """Our name for each flash kernel. No "flash" in them: transformers would try to load a hub kernel of that name."""
 _FLASH_KERNEL = {ours: kernel for kernel, ours in DOCUMENT_FLASH.items()}
-SUPPORTED = ("sdpa", "eager", *DOCUMENT_FLASH)
+NO_DENSE_MASK = {"varlen": (VARLEN, document_varlen_forward), "flex_attention": (FLEX, document_flex_forward)}
+"""Our name and attention function for each implementation that masks without a dense mask (``varlen.py``)."""
+SUPPORTED = ("sdpa", "eager", *DOCUMENT_FLASH, *NO_DENSE_MASK)
 _OFF = "or set data.document_masking=false"
 
 
@@ -68,6 +74,11 @@ class DocumentAttention:
         position_ids = _to_device(batch.position_ids, device)
         if self.requested in DOCUMENT_FLASH:
             return {"position_ids": position_ids, **flash_varlen_kwargs(batch, device)}
+        if self.requested == "varlen":
+            return {"position_ids": position_ids, **varlen_kwargs(batch, device)}
+        if self.requested == "flex_attention":
+            return {"position_ids": position_ids,
+                    BLOCK_MASK: document_block_mask(_to_device(batch.document_ids, device))}
         mask = block_causal_mask(_to_device(batch.document_ids, device))
         if self.requested == "eager":
             return {"position_ids": position_ids, "attention_mask": additive_mask(mask)}
@@ -90,6 +101,10 @@ def build_document_attention(attn_implementation: str, hf_config) -> DocumentAtt
         return DocumentAttention(attn_implementation, DOCUMENT_FLASH[attn_implementation], linear)
     if attn_implementation == "eager":
         return DocumentAttention("eager", "eager", linear)
+    if attn_implementation in NO_DENSE_MASK:
+        name, function = NO_DENSE_MASK[attn_implementation]
+        AttentionInterface.register(name, function)
+        return DocumentAttention(attn_implementation, name, linear)
     AttentionInterface.register(DOCUMENT_SDPA, document_sdpa_forward)
     return DocumentAttention("sdpa", DOCUMENT_SDPA, linear)
 
@@ -99,10 +114,18 @@ FLASH_MODULES = {"flash_attention_2": ("flash_attn", "flash-attn"),
 """The module each flash kernel is imported from, and the package that installs it."""
 
 
-def check_flash_kernel(attn_implementation: str) -> None:
-    """UserError naming the fix when a flash kernel (``model.attn_implementation=flash_attention_2/3``) cannot run
-    here: no CUDA device, or neither its package nor the ``kernels`` library (transformers' fallback that fetches a
-    built kernel) is installed. Called at start-up, with or without document masking, before anything is built."""
+def check_attention_kernel(attn_implementation: str) -> None:
+    """UserError naming the fix when the training attention cannot run here: FlexAttention without CUDA (torch 2.13
+    has no FlexAttention backward on a CPU), or a flash kernel (``flash_attention_2/3``) without CUDA or without its
+    package or the ``kernels`` library (transformers' fallback that fetches a built kernel). Called at start-up, with
+    or without document masking, before anything is built."""
+    if attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise fail("""
+            model.attn_implementation=flex_attention cannot train on this machine: it has no CUDA GPU, and torch has
+            no FlexAttention backward on a CPU (torch 2.13: "FlexAttention does not support backward on CPU", eager
+            or compiled). Train with model.attn_implementation=varlen (document masking without a dense mask: a
+            per-document stand-in here, torch's flash variable-length kernel on a GPU) or sdpa, or run on a CUDA
+            GPU.""")
     if attn_implementation not in FLASH_MODULES:
         return
     module, package = FLASH_MODULES[attn_implementation]
@@ -120,11 +143,6 @@ def _installed(module: str) -> bool:
 
 
 def _check_supported(attn_implementation: str) -> None:
-    if attn_implementation == "flex_attention":
-        raise fail(f"""
-            data.document_masking=true cannot run with model.attn_implementation=flex_attention: document masking
-            is not wired to flex attention, and torch 2.13 has no flex_attention backward on CPU. Use
-            model.attn_implementation=sdpa (any device) or flash_attention_2/flash_attention_3 (GPU), {_OFF}.""")
     if attn_implementation not in SUPPORTED:
         raise fail(f"""
             data.document_masking=true supports model.attn_implementation in {', '.join(SUPPORTED)}; got
@@ -157,11 +175,26 @@ def _check_model(model_class: type, attn_implementation: str, hf_config, linear:
     if attn_implementation in DOCUMENT_FLASH and not model_class._supports_flash_attn:
         raise fail(f"data.document_masking=true: {name} does not support flash attention. Use "
                    f"model.attn_implementation=sdpa, {_OFF}.")
+    if attn_implementation in NO_DENSE_MASK:
+        _check_no_dense_mask(attn_implementation, name, hf_config)
     if attn_implementation == "eager" and getattr(hf_config, "sliding_window", None) is not None:
         raise fail(f"""
             data.document_masking=true with model.attn_implementation=eager would drop the sliding window of {name}
             (sliding_window={hf_config.sliding_window}): its mask is passed whole to every layer. Use
             model.attn_implementation=sdpa (which applies the window per layer), {_OFF}.""")
+
+
+def _check_no_dense_mask(attn_implementation: str, name: str, hf_config) -> None:
+    """varlen and flex_attention run plain causal attention per document: no sliding window, soft-capping or sinks."""
+    extras = {key: getattr(hf_config, key, None) for key in ("sliding_window", "attn_logit_softcapping")}
+    extras = {key: value for key, value in extras.items() if value is not None}
+    if hf_config.model_type == "gpt_oss":
+        extras["attention sinks"] = True
+    if extras:
+        raise fail(f"""
+            data.document_masking=true with model.attn_implementation={attn_implementation} runs plain causal
+            attention per document, and {name} has {', '.join(f'{k}={v}' for k, v in extras.items())}. Use
+            model.attn_implementation=sdpa (which applies them per layer), {_OFF}.""")
 
 
 def _load_flash_kernel(attn_implementation: str) -> None:
@@ -274,3 +307,42 @@ def document_flash_forward(module, query, key, value, attention_mask, dropout=0.
         **kwargs,
     )
     return output[..., :value_dim], None
+
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
+"""The dtype the attention computes in under ``train.precision`` (fp8 runs its attention in bf16); fp32 otherwise."""
+
+
+def attention_record(requested: str, document_masking: bool, hf_config, seq_len: int, precision: str,
+                     device: torch.device | str) -> dict:
+    """What the training attention runs, for ``run_meta.json`` and the start-up log: the implementation, its kernel,
+    and the SDPA backend torch picks (``torch._fused_sdp_choice``, None where no SDPA runs) for a one-row dummy of
+    the run's query/key heads, head size, window, dtype and device, with the mask kind the path passes. Called once
+    at start-up: nothing is read back in the loop. The dummies are one row of what the path allocates each forward
+    (for a dense mask, ``seq_len^2`` elements)."""
+    dtype = PRECISION_DTYPES.get(precision, torch.float32)
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    sdpa, kernel = None, requested
+    if requested == "varlen":  # the stand-in runs causal SDPA per document, key/value heads as they are
+        kernel = varlen_kernel_name(device, dtype)
+        sdpa = _sdpa_backend(heads, kv_heads, head_dim, seq_len, dtype, device, None) if kernel == STAND_IN else None
+    elif requested == "sdpa" and document_masking:  # one additive mask; transformers repeats the key/value heads
+        kernel = "sdpa under a dense block-causal mask"
+        mask = torch.zeros(1, 1, seq_len, seq_len, dtype=dtype, device=device)
+        sdpa = _sdpa_backend(heads, heads, head_dim, seq_len, dtype, device, mask)
+    elif requested == "sdpa":
+        kernel = "sdpa, causal"
+        sdpa = _sdpa_backend(heads, kv_heads, head_dim, seq_len, dtype, device, None)
+    return {"implementation": requested, "kernel": kernel, "sdpa_backend": sdpa}
+
+
+def _sdpa_backend(heads: int, kv_heads: int, head_dim: int, seq_len: int, dtype, device, mask) -> str:
+    from torch.nn.attention import SDPBackend
+
+    query = torch.zeros(1, heads, seq_len, head_dim, dtype=dtype, device=device)
+    key = torch.zeros(1, kv_heads, seq_len, head_dim, dtype=dtype, device=device)
+    choice = torch._fused_sdp_choice(query, key, key, attn_mask=mask, is_causal=mask is None,
+                                     enable_gqa=kv_heads != heads)
+    return SDPBackend(choice).name

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lmrecipe.model.attention import DocumentAttention, build_document_attention, check_flash_kernel
+from lmrecipe.model.attention import DocumentAttention, build_document_attention, check_attention_kernel
 from lmrecipe.model.linear_attention import install_per_document
 from lmrecipe.config import DataConfig, ModelConfig, TrainConfig
 from lmrecipe.data.tokenizer import check_same_tokenizer, tokenizer_name
@@ -229,7 +229,7 @@ def build_attention(model: ModelConfig, data: DataConfig, hf_config) -> Document
     """The document-masking attention of ``data.document_masking`` (``lmrecipe/model/attention.py``), or None when off
     (plain causal windows). A model or attention implementation that cannot mask is refused here, at start-up, as is
     a flash kernel that cannot run on this machine."""
-    check_flash_kernel(model.attn_implementation)
+    check_attention_kernel(model.attn_implementation)
     if not data.document_masking:
         return None
     return build_document_attention(model.attn_implementation, hf_config)

@@ -36,7 +36,7 @@ from lmrecipe.data.format import check_model_vocab, open_data
 from lmrecipe.data.remote import check_remote_data
 from lmrecipe.data.sources import check_sources, local_sources
 from lmrecipe.errors import UserError
-from lmrecipe.model.attention import DocumentAttention, check_flash_kernel
+from lmrecipe.model.attention import DocumentAttention, check_attention_kernel
 from lmrecipe.model.build import build_attention, build_hf_config, check_init_tokenizer
 from lmrecipe.objstore import READ_PATIENCE_S, check_access, is_remote, transient_errors, unreadable
 from lmrecipe.observe.trackers import check_trackers
@@ -106,7 +106,7 @@ def check_machine(pf: Preflight) -> None:
     """The precision, the trackers' libraries and the attention kernel on this machine."""
     pf.precision = pf.check(lambda: check_precision(pf.cfg.train.precision))
     pf.check(lambda: check_trackers(pf.cfg.logging.trackers))
-    pf.attention_runs = pf.check(lambda: check_flash_kernel(pf.cfg.model.attn_implementation) or True) is not None
+    pf.attention_runs = pf.check(lambda: check_attention_kernel(pf.cfg.model.attn_implementation) or True) is not None
 
 
 def check_launch_of(pf: Preflight) -> None:

@@ -313,6 +313,8 @@ TRIGGERS = {
     "kv_heads_divide_heads": (["model.num_kv_heads=3"], "model.num_kv_heads=3 must be a positive divisor of model.num_heads=4"),
     "window_within_positions": (["model.max_position_embeddings=16"],
                                 "data.seq_len=32 exceeds the model's max_position_embeddings=16. Lower data.seq_len"),
+    "varlen_needs_document_masking": (["model.attn_implementation=varlen", "data.document_masking=false"],
+                                      "runs attention per document, from the boundaries data.document_masking"),
     "some_data": (["data.path=null"], "No training data: set data.path to a prepared folder"),
     "min_lr_within_lr": (["optim.min_lr=0.01"], "optim.min_lr=0.01 must not exceed optim.lr=0.002."),
     "one_decay_length": (["schedule.decay_steps=30", "schedule.decay_fraction=0.1"],

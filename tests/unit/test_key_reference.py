@@ -78,7 +78,8 @@ def test_types_and_defaults_read_as_a_recipe_writes_them():
     assert type_name(list[str]) == "list[str]"
     keys = {k.key: k for k in config_keys()}
     assert (keys["model.num_kv_heads"].type, keys["model.num_kv_heads"].default) == ("int | null", "null")
-    assert keys["model.attn_implementation"].type == "one of sdpa, eager, flash_attention_2, flash_attention_3"
+    assert keys["model.attn_implementation"].type == ("one of sdpa, eager, flash_attention_2, flash_attention_3, varlen, "
+                                                      "flex_attention")
     assert (keys["logging.trackers"].default, keys["train.compile"].default) == ("[]", "none")
     assert keys["train.compile"].type == "one of none, model, layers"
     assert keys["data.sources[].path"].default == "required"

@@ -66,8 +66,7 @@ class DataConfig:
     document_masking: bool = fixed(True)
     """Train packed documents as documents: each token attends only to earlier tokens of its own document and position
     ids restart at each document start (boundaries from the folder's ``train.idx`` / ``val.idx``). Needs a model whose
-    attention can mask (``model.attn_implementation`` sdpa, eager, flash_attention_2/3); false attends across the
-    whole window. Fixed on resume."""
+    attention can mask (``docs/training.md``); false attends across the whole window. Fixed on resume."""
 
     def validate(self) -> None:
         positive(self, "seq_len", "val_windows")

@@ -56,10 +56,12 @@ class ModelConfig:
     """RoPE base frequency."""
     tie_embeddings: bool = fixed(False)
     """Share the input embedding and the output projection."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    """Attention kernel passed to transformers: sdpa (any device), eager, or a flash kernel on a CUDA GPU where its
-    package is installed (flash_attention_2: flash-attn; flash_attention_3: flash-attn-3, Hopper GPUs), checked at
-    start-up."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "varlen",
+                                 "flex_attention"] = "sdpa"
+    """Attention kernel: sdpa (any device), eager, a flash kernel on a CUDA GPU where its package is installed
+    (flash_attention_2: flash-attn; flash_attention_3: flash-attn-3, Hopper GPUs), varlen (needs document masking:
+    per document, torch's flash variable-length kernel on CUDA in bf16/fp16, a per-document SDPA stand-in
+    elsewhere) or flex_attention (CUDA: no FlexAttention backward on a CPU). Checked at start-up."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     extra: dict = field(default_factory=dict, metadata=FIXED_ON_RESUME)

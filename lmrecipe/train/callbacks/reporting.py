@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from lmrecipe.config import save_config
+from lmrecipe.model.attention import attention_record
 from lmrecipe.model.loss import chunked_head
+from lmrecipe.model.varlen import STAND_IN
 from lmrecipe.observe.console import Reporter
 from lmrecipe.observe.device import cpu_threads_line
 from lmrecipe.observe.run_meta import launch_record, record_event
@@ -50,10 +52,12 @@ class Reporting(Callback):
         if run.accelerator.is_main_process:
             save_config(run.cfg, self.out_dir / "config.yaml")
         launch = launch_record(self.command, run.accelerator.num_processes, trainer.state.step, trainer.resumed_from)
+        attention = run_attention(run)
         self.reporter = build_reporter(run, self.out_dir, trainer.state.step,
                                        {"resumed_from": trainer.resumed_from, "recipe": self.recipe,
-                                        "branched_from": trainer.checkpointer.branched_from}, launch)
-        log_start(run)
+                                        "branched_from": trainer.checkpointer.branched_from, "attention": attention},
+                                       launch)
+        log_start(run, attention)
 
     def needs_sync(self, trainer, step: int) -> bool:
         return self.reporter.should_log(step)
@@ -121,11 +125,25 @@ def build_straggler_detector(run: Run) -> StragglerDetector | None:
                              rank_hosts(run.accelerator.num_processes))
 
 
-def log_start(run: Run) -> None:
+def run_attention(run: Run) -> dict:
+    """The run's attention kernel and SDPA backend (``attention_record``), for ``run_meta.json`` and the log."""
+    cfg = run.cfg
+    return attention_record(cfg.model.attn_implementation, cfg.data.document_masking,
+                            unwrap_model(run.accelerator, run.model).config,
+                            cfg.data.seq_len, run.runtime.precision, run.accelerator.device)
+
+
+def log_start(run: Run, attention: dict) -> None:
     cfg, runtime = run.cfg, run.runtime
     head = chunked_head(run.model)
     logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
+    logger.info("attention: %s, kernel: %s, SDPA backend: %s", attention["implementation"], attention["kernel"],
+                attention["sdpa_backend"] or "none")
+    if attention["kernel"] == STAND_IN and run.accelerator.device.type == "cuda":  # correct, one SDPA per document
+        logger.warning("model.attn_implementation=varlen runs its per-document stand-in on this GPU: torch's flash "
+                       "variable-length kernel takes bf16/fp16 (train.precision=%s) from a torch built with flash "
+                       "attention. Set train.precision=bf16, or model.attn_implementation=sdpa.", runtime.precision)
     if run.accelerator.is_main_process and run.accelerator.device.type == "cpu":  # the run's line, said once
         logger.info("%s", cpu_threads_line(runtime.topology.world_size))
 
