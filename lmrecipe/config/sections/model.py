@@ -60,6 +60,10 @@ class ModelConfig:
     """Attention kernel passed to transformers: sdpa (any device), eager, or a flash kernel on a CUDA GPU where its
     package is installed (flash_attention_2: flash-attn; flash_attention_3: flash-attn-3, Hopper GPUs), checked at
     start-up."""
+    kernels: Literal["none", "liger"] = "none"
+    """Fused kernels for the elementwise work: none = transformers' own modules; liger = Liger-Kernel's Triton
+    RMSNorm, SwiGLU and rotary kernels patched into the built model (a CUDA GPU, Triton and the liger-kernel package,
+    ``pip install 'lmrecipe[liger]'``; checked at start-up)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     extra: dict = field(default_factory=dict, metadata=FIXED_ON_RESUME)
