@@ -50,12 +50,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def _mfu(results):
-    r = results["bf16 ZeRO-2"]
-    return {"figure": f"{_num(r['tokens_per_sec'])} tokens/s, MFU {_pct(r['mfu'])}, step {r['step_time_s']:.3f} s",
-            "value": r["mfu"], "met": None if r["mfu"] is None else r["mfu"] >= 0.45}
-
-
 def _syncs(results):
     parts, met = [], None
     for label, r in results.items():
@@ -76,12 +70,6 @@ def _stall(results):
     return {"figure": figure, "value": ratio, "met": None}
 
 
-def _data_wait(results):
-    r = results["bf16 ZeRO-2"]
-    figure = f"{1e3 * r['data_wait_s_per_step']:.2f} ms per step, {_pct(r['data_share'])} of the step"
-    return {"figure": figure, "value": r["data_share"], "met": r["data_share"] < 0.01}
-
-
 def _levers(results):
     lv, no_ds = results["levers"], results["no DeepSpeed"]
     windows = {name: w for name, w in lv["windows"].items() if "tokens_per_sec" in w}
@@ -89,23 +77,20 @@ def _levers(results):
     recorded = lv.get("baseline_vs_recorded", {})
     against = "" if recorded.get("points") is None else \
         f" ({recorded['points']:+.1f} points from the recorded {_pct(recorded['recorded_mfu'])})"
-    figure = (f"baseline {_num(base['tokens_per_sec'])} tokens/s, MFU {_pct(base['mfu'])}{against}; best ({name}) "
+    figure = (f"baseline {_num(base['tokens_per_sec'])} tokens/s, MFU {_pct(base['mfu'])}{against}, data wait "
+              f"{_pct(base.get('data_share'))} of the step; best ({name}) "
               f"{_num(best['tokens_per_sec'])} tokens/s, MFU {_pct(best['mfu'])}, "
               f"{_num(_ratio(best['tokens_per_sec'], base['tokens_per_sec']), '.3f')}x; no DeepSpeed "
               f"{_num(_ratio(no_ds['tokens_per_sec'], base['tokens_per_sec']), '.3f')}x the baseline")
     return {"figure": figure, "value": best["mfu"], "met": None if best["mfu"] is None else best["mfu"] >= 0.45}
 
 
-BF16_ZERO2 = Side("bf16 ZeRO-2", ZERO2)
 STAGES = (
     Stage("levers", "each speed lever on top of the best so far, in place on one 1B build (bench/gpu/levers.py); "
           "no DeepSpeed apart", ">= 45% MFU",
           (Side("no DeepSpeed", NO_DEEPSPEED), Side("levers", ZERO2, levers=True)), _levers),
-    Stage("mfu_zero2", "MFU and tokens/s, 1B recipe, bf16, ZeRO-2, SDPA", ">= 45% MFU", (BF16_ZERO2,), _mfu),
     Stage("host_syncs", "host syncs per unlogged step (HostSyncCounter, torch.cuda's sync debug mode)", "0 (no DeepSpeed)",
           (Side("no DeepSpeed", NO_DEEPSPEED, count_syncs=True), Side("ZeRO-2", ZERO2, count_syncs=True)), _syncs),
-    Stage("data_wait", "data wait per step (prefetched batches and their copy), bf16 ZeRO-2", "< 1% of the step",
-          (BF16_ZERO2,), _data_wait),
     Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
           "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )

@@ -56,7 +56,7 @@ def test_dry_run_figures_come_from_the_configurations_they_name(dry_run):
     # shared by the stages that name it.
     assert rows["host_syncs"]["sides"]["no DeepSpeed"]["host_syncs"]["per_step"] == 0
     assert rows["levers"]["sides"]["no DeepSpeed"] == rows["host_syncs"]["sides"]["no DeepSpeed"]
-    assert rows["mfu_zero2"]["sides"]["bf16 ZeRO-2"]["zero"] == "DeepSpeed ZeRO-2"
+    assert rows["host_syncs"]["sides"]["ZeRO-2"]["zero"] == "DeepSpeed ZeRO-2"
     stall = rows["checkpoint_stall"]["sides"]["bf16 ZeRO-2 checkpoints"]["checkpoint_stall"]
     assert stall["sync"]["blocked_s"] > 0 and stall["background"]["blocked_s"] > 0 and stall["checkpoint_gb"] > 0
 
@@ -91,17 +91,21 @@ def test_a_side_stopped_after_its_timed_steps_keeps_them():
     row = run.stage_row(stall, {" ".join(stall.sides[0].overrides): timed}, dry_run=False)
     assert row["status"].startswith("failed: summary (KeyError: 'checkpoint_stall')")
     assert "worker stopped after 30 s" in row["status"]
-    mfu = stages.BY_NAME["mfu_zero2"]
-    timed = {**timed, "label": "bf16 ZeRO-2", "mfu": 0.3, "tokens_per_sec": 34000.0, "step_time_s": 0.96}
-    row = run.stage_row(mfu, {" ".join(mfu.sides[0].overrides): timed}, dry_run=False)
-    assert row["status"] == "measured" and row["figure"].startswith("34,000 tokens/s, MFU 30.0%")
+    levers = stages.BY_NAME["levers"]  # a sweep cut short keeps the windows it wrote
+    windows = {"baseline": {"tokens_per_sec": 34000.0, "mfu": 0.3, "data_share": 0.004}, "full logits": {"error": "OOM"}}
+    cut = {**timed, "label": "levers", "windows": windows, "skipped": {}}
+    no_ds = {"label": "no DeepSpeed", "tokens_per_sec": 17000.0}
+    row = run.stage_row(levers, {levers.sides[0].key: no_ds, levers.sides[1].key: cut}, dry_run=False)
+    assert row["status"] == "measured"
+    assert row["figure"].startswith("baseline 34,000 tokens/s, MFU 30.0%, data wait 0.4% of the step; best (baseline)")
+    assert row["figure"].endswith("no DeepSpeed 0.500x the baseline")
 
 
 def test_an_unknown_stage_exits_2_naming_the_choices(tmp_path):
-    proc = run_script(["bench/gpu/run.py", "--dry-run", "--stages", "mfu_zero2,mfu", "--out", str(tmp_path)],
+    proc = run_script(["bench/gpu/run.py", "--dry-run", "--stages", "levers,mfu", "--out", str(tmp_path)],
                       check=False)
     assert proc.returncode == 2
-    assert "unknown stage 'mfu'" in proc.stderr and "mfu_zero2, host_syncs" in proc.stderr
+    assert "unknown stage 'mfu'" in proc.stderr and "levers, host_syncs" in proc.stderr
     assert not (tmp_path / "gpu_kit.json").exists()
 
 

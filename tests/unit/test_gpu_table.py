@@ -64,7 +64,7 @@ def test_each_stage_takes_the_latest_run_that_measured_it():
     assert rows["fp8"][1]["file"] == "a.json"  # a failed row does not hide the measured one
 
 
-@pytest.mark.parametrize("name", ["mfu_zero2", "levers"])
+@pytest.mark.parametrize("name", ["host_syncs", "levers"])
 def test_unmeasured_stages_say_so(name):
     text = table.render([])
     assert f"| `{name}` | not measured |" in text and "The levers, one by one: not measured yet." in text
