@@ -98,3 +98,16 @@ def test_a_model_created_on_a_device_is_initialised_as_on_the_cpu(tmp_path, data
     matrices, norms = torch.cat(kinds["matrix"]), torch.cat(kinds["norm"])
     assert abs(matrices.std().item() - 0.05) < 1e-3 and abs(matrices.mean().item()) < 1e-3
     assert torch.equal(norms, torch.ones_like(norms))
+
+
+@pytest.mark.parametrize("device, stage, tensor_parallel, autoep, expected", [
+    ("cuda:0", 2, 1, False, "cuda:0"), ("cuda:0", 0, 1, False, "cuda:0"), ("cuda:0", 3, 1, False, None),
+    ("cuda:0", 1, 2, False, None), ("cuda:0", 2, 1, True, None), ("cpu", 2, 1, False, None)])
+def test_the_model_is_created_on_the_gpu_only_where_it_goes_whole(device, stage, tensor_parallel, autoep, expected):
+    from types import SimpleNamespace
+
+    from lmrecipe.train.setup import init_device
+
+    topology = SimpleNamespace(zero=SimpleNamespace(stage=stage), tensor_parallel_size=tensor_parallel, autoep=autoep)
+    chosen = init_device(torch.device(device), topology)
+    assert (None if chosen is None else str(chosen)) == expected
