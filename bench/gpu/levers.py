@@ -89,7 +89,7 @@ def held_loss(run, batch) -> float:
     device = run.accelerator.device
     terms = training_loss(run.model, inputs.to(device), targets.to(device), run.cfg.train.z_loss,
                           forward_kwargs(run.attention, documents, device))
-    return float(terms.lm)
+    return float(terms.lm.detach())
 
 
 def window(run, step: int, warmup: int, steps: int) -> tuple[dict, int]:
