@@ -3,7 +3,8 @@ speed levers in place, each on top of the best so far; the ones that cannot be u
 compile) last; a second engine build for fused AdamW, then the best set at a larger accumulation.
 
 The learning rate is held at 0, so the weights stay at their initial values and the loss of one held micro-batch
-(``held_loss``) compares the levers' numerics directly. A window records tokens/s, MFU, the step peak and reserved
+(``held_loss``) compares the levers' numerics directly (``held_loss_agrees``: within 1 % of the baseline's, bf16's
+tolerance). A window records tokens/s, MFU, the step peak and reserved
 memory, allocator retries and the attention; the result is saved after every window.
 """
 
@@ -257,7 +258,7 @@ class Sweep:
         backend = self.result["preamble"].get(f"sdp_choice_{masked}") if levers["attention"] == "sdpa" else \
             levers["attention"]
         windows[name] = {**figures, "levers": dict(levers), "held_loss": loss, "held_loss_diff": loss - base,
-                         "attention_backend": backend}
+                         "held_loss_agrees": abs(loss - base) <= 1e-2 * abs(base), "attention_backend": backend}
         self.save(self.result)
         return windows[name]
 

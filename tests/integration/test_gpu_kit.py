@@ -70,7 +70,7 @@ def test_the_levers_switch_in_place_and_say_what_they_could_not_measure(dry_run)
     assert windows["baseline"]["levers"]["optimizer"] == "foreach AdamW" and windows["fused AdamW"]["levers"]["optimizer"] == "fused AdamW"
     assert windows["accumulation 16"]["tokens_per_step"] == 8 * windows["baseline"]["tokens_per_step"]
     for name, w in windows.items():  # weights held: every lever computes the baseline's loss (fp32 on a CPU)
-        assert w["tokens_per_sec"] > 0 and abs(w["held_loss_diff"]) < 1e-5, name
+        assert w["tokens_per_sec"] > 0 and abs(w["held_loss_diff"]) < 1e-5 and w["held_loss_agrees"], name
     assert "not available in this build" in levers["skipped"]["varlen"]
     assert "model.kernels=liger" in levers["skipped"]["liger"] and "needs a CUDA GPU" in levers["skipped"]["compile"]
     assert levers["baseline_vs_recorded"]["recorded_mfu"] == pytest.approx(0.285, abs=1e-3)
