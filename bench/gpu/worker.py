@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
     versions = {m: C.version(m) for m in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers",
-                                           "triton", "flash_attn", "safetensors", "numpy", "pydantic")}
+                                           "triton", "liger_kernel", "safetensors", "numpy", "pydantic")}
     versions.update(python=platform.python_version(), cuda=torch.version.cuda)
     if torch.cuda.is_available():  # the device the figures are of
         props = torch.cuda.get_device_properties(0)
