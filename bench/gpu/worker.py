@@ -1,10 +1,10 @@
 """One side of a GPU-kit stage, measured in this process: ``build_run`` and ``train_step`` of ``lmrecipe.train``.
 
-After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs. Figures: tokens/s and MFU;
-the step peak (``max_memory_allocated`` less what was held before); data wait; host syncs (``HostSyncCounter`` and
-torch.cuda's sync debug mode); the checkpoint stall (``_common.save_round``); the planner's prediction. A side of
-the ``levers`` stage is measured by ``levers.py`` instead. The result so far is written after the timed steps and after each slow measurement, so a worker stopped
-by ``--budget-s`` keeps its timed figures.
+After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs (``levers.window``). Figures:
+tokens/s and MFU; the step peak; data wait; host syncs (``HostSyncCounter`` and torch.cuda's sync debug mode); the
+checkpoint stall (``_common.save_round``); the planner's prediction. A side of the ``levers`` stage is measured by
+``levers.py`` instead. The result so far is written after the timed steps and after each slow measurement, so a
+worker stopped by ``--budget-s`` keeps its timed figures.
 """
 
 from __future__ import annotations
