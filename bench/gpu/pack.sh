@@ -2,7 +2,8 @@
 # Fill bench/gpu/packed/ with what an offline GPU node lacks, for Python 3.12 on x86-64 Linux, at the versions
 # pyproject.toml pins: DeepSpeed's sdist and its pure-Python needs, torchao, transformers, tokenizers, Liger-Kernel
 # (pure Python; the node's triton runs it), and setuptools to build DeepSpeed there. Run on a machine with PyPI,
-# then copy the tree with this folder to the node. The pack is about 37 MB; above PACK_LIMIT_MB (default 55) torch or another package the node already has was pulled in.
+# then copy the tree with this folder to the node. The pack is about 37 MB; above PACK_LIMIT_MB (default 55) torch or
+# another package the node already has was pulled in.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
