@@ -67,10 +67,13 @@ def command_line() -> str:
 
 
 def version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except Exception:  # not installed, or no __version__: the description says so rather than failing
-        return "n/a"
+    """A module's ``__version__``, else its distribution's (liger_kernel has none of its own), else "n/a"."""
+    import importlib.metadata
+
+    for get in (lambda: __import__(module).__version__, lambda: importlib.metadata.version(module.replace("_", "-"))):
+        with contextlib.suppress(Exception):  # not installed: the description says so rather than failing
+            return get()
+    return "n/a"
 
 
 def machine(device: str = "cpu") -> dict:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fill bench/gpu/packed/ with what an offline GPU node lacks, for Python 3.12 on x86-64 Linux, at the versions
-# pyproject.toml pins: DeepSpeed's sdist and its pure-Python needs, torchao, transformers, tokenizers, and setuptools
-# to build DeepSpeed there. Run on a machine with PyPI, then copy the tree with this folder to the node. The pack is
-# about 36 MB; above PACK_LIMIT_MB (default 55) torch or another package the node already has was pulled in.
+# pyproject.toml pins: DeepSpeed's sdist and its pure-Python needs, torchao, transformers, tokenizers, Liger-Kernel
+# (pure Python; the node's triton runs it), and setuptools to build DeepSpeed there. Run on a machine with PyPI,
+# then copy the tree with this folder to the node. The pack is about 37 MB; above PACK_LIMIT_MB (default 55) torch or
+# another package the node already has was pulled in.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -24,6 +25,7 @@ DEEPSPEED="$(pin deepspeed)"
 TORCHAO="$(pin torchao)"
 TRANSFORMERS="$(pin transformers)"
 TOKENIZERS="$(pin tokenizers)"
+LIGER="$(pin liger-kernel)"
 # DeepSpeed's requirements (requirements/requirements.txt of its sdist, and nvidia-ml-py on CUDA), less torch,
 # numpy, packaging, psutil and tqdm, which torch, accelerate and transformers already brought to the node.
 DEEPSPEED_NEEDS=(einops hjson msgpack ninja py-cpuinfo "pydantic>=2" nvidia-ml-py)
@@ -37,7 +39,7 @@ WHEEL_FLAGS=(--only-binary=:all: --python-version 3.12 --implementation cp --abi
 rm -rf "$OUT.tmp"
 mkdir -p "$OUT.tmp"
 $PIP download --quiet --no-deps --no-binary=:all: "$DEEPSPEED" -d "$OUT.tmp"
-$PIP download --quiet --no-deps "${WHEEL_FLAGS[@]}" "$TORCHAO" -d "$OUT.tmp"
+$PIP download --quiet --no-deps "${WHEEL_FLAGS[@]}" "$TORCHAO" "$LIGER" -d "$OUT.tmp"
 $PIP download --quiet "${WHEEL_FLAGS[@]}" "$TRANSFORMERS" "$TOKENIZERS" setuptools "${DEEPSPEED_NEEDS[@]}" -d "$OUT.tmp"
 for name in "${EXCLUDE[@]}"; do
     rm -f "$OUT.tmp/$name"-[0-9]*.whl
@@ -48,6 +50,7 @@ cat > "$OUT.tmp/requirements.txt" <<REQ
 $TORCHAO
 $TRANSFORMERS
 $TOKENIZERS
+$LIGER
 $DEEPSPEED
 REQ
 # The commit the kit measures, for a node whose copy of the tree has no .git.

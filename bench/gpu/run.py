@@ -33,7 +33,8 @@ GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"
 GPU_BASE = ("model.vocab_size=128256", "model.vocab_beyond_data=true", "train.global_batch_size=16", "train.micro_batch_size=8")
 # The tests' tiny model: on a CPU, fp8's emulated float8 matmuls are slow at the tiny recipe's own width.
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
-            "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4")
+            "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4",
+            "train.loss_chunk_tokens=64")
 JSON_NAME, LOG_NAME = "gpu_kit.json", "workers.log"
 MIN_LEFT_S = 30  # no side starts with this many seconds of --budget-s left, or fewer
 
@@ -47,9 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--packed", type=Path, default=HERE / "packed", help="the folder pack.sh filled")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="installed packages, data, runs (default: %(default)s)")
     parser.add_argument("--data", type=Path, default=None, help="a prepared data folder (default: prepared under --work)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per side (default: 20; dry run 2)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="steps before measuring (default: 5; dry run 0)")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="start no side after this many seconds, stop a "
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per side or window (default: 8; dry run 2)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="steps before measuring (default: 3; dry run 0)")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="start no side after this many seconds, stop a "
                         "worker when they are spent: a minute under your time on the node (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
@@ -60,20 +61,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
     if args.data is not None:
         args.data = args.data.resolve()  # the workers run in the repository root
-    args.steps = args.steps or (2 if args.dry_run else 20)
-    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (0 if args.dry_run else 5)
+    args.steps = args.steps or (2 if args.dry_run else 8)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (0 if args.dry_run else 3)
     return args
 
 
 def argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers and folders given, with the fix; None when nothing is (checked before the install)."""
     if args.steps is not None and args.steps < 1:
-        return f"--steps {args.steps}: the measured steps per side must be 1 or more (default: 20; dry run 2)."
+        return f"--steps {args.steps}: the measured steps per side must be 1 or more (default: 8; dry run 2)."
     if args.warmup_steps is not None and args.warmup_steps < 0:
-        return f"--warmup-steps {args.warmup_steps}: the steps before measuring must be 0 or more (default: 5)."
+        return f"--warmup-steps {args.warmup_steps}: the steps before measuring must be 0 or more (default: 3)."
     if not math.isfinite(args.budget_s) or args.budget_s <= MIN_LEFT_S:
         return (f"--budget-s {args.budget_s}: give a number of seconds above {MIN_LEFT_S} (no side starts with "
-                f"{MIN_LEFT_S} s or less left), e.g. a minute under your time on the node (default: 540).")
+                f"{MIN_LEFT_S} s or less left), e.g. a minute under your time on the node (default: 450).")
     for flag, folder in (("--out", args.out), ("--work", args.work)):
         if (problem := folder_problem(flag, folder)) is not None:
             return problem
@@ -176,13 +177,13 @@ def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
 
 def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
     """The distinct runs the selected stages need, keyed by overrides; a run several stages name measures what each
-    asks for (its syncs, its checkpoint stall, its profile) after its timed steps."""
+    asks for (its syncs, its checkpoint stall) after its timed steps."""
     groups: dict[str, dict] = {}
     for stage in selected:
         for side in stage.sides:
-            key = " ".join(side.overrides)
-            group = groups.setdefault(key, {**dataclasses.asdict(side), "key": key, "overrides": list(side.overrides)})
-            for flag in ("count_syncs", "checkpoint_stall", "profile"):
+            group = groups.setdefault(side.key, {**dataclasses.asdict(side), "key": side.key,
+                                                 "overrides": list(side.overrides)})
+            for flag in ("count_syncs", "checkpoint_stall"):
                 group[flag] |= getattr(side, flag)
     return groups
 
@@ -220,13 +221,11 @@ def run_job(args, env: dict, record: Record, groups: list[dict], name: str, time
 
 
 def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
-    results = {side.label: done[" ".join(side.overrides)] for side in stage.sides}
+    results = {side.label: done[side.key] for side in stage.sides}
     row = {"stage": stage.name, "what": stage.what, "target": stage.target, "sides": results}
     problems = [f"{label}: {r['error'].splitlines()[0][:300]}" for label, r in results.items() if "error" in r]
-    skipped = [f"{label}: {r['skipped']}" for label, r in results.items() if "skipped" in r]
-    if problems or skipped:
-        return {**row, "status": ("failed: " + "; ".join(problems)) if problems else "skipped: " + "; ".join(skipped),
-                "met": None, "figure": ""}
+    if problems:
+        return {**row, "status": "failed: " + "; ".join(problems), "met": None, "figure": ""}
     try:
         row.update(stage.summarize(results))
     except (KeyError, TypeError, ZeroDivisionError) as exc:
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         done.update(run_job(args, env, record, list(groups.values()), "dry_run", args.budget_s))
     for stage in args.selected:
         for side in stage.sides:
-            key = " ".join(side.overrides)
+            key = side.key
             if key in done:
                 continue
             left = args.budget_s - (time.perf_counter() - start)

@@ -64,22 +64,44 @@ def _gpu(run: dict) -> str:
     return run["versions"].get("device", {}).get("name", "?").removeprefix("NVIDIA ")
 
 
+def ladder(rows: dict[str, tuple[dict, dict]]) -> list[str]:
+    """The ``levers`` stage's windows, each lever's gain over the baseline, and the step's profile by category."""
+    if "levers" not in rows:
+        return ["The levers, one by one: not measured yet."]
+    levers = rows["levers"][0]["sides"]["levers"]
+    windows, base = levers["windows"], levers["windows"]["baseline"]
+    lines = ["| window (each on top of the fastest before it) | tokens/s | MFU | x baseline | step peak GiB | "
+             "held-batch loss - baseline |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, w in windows.items():
+        if "tokens_per_sec" not in w:
+            lines.append(f"| {name} | failed: {_cell(w.get('error', '')[:100])} | | | | |")
+            continue
+        lines.append(f"| {name} | {S._num(w['tokens_per_sec'])} | {S._pct(w['mfu'])} | "
+                     f"{w['tokens_per_sec'] / base['tokens_per_sec']:.3f}x | {S._num(w.get('step_peak_gib'), '.1f')} | "
+                     f"{w['held_loss_diff']:+.1e} |")
+    lines += [f"| {name} | not measured: {_cell(why[:120])} | | | | |" for name, why in levers["skipped"].items()]
+    for when, profile in levers.get("profile", {}).items():
+        parts = ", ".join(f"{category} {ms:,.0f}" for category, ms in profile["ms"].items())
+        lines += ["", f"Profile of one step, {when} ({profile['timed']}, ms): {parts}."]
+    return lines
+
+
 def render(runs: list[dict]) -> str:
     rows = latest_rows(runs)
     number = {run["file"]: i for i, run in enumerate(runs, start=1)}
     lines = ["| stage | figure | target | GPU (run) |", "| --- | --- | --- | --- |"]
-    for stage in S.STAGES:
-        if stage.name not in rows:
-            lines.append(f"| `{stage.name}` | not measured | {_cell(stage.target)} | |")
+    for name in [*S.BY_NAME, *(name for name in rows if name not in S.BY_NAME)]:  # then those earlier runs measured
+        if name not in rows:
+            lines.append(f"| `{name}` | not measured | {_cell(S.BY_NAME[name].target)} | |")
             continue
-        row, run = rows[stage.name]
+        row, run = rows[name]
         met = {True: " (met)", False: " (**not met**)", None: ""}[row.get("met")]
-        lines.append(f"| `{stage.name}` | {_cell(figure(row))} | {_cell(row['target'])}{met} | {_gpu(run)} "
+        lines.append(f"| `{name}` | {_cell(figure(row))} | {_cell(row['target'])}{met} | {_gpu(run)} "
                      f"({number[run['file']]}) |")
     sources = [f"{number[run['file']]}. `{run['file']}`: {_gpu(run)}, torch {run['versions'].get('torch')}, DeepSpeed "
                f"{run['versions'].get('deepspeed')}, transformers {run['versions'].get('transformers')}; commit "
                f"{run['commit']}; `{run['command']}`" for run in runs]
-    return "\n".join([BEGIN, "", *lines, "", "Runs:", "", *sources, "", END])
+    return "\n".join([BEGIN, "", *lines, "", *ladder(rows), "", "Runs:", "", *sources, "", END])
 
 
 def page_with(table: str, page: str) -> str:

@@ -27,6 +27,17 @@ def check_precision(requested: str) -> str:
     return precision
 
 
+def maybe_allow_tf32(deterministic: bool) -> bool:
+    """On a CUDA GPU, let the fp32 matmuls and convolutions that remain under bf16/fp16 autocast (and every one of an
+    fp32 run) use TF32 tensor cores; not in ``train.deterministic`` mode, which asks for full fp32. Returns whether
+    it did."""
+    if deterministic or not torch.cuda.is_available():
+        return False
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
 def check_fp8() -> None:
     """What ``train.precision=fp8`` needs: torchao, and a GPU with float8 tensor cores (compute capability 8.9 or
     later: Ada, Hopper, Blackwell). Without a GPU, torchao emulates the float8 matmuls (for tests)."""

@@ -4,7 +4,7 @@
 :func:`preflight` runs every check of the list in order and goes on past a problem, so all are reported at once; a
 check that needs a failed one's result is skipped. It checks the output folder and what a resume would load from it
 (a branch's ``out_dir`` outside its source run); the precision on this machine; the trackers' libraries; the
-attention kernel; the launch (``WORLD_SIZE`` as the launcher sets it, else 1) against the batch sizes, the parallel
+attention kernel and ``model.kernels``; the launch (``WORLD_SIZE`` as the launcher sets it, else 1) against the batch sizes, the parallel
 splits and the DeepSpeed JSON; ``checkpoint.remote`` (the dry run only: a run's own remote resume reads it); every
 data folder (``meta.json``, sizes, ``data.seq_len``, the vocabulary, the document index); the model against the data
 and its position limit, its parallel splits and its attention (with document masking, recurrent layers that cannot
@@ -38,6 +38,7 @@ from lmrecipe.data.sources import check_sources, local_sources
 from lmrecipe.errors import UserError
 from lmrecipe.model.attention import DocumentAttention, check_attention_kernel
 from lmrecipe.model.build import build_attention, build_hf_config, check_init_tokenizer
+from lmrecipe.model.kernels import check_kernel_arch, check_kernels
 from lmrecipe.objstore import READ_PATIENCE_S, check_access, is_remote, transient_errors, unreadable
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import lr_at
@@ -80,6 +81,8 @@ class Preflight:
     trains on them without opening them again."""
     attention_runs: bool = True
     """The attention kernel can run on this machine (else the model's attention is not built)."""
+    kernels_run: bool = True
+    """``model.kernels`` can run on this machine (else the architecture is not checked against them)."""
 
     def check(self, what: Callable[[], T]) -> T | None:
         """``what()``, or None with its UserError's message added to the problems."""
@@ -103,10 +106,11 @@ def check_out_dir(pf: Preflight) -> None:
 
 
 def check_machine(pf: Preflight) -> None:
-    """The precision, the trackers' libraries and the attention kernel on this machine."""
+    """The precision, the trackers' libraries, the attention kernel and ``model.kernels`` on this machine."""
     pf.precision = pf.check(lambda: check_precision(pf.cfg.train.precision))
     pf.check(lambda: check_trackers(pf.cfg.logging.trackers))
     pf.attention_runs = pf.check(lambda: check_attention_kernel(pf.cfg.model.attn_implementation) or True) is not None
+    pf.kernels_run = pf.check(lambda: check_kernels(pf.cfg.model.kernels) or True) is not None
 
 
 def check_launch_of(pf: Preflight) -> None:
@@ -189,6 +193,8 @@ def check_model(pf: Preflight) -> None:
     pf.check(lambda: check_tensor_parallel_model(cfg.distributed.tensor_parallel_size, pf.hf_config))
     if pf.attention_runs:
         pf.attention = pf.check(lambda: build_attention(cfg.model, cfg.data, pf.hf_config))
+    if pf.kernels_run:
+        pf.check(lambda: check_kernel_arch(cfg.model.kernels, pf.hf_config))
 
 
 def check_windows(pf: Preflight) -> None:

@@ -34,6 +34,7 @@ from lmrecipe.observe.stragglers import ComputeClock
 from lmrecipe.observe.trackers import check_trackers
 from lmrecipe.optim import build_optimizer, lr_at
 from lmrecipe.parallel.accelerator import Runtime, build_runtime
+from lmrecipe.parallel.precision import maybe_allow_tf32
 from lmrecipe.parallel.splits import autoep_registry_compat, name_sequence_parallel_attention
 from lmrecipe.train.preflight import preflight
 
@@ -119,6 +120,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     pf = preflight(cfg, out_dir)
     pf.raise_problems()
     maybe_set_deterministic(cfg.train.deterministic, cfg.train.seed)  # before CUDA is first used
+    maybe_allow_tf32(cfg.train.deterministic)
     runtime = build_runtime(cfg.workload(), pf.precision, pf.topology, pf.ds_config)
     accelerator, topology, zero = runtime.accelerator, runtime.topology, runtime.topology.zero
     if accelerator.is_main_process:
@@ -142,7 +144,7 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
 
     torch.manual_seed(cfg.train.seed)
     attention = pf.attention
-    model = build_model(cfg.model, cfg.train, hf_config, attention)
+    model = build_model(cfg.model, cfg.train, hf_config, attention, device=init_device(accelerator.device, topology))
     if chunk_tokens := cfg.train.chunk_tokens(hf_config.vocab_size):
         use_chunked_loss(model, chunk_tokens)
     if zero.stage == 3 and not topology.autoep:
@@ -174,6 +176,14 @@ def build_run(cfg: Config, out_dir: Path) -> Run:
     active = counts["active"] if counts["active"] != counts["total"] else None
     return Run(cfg, runtime, model, optimizer, data, prefetcher, counts["total"], fpt, attention,
                n_active_params=active, router_loads=router_loads)
+
+
+def init_device(device: torch.device, topology) -> torch.device | None:
+    """Where the model is created and initialised: the GPU when the whole model goes to it as it is (ZeRO-0/1/2, no
+    tensor or expert split, which slice a whole model held elsewhere first; ZeRO-3 partitions at construction); else
+    None, the CPU."""
+    whole = topology.zero.stage != 3 and topology.tensor_parallel_size == 1 and not topology.autoep
+    return device if device.type == "cuda" and whole else None
 
 
 def choose_fp8_layers(accelerator, model: torch.nn.Module) -> None:

@@ -1,5 +1,6 @@
 """bench/gpu/run.py's arguments, in this process: a bad number or data folder exits 2 naming it and the fix before
-anything is installed, prepared or run (the kit's dry run itself: tests/integration/test_gpu_kit.py)."""
+anything is installed, prepared or run (the kit's dry run itself: tests/integration/test_gpu_kit.py); the levers
+stage's in-place switches equal a run built with them."""
 
 from __future__ import annotations
 
@@ -78,3 +79,39 @@ def test_an_unwritable_out_or_work_folder_exits_2_naming_it(kit, tmp_path, capsy
         kit.parse_args(["--dry-run", *(item for pair in argv.items() for item in pair)])
     assert exit_.value.code == 2
     assert f"{flag} {locked}/sub would be made in {locked}, which is not writable" in capsys.readouterr().err
+
+
+def test_levers_switched_in_place_give_the_loss_of_a_run_built_with_them(tmp_path, monkeypatch):
+    """The levers stage's in-place switches (attention implementation, loss head) on a built run give the held
+    batch's loss that a run built with those settings gives, and switching back gives the first loss again."""
+    from helpers import write_data
+
+    from lmrecipe.config import load_config
+
+    for folder in ("bench", "bench/gpu"):
+        monkeypatch.syspath_prepend(str(ROOT / folder))
+    import levers
+
+    data = write_data(tmp_path / "data", vocab=384)
+
+    def built(*overrides):
+        cfg = load_config(str(ROOT / "recipes" / "tiny.yaml"), [
+            f"out_dir={tmp_path / 'run'}", f"data.path={data}", "model.hidden_size=64", "model.num_layers=2",
+            "model.num_heads=4", "model.intermediate_size=128", "data.seq_len=32", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "train.loss_chunk_tokens=64", *overrides])
+        run, _ = levers._build(cfg, tmp_path / "run", foreach=False)
+        return run, next(iter(run.train_batches.micro_batches(0)))
+
+    run, batch = built()
+    first = levers.held_loss(run, batch)
+    levers.use_attention(run, "eager")
+    levers.use_loss_head(run, 0)
+    switched = levers.held_loss(run, batch)
+    other, _ = built("model.attn_implementation=eager", "train.loss_chunk_tokens=0")
+    assert switched == pytest.approx(levers.held_loss(other, batch), abs=1e-6)
+    assert switched == pytest.approx(first, abs=1e-5)  # the same model: eager and SDPA, chunked and full, agree
+    levers.use_attention(run, "sdpa")
+    levers.use_loss_head(run, 64)
+    assert levers.held_loss(run, batch) == pytest.approx(first, abs=1e-6)
+    for each in (run, other):
+        each.prefetcher.close()

@@ -64,7 +64,32 @@ def test_each_stage_takes_the_latest_run_that_measured_it():
     assert rows["fp8"][1]["file"] == "a.json"  # a failed row does not hide the measured one
 
 
-@pytest.mark.parametrize("name", ["mfu_zero2", "fp8"])
+@pytest.mark.parametrize("name", ["host_syncs", "levers"])
 def test_unmeasured_stages_say_so(name):
     text = table.render([])
-    assert f"| `{name}` |" in text and "not measured" in text
+    assert f"| `{name}` | not measured |" in text and "The levers, one by one: not measured yet." in text
+
+
+def _window(tokens_per_sec, mfu, diff, **levers):
+    return {"tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_peak_gib": 30.0, "held_loss_diff": diff,
+            "levers": levers}
+
+
+def test_the_ladder_gives_each_lever_s_gain_over_the_baseline_from_the_results(tmp_path, capsys):
+    record = json.loads(RESULTS[0].read_text())
+    levers = {"windows": {"baseline": _window(34000.0, 0.285, 0.0), "full logits": _window(35700.0, 0.299, 2e-3),
+                          "liger": _window(40800.0, 0.342, -4e-3), "compile": {"error": "RuntimeError: a | b"}},
+              "skipped": {"varlen": "not available in this build"},
+              "profile": {"baseline": {"timed": "GPU kernels", "ms": {"matmuls": 600.0, "attention": 90.0, "loss": 1234.5}}}}
+    levers_row = {"stage": "levers", "what": "", "target": ">= 45% MFU", "status": "measured",
+                  "sides": {"levers": levers, "no DeepSpeed": {"tokens_per_sec": 17000.0}}}
+    record.update(started="2099-01-01T00:00:00+00:00", stages=[levers_row])
+    (tmp_path / "levers.json").write_text(json.dumps(record))
+    assert table.main(["--results", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| liger | 40,800 | 34.2% | 1.200x | 30.0 | -4.0e-03 |" in text
+    assert "| full logits | 35,700 | 29.9% | 1.050x | 30.0 | +2.0e-03 |" in text
+    assert "| compile | failed: RuntimeError: a \\| b | | | | |" in text
+    assert "| varlen | not measured: not available in this build | | | | |" in text
+    assert "Profile of one step, baseline (GPU kernels, ms): matmuls 600, attention 90, loss 1,234." in text
+    assert "best (liger) 40,800 tokens/s, MFU 34.2%, 1.200x; no DeepSpeed 0.500x the baseline" in text
