@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import gc
 import sys
 import time
 from pathlib import Path
@@ -287,6 +288,18 @@ class Sweep:
             undo()
         return faster
 
+    def measure_or_record(self, name: str, levers: dict, **kwargs) -> None:
+        """:meth:`measure`, its failure (an out-of-memory window) recorded as the window's figure instead."""
+        try:
+            self.measure(name, levers, **kwargs)
+        except Exception as exc:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.result["windows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:1000], "levers": dict(levers)}
+            self.save(self.result)
+
     def profile(self, when: str) -> None:
         self.result["profile"][when] = profile(self.run, self.step)
         self.step += 1
@@ -335,6 +348,7 @@ def measure_levers(config_of, out_dir: Path, side: dict, warmup: int, steps: int
     forget()
     for name, value in module_names.items():
         setattr(modeling, name, value)
+    gc.collect()  # the first run's reference cycles (engine, optimizer, hooks) hold its GPU memory until collected
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         result["held_after_first_build_gib"] = torch.cuda.memory_allocated() / GIB  # what the first run left behind
@@ -344,12 +358,14 @@ def measure_levers(config_of, out_dir: Path, side: dict, warmup: int, steps: int
     run, result["second_build_s"] = _build(config_of(result["best_overrides"]), out_dir / "second", foreach=False)
     try:
         sweep = Sweep(run, result, save, warmup, steps)
-        sweep.measure("fused AdamW", state)
-        sweep.profile("best")
+        sweep.measure_or_record("fused AdamW", state)
+        if "error" not in result["windows"]["fused AdamW"]:
+            sweep.profile("best")
         samples = BIG_ACCUM * run.runtime.batch.micro_batch_size * run.runtime.batch.world_size
         run.train_batches.ramp.size = lambda position: samples  # every later step accumulates BIG_ACCUM micro-batches
         run.prefetcher.reset()
-        sweep.measure(f"accumulation {BIG_ACCUM}", {**state, "accum_steps": BIG_ACCUM}, warmup=1, steps=max(1, steps // 4))
+        sweep.measure_or_record(f"accumulation {BIG_ACCUM}", {**state, "accum_steps": BIG_ACCUM}, warmup=1,
+                                steps=max(1, steps // 4))
     finally:
         run.prefetcher.close()
     return result

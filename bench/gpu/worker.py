@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
                 results[key] = measure(config_of([]), out_dir, side, job["warmup_steps"], job["steps"], save)
         except Exception as exc:  # one side's failure is a figure too: the stage reports it
             logging.getLogger(__name__).exception("side %s failed", side["label"])
-            results[key] = {"label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            results[key] = {**results.get(key, {}), "label": side["label"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
         write()
         if i + 1 < len(job["sides"]):
             _forget_run()
