@@ -263,7 +263,7 @@ def build_model(m: ModelConfig, train: TrainConfig, hf_config, attention: Docume
     model.config.use_cache = False
     if attention is not None and attention.linear_attention:
         install_per_document(model)
-    maybe_apply_kernels(model, m.kernels)
+    maybe_apply_kernels(model, m.kernels, m.is_moe())
     if train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": train.checkpointing_reentrant})
     return model

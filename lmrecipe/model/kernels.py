@@ -1,5 +1,6 @@
 """Fused kernels for the model's elementwise work (``model.kernels``): ``liger`` swaps Liger-Kernel's Triton RMSNorm,
-SwiGLU and rotary kernels into a built model; ``none`` keeps transformers' own modules.
+SwiGLU and rotary kernels into a built model; ``none`` keeps transformers' own modules; ``auto`` (the default) is
+``liger`` where it can run (:func:`resolve_kernels`), else ``none``.
 
 Liger's loss kernels stay off (``cross_entropy``, ``fused_linear_cross_entropy``): the loss head is
 ``lmrecipe/model/loss.py``'s. Its rotary kernel takes per-row positions, so document masking's restarting
@@ -18,9 +19,26 @@ from torch import nn
 from lmrecipe.errors import fail
 
 _FIX = ("install it (pip install 'lmrecipe[liger]', or pip install liger-kernel) on a GPU machine, or set "
-        "model.kernels=none (transformers' own modules, any device)")
+        "model.kernels=auto (Liger where it can run, else none) or model.kernels=none (transformers' own modules)")
 _WANTED = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
 """The keywords every ``apply_liger_kernel_to_*`` is called with (those it accepts)."""
+
+
+def liger_missing() -> list[str]:
+    """What this machine lacks for Liger-Kernel's Triton kernels ([] when it has a CUDA GPU, Triton and the package)."""
+    return [what for what, ok in (("a CUDA GPU", torch.cuda.is_available()),
+                                  ("Triton (the triton package)", _installed("triton")),
+                                  ("the liger-kernel package (module liger_kernel)", _installed("liger_kernel")))
+            if not ok]
+
+
+def resolve_kernels(kernels: str, model_type: str, moe: bool = False) -> str:
+    """``model.kernels`` as the run applies it: ``auto`` is ``liger`` where this machine can run Liger-Kernel and it
+    has kernels for ``model_type`` (a transformers ``model_type``) of a dense model, else ``none``; the other values
+    as they are. A mixture of experts (``moe``) stays ``none``: Liger was measured on the dense 1B recipe only."""
+    if kernels != "auto":
+        return kernels
+    return "liger" if not moe and not liger_missing() and liger_apply_fn(model_type) is not None else "none"
 
 
 def check_kernels(kernels: str) -> None:
@@ -28,11 +46,7 @@ def check_kernels(kernels: str) -> None:
     ``liger-kernel`` package (each that is missing named, in one message)."""
     if kernels != "liger":
         return
-    missing = [what for what, ok in (("a CUDA GPU", torch.cuda.is_available()),
-                                     ("Triton (the triton package)", _installed("triton")),
-                                     ("the liger-kernel package (module liger_kernel)", _installed("liger_kernel")))
-               if not ok]
-    if missing:
+    if missing := liger_missing():
         raise fail(f"model.kernels=liger runs Liger-Kernel's Triton kernels, which need a CUDA GPU, Triton and the "
                    f"liger-kernel package; this machine lacks {' and '.join(missing)}: {_FIX}.")
 
@@ -59,10 +73,10 @@ def liger_apply_fn(model_type: str):
     return _liger_table().get(model_type)
 
 
-def maybe_apply_kernels(model: nn.Module, kernels: str) -> list[str]:
-    """Patch the model instance (the bare model, not an engine) with the kernels of ``model.kernels``; returns the
-    keywords that were turned on (none for ``none``)."""
-    if kernels != "liger":
+def maybe_apply_kernels(model: nn.Module, kernels: str, moe: bool = False) -> list[str]:
+    """Patch the model instance (the bare model, not an engine) with the kernels of ``model.kernels`` (``auto``
+    resolved by :func:`resolve_kernels`); returns the keywords that were turned on (none for ``none``)."""
+    if resolve_kernels(kernels, model.config.model_type, moe) != "liger":
         return []
     apply = liger_apply_fn(model.config.model_type)
     accepted = inspect.signature(apply).parameters

@@ -16,6 +16,7 @@ import torch
 
 from lmrecipe.config import Config, Workload
 from lmrecipe.config.sections import fail_all
+from lmrecipe.model.kernels import liger_missing, resolve_kernels
 from lmrecipe.planning.memory import MemoryEstimate, estimate_run, format_bytes, model_shape
 from lmrecipe.parallel.topology import startup_line
 from lmrecipe.train.preflight import Preflight, preflight
@@ -60,6 +61,9 @@ def run_lines(work: Workload, pf: Preflight) -> list[str]:
     lines = ["start-up line: " + startup_line(
         shape.n_params, shape.active() if shape.expert_params else None, pf.topology, pf.batch, work.data.seq_len,
         pf.precision, work.train.chunk_tokens(pf.hf_config.vocab_size))]
+    if pf.cfg.model.kernels == "auto":
+        why = " (Liger-Kernel needs a CUDA GPU, Triton and the liger-kernel package)" if liger_missing() else ""
+        lines.append(f"model.kernels=auto: {resolve_kernels('auto', pf.hf_config.model_type, pf.cfg.model.is_moe())} here{why}")
     memory = pf.check(lambda: estimate_run(shape, work, pf.topology, pf.precision, pf.batch.accum_steps,
                                            _nodes(pf.world_size)))
     if memory is not None:

@@ -235,6 +235,10 @@ def add_notes(pf: Preflight) -> None:
                         f"{cfg.train.max_steps}: the learning rate stops at {last_lr:.3g}, below "
                         f"optim.lr={cfg.optim.lr:.3g}.")
     pf.notes += unreached_steps(cfg.data, cfg.train)  # a stage or ramp point at or past the end
+    if cfg.train.precision == "fp8" and not cfg.train.compile:  # bench/gpu/results/2026-11-26T161627-h100.json
+        pf.notes.append("train.precision=fp8 with train.compile=none: on one H100 the 1B recipe's fp8 eager ran at "
+                        "0.558x bf16's tokens/s (docs/benchmarks/gpu.md). Use train.precision=bf16, or set "
+                        "train.compile (fp8 compiled: not measured).")
     zero = pf.topology.zero if pf.topology is not None else None
     reentrant = cfg.train.checkpointing_reentrant
     if zero is not None and zero.stage == 3 and cfg.train.gradient_checkpointing and not reentrant:

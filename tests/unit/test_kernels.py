@@ -1,7 +1,8 @@
 """``model.kernels=liger`` is refused at start-up, with the fix, where Liger-Kernel cannot run (a run and its dry
 run alike, exit 2, nothing written); where it can, the architecture's patch is called with the rotary, RMSNorm and
-SwiGLU kernels on and Liger's loss kernels off. TF32 is allowed on a GPU unless ``train.deterministic``. A model
-created on a device is initialised as on the CPU: the same weights there, the same distribution per tensor kind."""
+SwiGLU kernels on and Liger's loss kernels off; ``auto`` (the default) is Liger only there, for a dense model. TF32
+is allowed on a GPU unless ``train.deterministic``. A model created on a device is initialised as on the CPU: the
+same weights there, the same distribution per tensor kind."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_liger_without_a_gpu_exits_2_naming_the_fix_and_writes_nothing(tmp_path,
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "model.kernels=liger runs Liger-Kernel's Triton kernels" in err and "lacks a CUDA GPU" in err
-    assert "pip install 'lmrecipe[liger]'" in err and "model.kernels=none" in err and "Traceback" not in err
+    assert "pip install 'lmrecipe[liger]'" in err and "model.kernels=auto" in err and "model.kernels=none" in err and "Traceback" not in err
     assert not out.exists()
 
 
@@ -111,3 +112,52 @@ def test_the_model_is_created_on_the_gpu_only_where_it_goes_whole(device, stage,
     topology = SimpleNamespace(zero=SimpleNamespace(stage=stage), tensor_parallel_size=tensor_parallel, autoep=autoep)
     chosen = init_device(torch.device(device), topology)
     assert (None if chosen is None else str(chosen)) == expected
+
+
+@pytest.mark.parametrize("cuda, installed, model_type, chosen", [
+    (True, {"triton", "liger_kernel"}, "llama", "liger"),
+    (False, {"triton", "liger_kernel"}, "llama", "none"),
+    (True, {"triton"}, "llama", "none"),
+    (True, {"liger_kernel"}, "llama", "none"),
+    (True, {"triton", "liger_kernel"}, "gpt2", "none"),  # Liger has no kernels for it
+])
+def test_auto_is_liger_only_where_it_can_run_and_a_hard_request_stays_refused(monkeypatch, cuda, installed,
+                                                                                model_type, chosen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(kernels, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(kernels, "_liger_table", lambda: {"llama": lambda **kwargs: None})
+    assert kernels.resolve_kernels("auto", model_type) == chosen
+    assert kernels.resolve_kernels("none", model_type) == "none" and kernels.resolve_kernels("liger", "gpt2") == "liger"
+    kernels.check_kernels("auto")  # auto is never refused
+    kernels.check_kernel_arch("auto", type("Config", (), {"model_type": model_type})())
+    if len(installed) < 2 or not cuda:
+        with pytest.raises(UserError, match="model.kernels=liger runs Liger-Kernel"):
+            kernels.check_kernels("liger")
+
+
+def test_auto_patches_the_model_where_liger_runs_and_leaves_it_elsewhere(monkeypatch):
+    calls = []
+
+    def apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, model=None):
+        calls.append((rope, rms_norm, swiglu))
+
+    monkeypatch.setattr(kernels, "_liger_table", lambda: {"llama": apply_liger_kernel_to_llama})
+    model = torch.nn.Linear(2, 2)
+    model.config = type("Config", (), {"model_type": "llama"})()
+    assert kernels.maybe_apply_kernels(model, "auto") == [] and calls == []  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_installed", lambda module: True)
+    assert kernels.maybe_apply_kernels(model, "auto") == ["rope", "rms_norm", "swiglu"] and len(calls) == 1
+
+
+def test_the_default_is_auto():
+    assert load_config(RECIPE, []).model.kernels == "auto"
+    assert load_config(str(ROOT / "recipes" / "llama_1b.yaml"), []).model.kernels == "auto"
+
+
+def test_auto_leaves_a_mixture_of_experts_to_transformers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_installed", lambda module: True)
+    monkeypatch.setattr(kernels, "_liger_table", lambda: {"qwen3_moe": lambda **kwargs: None})
+    assert kernels.resolve_kernels("auto", "qwen3_moe", moe=True) == "none"
+    assert kernels.resolve_kernels("auto", "qwen3_moe") == "liger"

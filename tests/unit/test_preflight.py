@@ -69,3 +69,20 @@ def test_a_model_vocabulary_beyond_the_datas_is_refused_unless_kept_on_purpose(t
         assert "model.vocab_beyond_data=true" in found.problems[0]
         kept = preflight(config(tmp_path, data, "model.vocab_size=1024", "model.vocab_beyond_data=true"), dry=dry)
         assert kept.problems == [] and kept.hf_config.vocab_size == 1024
+
+
+@pytest.mark.parametrize("compile_", ["none", "layers"])
+def test_fp8_in_eager_mode_is_noted_as_slower_than_bf16(tmp_path, data, compile_):
+    lines = dry_run(config(tmp_path, data, "train.precision=fp8", f"train.compile={compile_}")).lines
+    noted = [line for line in lines if "fp8 eager ran at 0.558x bf16's tokens/s" in line]
+    assert len(noted) == (1 if compile_ == "none" else 0), lines
+    assert not noted or noted[0].startswith("note: train.precision=fp8 with train.compile=none: on one H100")
+    warned = preflight(config(tmp_path, data, "train.precision=fp8", f"train.compile={compile_}")).notes  # a run's
+    assert sum("0.558x bf16's tokens/s" in note for note in warned) == len(noted)
+    assert not any("0.558x" in line for line in dry_run(config(tmp_path, data, "train.precision=bf16")).lines)
+
+
+def test_the_dry_run_says_what_model_kernels_auto_chose(tmp_path, data):
+    lines = dry_run(config(tmp_path, data)).lines
+    assert "model.kernels=auto: none here (Liger-Kernel needs a CUDA GPU, Triton and " in "\n".join(lines), lines
+    assert not any(line.startswith("model.kernels=") for line in dry_run(config(tmp_path, data, "model.kernels=none")).lines)

@@ -170,7 +170,7 @@ def test_the_threads_line_is_the_main_processes_alone(main, caplog):
                           accelerator=SimpleNamespace(is_main_process=main, device=torch.device("cpu")),
                           data=SimpleNamespace(val_sets={}), lr_at=lambda step: 1e-4)
     with caplog.at_level(logging.INFO):
-        log_start(run, {"implementation": "sdpa", "kernel": "sdpa, causal", "sdpa_backend": "MATH"})
+        log_start(run, {"implementation": "sdpa", "kernel": "sdpa, causal", "sdpa_backend": "MATH"}, "none")
     # on a CPU, once, what to set when other work shares the cores
     threads = [r for r in caplog.records if "set OMP_NUM_THREADS to the cores free for this run" in r.message]
     assert len(threads) == (1 if main else 0)

@@ -315,7 +315,8 @@ def test_varlen_trains_as_the_dense_mask(tmp_path, short_docs, caplog, monkeypat
     assert max(abs(a - b) for a, b in zip(dense, mine)) <= 1e-5, (dense, mine)
     assert meta["attention"] == {"implementation": "varlen", "kernel": varlen.STAND_IN, "sdpa_backend": "FLASH_ATTENTION"}
     assert dense_meta["attention"]["kernel"] == "sdpa under a dense block-causal mask"
-    assert f"attention: varlen, kernel: {varlen.STAND_IN}, SDPA backend: FLASH_ATTENTION" in caplog.text
+    assert f"attention: varlen, kernel: {varlen.STAND_IN}, SDPA backend: FLASH_ATTENTION; model.kernels=auto: none" \
+        in caplog.text and meta["kernels"] == "none"  # auto, without a GPU: transformers' own modules
 
 
 @pytest.mark.parametrize("overrides", [["model.attn_implementation=flex_attention"],
@@ -374,7 +375,7 @@ def test_the_stand_in_on_a_gpu_is_a_warning_naming_the_fix(device, caplog):
                           runtime=SimpleNamespace(topology=Topology(1), batch=BatchLayout(8, 8, 1, 0), precision="fp32"),
                           accelerator=SimpleNamespace(is_main_process=False, device=torch.device(device)))
     with caplog.at_level(logging.INFO):
-        log_start(run, {"implementation": "varlen", "kernel": varlen.STAND_IN, "sdpa_backend": "MATH"})
+        log_start(run, {"implementation": "varlen", "kernel": varlen.STAND_IN, "sdpa_backend": "MATH"}, "none")
     warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == (["model.attn_implementation=varlen runs its per-document stand-in on this GPU: torch's flash "
                        "variable-length kernel takes bf16/fp16 (train.precision=fp32) from a torch built with flash "

@@ -62,10 +62,11 @@ class ModelConfig:
     (flash_attention_2: flash-attn; flash_attention_3: flash-attn-3, Hopper GPUs), varlen (needs document masking:
     per document, torch's flash variable-length kernel on CUDA in bf16/fp16, a per-document SDPA stand-in
     elsewhere) or flex_attention (CUDA: no FlexAttention backward on a CPU). Checked at start-up."""
-    kernels: Literal["none", "liger"] = "none"
+    kernels: Literal["auto", "none", "liger"] = "auto"
     """Fused kernels for the elementwise work: none = transformers' own modules; liger = Liger-Kernel's Triton
     RMSNorm, SwiGLU and rotary kernels patched into the built model (a CUDA GPU, Triton and the liger-kernel package,
-    ``pip install 'lmrecipe[liger]'``; checked at start-up)."""
+    ``pip install 'lmrecipe[liger]'``; refused at start-up where it cannot run); auto = liger where it can run and
+    Liger has kernels for the architecture of a dense model, else none (logged, and in ``run_meta.json``)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     extra: dict = field(default_factory=dict, metadata=FIXED_ON_RESUME)

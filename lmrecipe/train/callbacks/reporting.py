@@ -13,6 +13,7 @@ import torch
 
 from lmrecipe.config import save_config
 from lmrecipe.model.attention import attention_record
+from lmrecipe.model.kernels import resolve_kernels
 from lmrecipe.model.loss import chunked_head
 from lmrecipe.model.varlen import STAND_IN
 from lmrecipe.observe.console import Reporter
@@ -53,11 +54,13 @@ class Reporting(Callback):
             save_config(run.cfg, self.out_dir / "config.yaml")
         launch = launch_record(self.command, run.accelerator.num_processes, trainer.state.step, trainer.resumed_from)
         attention = run_attention(run)
+        kernels = resolve_kernels(run.cfg.model.kernels, unwrap_model(run.accelerator, run.model).config.model_type,
+                                  run.cfg.model.is_moe())
         self.reporter = build_reporter(run, self.out_dir, trainer.state.step,
                                        {"resumed_from": trainer.resumed_from, "recipe": self.recipe,
-                                        "branched_from": trainer.checkpointer.branched_from, "attention": attention},
-                                       launch)
-        log_start(run, attention)
+                                        "branched_from": trainer.checkpointer.branched_from, "attention": attention,
+                                        "kernels": kernels}, launch)
+        log_start(run, attention, kernels)
 
     def needs_sync(self, trainer, step: int) -> bool:
         return self.reporter.should_log(step)
@@ -133,13 +136,13 @@ def run_attention(run: Run) -> dict:
                             cfg.data.seq_len, run.runtime.precision, run.accelerator.device)
 
 
-def log_start(run: Run, attention: dict) -> None:
+def log_start(run: Run, attention: dict, kernels: str) -> None:
     cfg, runtime = run.cfg, run.runtime
     head = chunked_head(run.model)
     logger.info("%s", startup_line(run.n_params, run.n_active_params, runtime.topology, runtime.batch, cfg.data.seq_len,
                                    runtime.precision, 0 if head is None else head.chunk_tokens))
-    logger.info("attention: %s, kernel: %s, SDPA backend: %s", attention["implementation"], attention["kernel"],
-                attention["sdpa_backend"] or "none")
+    logger.info("attention: %s, kernel: %s, SDPA backend: %s; model.kernels=%s: %s", attention["implementation"],
+                attention["kernel"], attention["sdpa_backend"] or "none", run.cfg.model.kernels, kernels)
     if attention["kernel"] == STAND_IN and run.accelerator.device.type == "cuda":  # correct, one SDPA per document
         logger.warning("model.attn_implementation=varlen runs its per-document stand-in on this GPU: torch's flash "
                        "variable-length kernel takes bf16/fp16 (train.precision=%s) from a torch built with flash "
