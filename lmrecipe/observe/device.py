@@ -21,11 +21,12 @@ from lmrecipe.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
-_H100_MEASURED = "measured: this recipe's 1B model on one H100, bf16, ZeRO-2 (docs/benchmarks/gpu.md)"
-_H100_LIKE = "not measured on this device: the H100's measured 28.5% (docs/benchmarks/gpu.md), at the same bf16 peak"
+_H100_MEASURED = ("measured: this recipe's 1B model on one H100, bf16, ZeRO-2, accumulation 2, varlen, Liger, full logits "
+                  "(docs/benchmarks/gpu.md)")
+_H100_LIKE = "not measured on this device: the H100's measured 41.1% (docs/benchmarks/gpu.md), at the same bf16 peak"
 _A100_MFU = ("Narayanan et al. 2021 (Megatron-LM): 52% of peak, GPT-3 175B on 3,072 A100s; MegaScale "
              "(Jiang et al. 2024): 55.2% on 12,288 GPUs")
-_OTHER_MFU = "no large-scale figure published; the H100's measured 28.5% assumed"
+_OTHER_MFU = "no large-scale figure published; the H100's measured 41.1% assumed"
 _MiB = 2**20
 
 
@@ -53,17 +54,17 @@ def _peaks(bf16: float, fp32: float, fp16: float | None = None) -> dict[str, flo
 # bench/gpu/results/ recorded), H200 143,156, H100 PCIe 81,008, A100-SXM4-80GB 81,920, A100-SXM4-40GB 40,536,
 # L40S 45,589, A10G 22,587, V100-32GB 32,510, RTX 4090 24,563, RTX 3090 24,268; the L4's 23,034 is nvidia-smi's.
 DEVICES = {
-    "h100": Device("H100", _peaks(989.0, 67.0), 81_090 * _MiB, 0.285, _H100_MEASURED),
-    "h100-pcie": Device("H100 PCIe", _peaks(756.0, 51.0), 81_008 * _MiB, 0.285, _H100_LIKE),
-    "h200": Device("H200", _peaks(989.0, 67.0), 143_156 * _MiB, 0.285, _H100_LIKE),
+    "h100": Device("H100", _peaks(989.0, 67.0), 81_090 * _MiB, 0.411, _H100_MEASURED),
+    "h100-pcie": Device("H100 PCIe", _peaks(756.0, 51.0), 81_008 * _MiB, 0.411, _H100_LIKE),
+    "h200": Device("H200", _peaks(989.0, 67.0), 143_156 * _MiB, 0.411, _H100_LIKE),
     "a100": Device("A100", _peaks(312.0, 19.5), 81_920 * _MiB, 0.50, _A100_MFU),
     "a100-40gb": Device("A100", _peaks(312.0, 19.5), 40_536 * _MiB, 0.50, _A100_MFU),
-    "l40s": Device("L40S", _peaks(362.0, 91.6), 45_589 * _MiB, 0.285, _OTHER_MFU),
-    "a10g": Device("A10G", _peaks(125.0, 31.2), 22_587 * _MiB, 0.285, _OTHER_MFU),
-    "l4": Device("L4", _peaks(121.0, 30.3), 23_034 * _MiB, 0.285, _OTHER_MFU),
-    "v100": Device("V100", _peaks(0.0, 15.7, fp16=125.0), 32_510 * _MiB, 0.285, _OTHER_MFU),
-    "rtx-4090": Device("RTX 4090", _peaks(165.0, 82.6), 24_563 * _MiB, 0.285, _OTHER_MFU),
-    "rtx-3090": Device("RTX 3090", _peaks(71.0, 35.6), 24_268 * _MiB, 0.285, _OTHER_MFU),
+    "l40s": Device("L40S", _peaks(362.0, 91.6), 45_589 * _MiB, 0.411, _OTHER_MFU),
+    "a10g": Device("A10G", _peaks(125.0, 31.2), 22_587 * _MiB, 0.411, _OTHER_MFU),
+    "l4": Device("L4", _peaks(121.0, 30.3), 23_034 * _MiB, 0.411, _OTHER_MFU),
+    "v100": Device("V100", _peaks(0.0, 15.7, fp16=125.0), 32_510 * _MiB, 0.411, _OTHER_MFU),
+    "rtx-4090": Device("RTX 4090", _peaks(165.0, 82.6), 24_563 * _MiB, 0.411, _OTHER_MFU),
+    "rtx-3090": Device("RTX 3090", _peaks(71.0, 35.6), 24_268 * _MiB, 0.411, _OTHER_MFU),
     "cpu": Device("cpu", {}, None, 0.40, "BENCHMARKS.md section 5: the tiny recipe at 38-42% of this CPU's matmul peak"),
 }
 """The one device catalogue: MFU's peaks (:func:`device_peak_tflops`) and the planner's devices (``--gpu`` keys)."""
