@@ -81,6 +81,22 @@ def run_script(args: list[str], nproc: int = 1, timeout: int = 600, check: bool 
     return proc
 
 
+def script_module(script: str):
+    """A script of the repository (``train.py``, ``eval.py``, ``tools/plan.py``) loaded as a module in this process,
+    to call its ``main`` without starting an interpreter."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem + "_under_test", ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_main(script: str):
+    """The ``main`` of :func:`script_module`."""
+    return script_module(script).main
+
+
 def run_train(out_dir: Path, data_dir: Path, overrides: list[str] = (), nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:
     args = ["train.py", "recipes/tiny.yaml", f"out_dir={out_dir}", f"data.path={data_dir}", *TINY_OVERRIDES, *overrides]
     return run_script(args, nproc=nproc, **kwargs)

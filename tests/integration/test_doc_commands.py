@@ -24,7 +24,6 @@ Makefile's own ``demo`` target, trained to the end of a shorter schedule by the 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import pytest
 from doc_commands import Block, all_blocks, pages_to_run, tag_problems, train_dry_runs
-from helpers import ROOT, subprocess_env
+from helpers import ROOT, script_main, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -203,10 +202,7 @@ starting an interpreter."""
 @pytest.fixture(scope="module")
 def train_main():
     """train.py's ``main``, run in this process: one interpreter's imports for every dry run of the docs."""
-    spec = importlib.util.spec_from_file_location("train_of_the_docs", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return script_main("train.py")
 
 
 def recorded_calls(root: Path, script: str) -> tuple[Ran, list[tuple[dict, list[str]]]]:

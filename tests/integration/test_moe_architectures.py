@@ -11,7 +11,7 @@ import json
 import math
 
 import pytest
-from helpers import ROOT, assert_same_run, cached_run, metric_rows, run_script, run_train
+from helpers import ROOT, assert_same_run, cached_run, metric_rows, run_script, run_train, script_main
 
 from lmrecipe.checkpoint.storage import step_dir_name
 from lmrecipe.config import load_config
@@ -185,12 +185,7 @@ def test_the_memory_estimate_equals_the_measured_model_states(tmp_path_factory, 
 
 
 def _tool_main(script: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return script_main(script)
 
 
 @pytest.mark.parametrize("recipe, vocab, total, ranks, nodes", [

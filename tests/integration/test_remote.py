@@ -8,7 +8,6 @@ code is the point (``train.py --dry-run``).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import re
@@ -19,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_OVERRIDES, metric_rows, run_script
+from helpers import TINY_OVERRIDES, metric_rows, run_script, script_module
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
@@ -46,10 +45,7 @@ def train_tiny(out_dir: Path, data: str | Path, *overrides: str) -> Path:
 
 def script(path: str):
     """A script of the repository (train.py, tools/export_hf.py) as a module, to call its ``main`` in-process."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_under_test", ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(path)
 
 
 def upload_folder(server, folder: Path, prefix: str) -> str:

@@ -5,7 +5,6 @@ paragraph naming the problem and the fix, nothing written. The patience is short
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -15,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_OVERRIDES
+from helpers import TINY_OVERRIDES, script_module
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
@@ -59,10 +58,7 @@ def train_tiny(out_dir: Path, data, *overrides: str) -> None:
 
 
 def script(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_under_test", ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(path)
 
 
 def closed_port() -> int:

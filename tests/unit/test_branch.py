@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import metric_rows, train_wsd, tree_digest, wsd_run
+from helpers import metric_rows, script_module, train_wsd, tree_digest, wsd_run
 
 from lmrecipe.config import load_config
 from lmrecipe.errors import UserError
@@ -128,19 +128,13 @@ def test_the_topology_free_form_of_a_branch_source_is_cached_in_the_branch_only(
 def test_a_branch_inside_its_source_run_is_refused_before_anything_is_written(tmp_path, capsys):
     """The source run's folder (the parent of its checkpoints/) and everything under it are only read: an out_dir in
     the source checkpoint or beside its checkpoints/ is refused by the run and by the dry run, and nothing is made."""
-    import importlib.util
-
-    from helpers import ROOT
-
     source_run = tmp_path / "src"
     checkpoint = source_run / "checkpoints" / "step_00000002"
     checkpoint.mkdir(parents=True)
     (checkpoint / "train_state.json").write_text("{}")
     (source_run / "checkpoints" / "latest").write_text("step_00000002\n")
     before = sorted(source_run.rglob("*"))
-    spec = importlib.util.spec_from_file_location("train_under_test", ROOT / "train.py")
-    train_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_py)
+    train_py = script_module("train.py")
     for out, branch_from in ((checkpoint / "mybranch", checkpoint), (source_run / "branch", source_run)):
         refusal = f"out_dir={out} lies inside {source_run.resolve()}, the run folder of checkpoint.branch_from="
         with pytest.raises(UserError, match="Choose an out_dir outside it") as err:

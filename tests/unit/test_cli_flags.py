@@ -3,11 +3,10 @@ Hugging Face style options (``--max_steps 10``)."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import yaml
-from helpers import ROOT, tree_digest, write_data
+from helpers import ROOT, script_main, tree_digest, write_data
 
 from lmrecipe.config import load_config, save_config
 
@@ -16,10 +15,7 @@ RECIPE = str(ROOT / "recipes" / "tiny.yaml")
 
 @pytest.fixture(scope="module")
 def train_main():
-    spec = importlib.util.spec_from_file_location("train_under_test", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return script_main("train.py")
 
 
 @pytest.fixture(scope="module")

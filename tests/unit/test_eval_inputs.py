@@ -4,12 +4,11 @@ the loss computation. Each resolves to a checkpoint, or exits 2 with one paragra
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import script_main
 
 from lmrecipe.checkpoint.storage import BEST, LATEST, STATE_FILE, step_dir_name
 from lmrecipe.errors import UserError
@@ -17,10 +16,7 @@ from lmrecipe.export import follow_pointer, read_newest
 
 
 def eval_main():
-    spec = importlib.util.spec_from_file_location("eval_under_test", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return script_main("eval.py")
 
 
 def checkpoint(root: Path, step: int) -> Path:

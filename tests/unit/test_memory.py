@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT, saved_bytes
+from helpers import ROOT, saved_bytes, script_main
 from torch import nn
 
 from lmrecipe.config import load_config
@@ -214,12 +214,7 @@ def test_the_per_layer_activation_estimate_is_what_a_llama_layer_saves(dtype):
 
 
 def _tool_main(script: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return script_main(script)
 
 
 def _run_tool(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:

@@ -5,7 +5,6 @@ one paragraph and leaves the run folder byte for byte as it was."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT, tree_digest
+from helpers import ROOT, script_main, tree_digest
 
 from lmrecipe.checkpoint.storage import LATEST, STATE_FILE, CheckpointStore, step_dir_name
 from lmrecipe.cli import CHECKPOINT_STATE_FILE, RUN_FILES, RUN_POINTERS, RUN_RECORD_FILES, check_tool_output
@@ -23,10 +22,7 @@ from lmrecipe.fileio import atomic_path, building_dir
 
 def tool_main(script: str):
     """The ``main`` of a script of the repository (``tools/export_hf.py``, ``eval.py``), loaded in this process."""
-    spec = importlib.util.spec_from_file_location(Path(script).stem + "_under_test", ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return script_main(script)
 
 
 def published(root: Path, step: int) -> Path:
