@@ -109,6 +109,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         return result
     finally:
         run.prefetcher.close()
+        run.accelerator.free_memory()  # DeepSpeed's gradient hooks would keep the run alive for the next side
 
 
 def _forget_run() -> None:
