@@ -129,6 +129,9 @@ def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
     import torch
 
+    from lmrecipe.cli import use_environment_ninja
+
+    use_environment_ninja()  # as the project's scripts: the other ninja's build log would compile DeepSpeed's ops again
     job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
     versions = {m: C.version(m) for m in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers",
