@@ -15,6 +15,8 @@ import importlib.util
 import gc
 import sys
 import time
+import traceback
+import weakref
 from pathlib import Path
 
 import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
@@ -227,6 +229,20 @@ def unavailable(lever: str, run) -> str | None:
     return None
 
 
+def free(run) -> None:
+    """Drop the gradients and collect the cycles a failed step left (its traceback's frames hold activations), then
+    return the allocator's cached blocks: the next window starts from the run's own memory."""
+    import torch
+
+    _bare(run).zero_grad(set_to_none=True)
+    zero = getattr(run.model, "optimizer", None)  # DeepSpeed's ZeRO optimizer keeps its own reference to the grads
+    if hasattr(zero, "zero_grad"):
+        zero.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _build(cfg, out_dir: Path, foreach: bool):
     """build_run, with foreach AdamW under DeepSpeed where asked (the configuration of the recorded 28.5 % MFU)."""
     from unittest import mock
@@ -238,6 +254,7 @@ def _build(cfg, out_dir: Path, foreach: bool):
                            if foreach else real(*args, **kwargs)):
         run = setup.build_run(cfg, out_dir)
     run.lr_at = lambda step: 0.0  # the weights stay as initialised: the held batch's loss compares the levers
+    C.sync(run.accelerator.device)  # the initialisation's kernels are asynchronous: without it, the host's share only
     return run, time.perf_counter() - start
 
 
@@ -270,17 +287,7 @@ class Sweep:
             self.result["skipped"][name] = why
             self.save(self.result)
             return False
-        try:
-            apply()
-            tokens_per_sec = self.measure(name, {**state, **change})["tokens_per_sec"]
-        except Exception as exc:  # one lever's failure is a figure too: the others go on
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # an out-of-memory window leaves its cached blocks
-            self.result["windows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:1000], "levers": {**state, **change}}
-            self.save(self.result)
-            tokens_per_sec = 0.0
+        tokens_per_sec = self.measure_or_record(name, {**state, **change}, apply).get("tokens_per_sec", 0.0)
         faster, self.best = tokens_per_sec > self.best, max(self.best, tokens_per_sec)
         if faster or undo is None:
             state.update(change)
@@ -288,17 +295,20 @@ class Sweep:
             undo()
         return faster
 
-    def measure_or_record(self, name: str, levers: dict, **kwargs) -> None:
-        """:meth:`measure`, its failure (an out-of-memory window) recorded as the window's figure instead."""
+    def measure_or_record(self, name: str, levers: dict, apply=lambda: None, **kwargs) -> dict:
+        """:meth:`measure`, its failure (an out-of-memory window) recorded as the window's figure instead: this
+        exception's text and where it was raised; the next window starts from freed memory (:func:`free`)."""
         try:
-            self.measure(name, levers, **kwargs)
-        except Exception as exc:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            self.result["windows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:1000], "levers": dict(levers)}
-            self.save(self.result)
+            apply()
+            return self.measure(name, levers, **kwargs)
+        except Exception as exc:  # one window's failure is a figure too: the others go on
+            where = next(reversed(traceback.extract_tb(exc.__traceback__)), None)
+            error = {"error": f"{type(exc).__name__}: {exc}"[:1000], "levers": dict(levers),
+                     "raised_at": where and f"{Path(where.filename).name}:{where.lineno} ({where.name})"}
+        free(self.run)  # after the except block: the traceback's frames (activations, gradients) are gone
+        self.result["windows"][name] = error
+        self.save(self.result)
+        return error
 
     def profile(self, when: str) -> None:
         self.result["profile"][when] = profile(self.run, self.step)
@@ -320,8 +330,9 @@ def measure_levers(config_of, out_dir: Path, side: dict, warmup: int, steps: int
     state = {"attention": cfg.model.attn_implementation, "loss_chunk_tokens": chunk, "kernels": "none",
              "compile": "none", "optimizer": "foreach AdamW", "accum_steps": run.runtime.batch.accum_steps}
     result = {"label": side["label"], "overrides": side["overrides"], "build_s": build_s, "windows": {}, "skipped": {},
-              "profile": {}, "preamble": preamble(run), "n_params": run.n_params, "device": str(run.accelerator.device),
-              "zero": run.runtime.topology.zero.describe(), "micro_batch_size": cfg.train.micro_batch_size}
+              "profile": {}, "notes": [], "preamble": preamble(run), "n_params": run.n_params,
+              "device": str(run.accelerator.device), "zero": run.runtime.topology.zero.describe(),
+              "micro_batch_size": cfg.train.micro_batch_size}
     sweep, kept = Sweep(run, result, save, warmup, steps), {"kernels": "none", "compile": "none"}
     # Liger also patches the architecture's module (its classes, apply_rotary_pos_emb): restored for the second build
     modeling = sys.modules[type(_bare(run)).__module__]
@@ -341,26 +352,40 @@ def measure_levers(config_of, out_dir: Path, side: dict, warmup: int, steps: int
             kept["kernels"] = "liger"
         if sweep.try_lever("compile", state, {"compile": "layers"}, lambda: compile_layers(_bare(run))):
             kept["compile"] = "layers"
+        first_profile = profile(run, sweep.step)  # the first build's last levers: used if the second build's fails
+        first_profile["levers"] = dict(state)
     finally:
         run.prefetcher.close()
     result["skipped"]["fp8 compiled"] = "not measured (its own build: torchao's float8 layers are chosen at prepare)"
+    first = {"model": _bare(run), "engine": run.model, "optimizer": getattr(run.model, "optimizer", run.optimizer)}
+    first = {what: weakref.ref(each) for what, each in first.items()}
+    # DeepSpeed's engine.destroy(): each parameter's post-accumulate-grad hook (ZeRO's grad_handling_hook) holds the
+    # ZeRO optimizer, which holds the engine and the model; the hook lives in the parameter's C++ autograd metadata,
+    # which the cycle collector cannot see, so without removing it the first run is never freed.
+    run.accelerator.free_memory()
     del run, sweep
     forget()
     for name, value in module_names.items():
         setattr(modeling, name, value)
     gc.collect()  # the first run's reference cycles (engine, optimizer, hooks) hold its GPU memory until collected
+    result["first_run_alive"] = [what for what, ref in first.items() if ref() is not None]  # [] : all of it freed
+    state = {**state, **kept, "optimizer": "fused AdamW"}
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        result["held_after_first_build_gib"] = torch.cuda.memory_allocated() / GIB  # what the first run left behind
-    state = {**state, **kept, "optimizer": "fused AdamW"}
+        held = result["held_after_first_build_gib"] = torch.cuda.memory_allocated() / GIB  # what the first run left
+        if note := keep_chunked_loss(result["windows"], state, chunk, held,
+                                     torch.cuda.get_device_properties(0).total_memory / GIB):
+            result["notes"].append(note)
     result["best_overrides"] = [f"model.attn_implementation={state['attention']}", f"model.kernels={state['kernels']}",
                                 f"train.loss_chunk_tokens={state['loss_chunk_tokens']}", f"train.compile={state['compile']}"]
     run, result["second_build_s"] = _build(config_of(result["best_overrides"]), out_dir / "second", foreach=False)
     try:
         sweep = Sweep(run, result, save, warmup, steps)
-        sweep.measure_or_record("fused AdamW", state)
-        if "error" not in result["windows"]["fused AdamW"]:
+        if "error" not in sweep.measure_or_record("fused AdamW", state):
             sweep.profile("best")
+        else:  # the second build's best window failed: the profile of the first build's best levers instead
+            result["profile"]["best (first build, foreach AdamW: the fused AdamW window failed)"] = first_profile
+            save(result)
         samples = BIG_ACCUM * run.runtime.batch.micro_batch_size * run.runtime.batch.world_size
         run.train_batches.ramp.size = lambda position: samples  # every later step accumulates BIG_ACCUM micro-batches
         run.prefetcher.reset()
@@ -369,6 +394,23 @@ def measure_levers(config_of, out_dir: Path, side: dict, warmup: int, steps: int
     finally:
         run.prefetcher.close()
     return result
+
+
+def keep_chunked_loss(windows: dict, state: dict, chunk: int, held_gib: float, total_gib: float) -> str | None:
+    """Where the kept levers drop the chunked loss and their measured step peak (the largest of the windows with that
+    loss head), the run's own memory (the baseline's ``held_gib``) and ``held_gib`` (what the first run left) would
+    exceed ``total_gib``: keep the chunked loss in ``state`` for the second build and say why; else None."""
+    if not chunk or state["loss_chunk_tokens"]:
+        return None
+    peak = max((w["step_peak_gib"] for w in windows.values() if w.get("step_peak_gib") is not None
+                and w["levers"]["loss_chunk_tokens"] == 0), default=0.0)
+    need = peak + windows.get("baseline", {}).get("held_gib", 0.0) + held_gib
+    if need <= total_gib:
+        return None
+    state["loss_chunk_tokens"] = chunk
+    return (f"the second build keeps the chunked loss (train.loss_chunk_tokens={chunk}): full logits' step peak "
+            f"{peak:.1f} GiB + the run's {need - peak - held_gib:.1f} GiB + {held_gib:.1f} GiB the first run left = "
+            f"{need:.1f} GiB, more than the device's {total_gib:.1f} GiB")
 
 
 def _against_recorded(mfu: float | None) -> dict:

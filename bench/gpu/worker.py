@@ -109,6 +109,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         return result
     finally:
         run.prefetcher.close()
+        run.accelerator.free_memory()  # DeepSpeed's gradient hooks would keep the run alive for the next side
 
 
 def _forget_run() -> None:
@@ -128,6 +129,9 @@ def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
     import torch
 
+    from lmrecipe.cli import use_environment_ninja
+
+    use_environment_ninja()  # as the project's scripts: the other ninja's build log would compile DeepSpeed's ops again
     job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
     versions = {m: C.version(m) for m in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers",

@@ -115,3 +115,68 @@ def test_levers_switched_in_place_give_the_loss_of_a_run_built_with_them(tmp_pat
     assert levers.held_loss(run, batch) == pytest.approx(first, abs=1e-6)
     for each in (run, other):
         each.prefetcher.close()
+
+
+@pytest.fixture
+def levers(monkeypatch):
+    for folder in ("bench", "bench/gpu"):
+        monkeypatch.syspath_prepend(str(ROOT / folder))
+    import levers
+
+    return levers
+
+
+def test_the_second_build_keeps_the_chunked_loss_where_full_logits_would_not_fit(levers):
+    """The H100 call's figures (2026-11-28T014818): full logits' step peak 56.5 GiB on top of the run's 16.2 GiB fits
+    the 79.2 GiB device, but not with the 16.2 GiB a first run left behind: then the chunked loss stays, and why."""
+    chunked = {"loss_chunk_tokens": 4096}
+    windows = {"baseline": {"held_gib": 16.18, "step_peak_gib": 34.76, "levers": chunked},
+               "full logits": {"held_gib": 16.18, "step_peak_gib": 56.47, "levers": {"loss_chunk_tokens": 0}},
+               "liger": {"held_gib": 16.18, "step_peak_gib": 46.75, "levers": {"loss_chunk_tokens": 0}},
+               "varlen": {"error": "OutOfMemoryError: ...", "levers": {"loss_chunk_tokens": 0}}}
+    state = {"loss_chunk_tokens": 0}
+    assert levers.keep_chunked_loss(windows, state, 4096, 0.0, 79.18) is None and state["loss_chunk_tokens"] == 0
+    note = levers.keep_chunked_loss(windows, state, 4096, 16.18, 79.18)
+    assert state["loss_chunk_tokens"] == 4096
+    assert note.startswith("the second build keeps the chunked loss (train.loss_chunk_tokens=4096): full logits' step "
+                           "peak 56.5 GiB + the run's 16.2 GiB + 16.2 GiB the first run left = 88.8 GiB, more than")
+    assert levers.keep_chunked_loss(windows, {"loss_chunk_tokens": 4096}, 4096, 50.0, 79.18) is None  # already chunked
+
+
+def test_a_failed_window_records_its_own_error_and_the_next_starts_from_freed_memory(levers, monkeypatch):
+    """Each failed window records the text and place of its own exception (not an earlier one); its gradients and
+    the frames its traceback held are freed before the next window."""
+    import gc
+    import types
+    import weakref
+
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    run = types.SimpleNamespace(model=model, accelerator=types.SimpleNamespace(unwrap_model=lambda m: m))
+    saved, held = [], []
+
+    def failing_window(run, step, warmup, steps):
+        activations = [torch.ones(64)]  # a local of the failing frame, held by the exception's traceback, and in a
+        activations.append(activations)  # reference cycle (as autograd's are): only a collection frees it
+        held.append(weakref.ref(activations[0]))
+        model(torch.ones(2, 4)).sum().backward()
+        raise RuntimeError(f"CUDA out of memory in window {len(held)}")
+
+    monkeypatch.setattr(levers, "window", failing_window)
+    sweep = object.__new__(levers.Sweep)
+    sweep.run, sweep.result, sweep.save, sweep.step = run, {"windows": {}}, saved.append, 0
+    sweep.warmup = sweep.steps = 1
+    gc.disable()  # freed by free()'s collection, not by one that happens to run
+    try:
+        for name in ("fused AdamW", "accumulation 16"):
+            error = sweep.measure_or_record(name, {"optimizer": "fused AdamW"})
+            assert model.weight.grad is None and held[-1]() is None
+            assert error is sweep.result["windows"][name] and saved[-1] is sweep.result
+    finally:
+        gc.enable()
+    windows = sweep.result["windows"]
+    assert windows["fused AdamW"]["error"] == "RuntimeError: CUDA out of memory in window 1"
+    assert windows["accumulation 16"]["error"] == "RuntimeError: CUDA out of memory in window 2"
+    assert windows["accumulation 16"]["raised_at"].startswith("test_gpu_kit.py:")
+    assert windows["accumulation 16"]["raised_at"].endswith("(failing_window)")
