@@ -313,13 +313,18 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch
 """The dtype the attention computes in under ``train.precision`` (fp8 runs its attention in bf16); fp32 otherwise."""
 
 
+PROBE_TOKENS = 4096
+"""The longest window the start-up's SDPA probe allocates (a longer run's backend is the one for this length): a
+dense mask of a 131,072-token window would take 32 GiB of the device for the probe alone."""
+
+
 def attention_record(requested: str, document_masking: bool, hf_config, seq_len: int, precision: str,
                      device: torch.device | str) -> dict:
     """What the training attention runs, for ``run_meta.json`` and the start-up log: the implementation, its kernel,
     and the SDPA backend torch picks (``torch._fused_sdp_choice``, None where no SDPA runs) for a one-row dummy of
-    the run's query/key heads, head size, window, dtype and device, with the mask kind the path passes. Called once
-    at start-up: nothing is read back in the loop. The dummies are one row of what the path allocates each forward
-    (for a dense mask, ``seq_len^2`` elements)."""
+    the run's query/key heads, head size, window (at most :data:`PROBE_TOKENS`), dtype and device, with the mask kind
+    the path passes. Called once at start-up: nothing is read back in the loop."""
+    seq_len = min(seq_len, PROBE_TOKENS)
     dtype = PRECISION_DTYPES.get(precision, torch.float32)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
