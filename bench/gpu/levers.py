@@ -4,22 +4,36 @@ compile) last; a second engine build for fused AdamW, then the best set at a lar
 
 The learning rate is held at 0, so the weights stay at their initial values and the loss of one held micro-batch
 (``held_loss``) compares the levers' numerics directly (``held_loss_agrees``: within 1 % of the baseline's, bf16's
-tolerance). A window records tokens/s, MFU, the step peak and reserved
-memory, allocator retries and the attention; the result is saved after every window.
+tolerance). A window records tokens/s, MFU, the step peak and reserved memory, allocator retries and the attention;
+the result is saved after every window.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import gc
+import importlib.util
 import sys
 import time
 import traceback
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
+import table  # beside this file
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, record_function
+
+import lmrecipe.train.setup as setup
+from lmrecipe.errors import UserError
+from lmrecipe.model.attention import SUPPORTED, build_document_attention
+from lmrecipe.model.build import compile_layers
+from lmrecipe.model.kernels import check_kernels, maybe_apply_kernels
+from lmrecipe.model.loss import chunked_head, forward_kwargs, training_loss, use_chunked_loss
+from lmrecipe.observe.device import device_peak_tflops, mfu
+from lmrecipe.train.step import train_step
 
 GIB = 1024**3
 BIG_ACCUM = 16  # micro-batches per step of the last window (the recipe accumulates 64 at 8 GPUs' worth)
@@ -42,30 +56,23 @@ def _bare(run):
 
 def preamble(run) -> dict:
     """cuDNN, the SDPA backend of the masked and causal shapes, one large bf16 GEMM's TFLOP/s, the flash ATen schemas."""
-    import torch
-
-    device, cfg, info = run.accelerator.device, run.cfg, {}
-    info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    hf = _bare(run).config
-    head_dim = hf.hidden_size // hf.num_attention_heads
-    q = torch.randn(cfg.train.micro_batch_size, hf.num_attention_heads, cfg.data.seq_len, head_dim, device=device,
-                    dtype=torch.bfloat16)
+    device, cfg, hf = run.accelerator.device, run.cfg, _bare(run).config
+    info = {"cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    q = torch.randn(cfg.train.micro_batch_size, hf.num_attention_heads, cfg.data.seq_len,
+                    hf.hidden_size // hf.num_attention_heads, device=device, dtype=torch.bfloat16)
     mask = torch.ones(cfg.data.seq_len, cfg.data.seq_len, dtype=torch.bool, device=device).tril()[None, None]
     for shape, kwargs in (("masked", {"attn_mask": mask.expand(q.shape[0], 1, -1, -1)}), ("causal", {"is_causal": True})):
         with contextlib.suppress(Exception):
-            choice = torch._fused_sdp_choice(q, q, q, **kwargs)
-            info[f"sdp_choice_{shape}"] = torch.nn.attention.SDPBackend(choice).name
+            info[f"sdp_choice_{shape}"] = torch.nn.attention.SDPBackend(torch._fused_sdp_choice(q, q, q, **kwargs)).name
     n = 8192 if _cuda(run) else 256
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(2):
-        a @ a
-    C.sync(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    C.sync(device)
-    info["gemm_bf16_tflops"] = 10 * 2 * n**3 / (time.perf_counter() - start) / 1e12
-    info["gemm_n"] = n
+    for repeats in (2, 10):  # a warm-up, then the timed products
+        C.sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ a
+        C.sync(device)
+    info.update(gemm_bf16_tflops=10 * 2 * n**3 / (time.perf_counter() - start) / 1e12, gemm_n=n)
     for op in ("_flash_attention_forward", "_flash_attention_backward"):
         with contextlib.suppress(Exception):
             info[f"schema{op}"] = str(getattr(torch.ops.aten, op).default._schema)
@@ -87,8 +94,6 @@ def _init_stats(model) -> dict:
 def held_loss(run, batch) -> float:
     """The language-model loss of one held micro-batch with the levers as they are: a training forward (grad mode, so
     compiled layers reuse their graph) without its backward; the weights do not change."""
-    from lmrecipe.model.loss import forward_kwargs, training_loss
-
     inputs, targets, documents = batch
     device = run.accelerator.device
     terms = training_loss(run.model, inputs.to(device), targets.to(device), run.cfg.train.z_loss,
@@ -99,11 +104,6 @@ def held_loss(run, batch) -> float:
 def window(run, step: int, warmup: int, steps: int) -> tuple[dict, int]:
     """``warmup`` then ``steps`` optimizer steps from ``step``, timed between two device syncs: the figures (tokens/s,
     MFU, the step peak: ``max_memory_allocated`` less what was held before, ...), and the next step."""
-    import torch
-
-    from lmrecipe.observe.device import device_peak_tflops, mfu
-    from lmrecipe.train.step import train_step
-
     device, cuda, first = run.accelerator.device, _cuda(run), step + warmup
     for warm in range(step, first):
         train_step(run, warm)
@@ -142,17 +142,12 @@ def profile_by_category(run, step: int) -> dict:
     """One step under ``torch.profiler``: milliseconds per category (:data:`CATEGORIES`, else elementwise) of the GPU
     kernels (on a CPU: the operators' self time), and the five longest names. The output head's forward is marked
     ``loss_head`` (the chunked head forms its gradients there)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from lmrecipe.train.step import train_step
-
     cuda, head, marker = _cuda(run), _bare(run).get_output_embeddings(), record_function("loss_head")
     hooks = [head.register_forward_pre_hook(lambda *_: None if marker.__enter__() else None),  # None: inputs kept
              head.register_forward_hook(lambda *_: None if marker.__exit__(None, None, None) else None)]
     C.sync(run.accelerator.device)
     try:
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             train_step(run, step)
             C.sync(run.accelerator.device)
     finally:
@@ -176,10 +171,6 @@ def profile_by_category(run, step: int) -> dict:
 
 def use_loss_head(run, chunk_tokens: int) -> None:
     """Chunked loss head (``train.loss_chunk_tokens``) or, at 0, the model's own Linear over the same weight."""
-    import torch
-
-    from lmrecipe.model.loss import chunked_head, use_chunked_loss
-
     model, head = _bare(run), chunked_head(run.model)
     if chunk_tokens:
         use_chunked_loss(model, chunk_tokens)
@@ -191,8 +182,6 @@ def use_loss_head(run, chunk_tokens: int) -> None:
 
 def use_attention(run, name: str) -> None:
     """Switch the built model's attention implementation (and the keywords each forward gets) to ``name``."""
-    from lmrecipe.model.attention import build_document_attention
-
     model = _bare(run)
     attention = build_document_attention(name, model.config)
     model.config._attn_implementation = attention.name  # the layers share the model's config and read it per forward
@@ -201,12 +190,6 @@ def use_attention(run, name: str) -> None:
 
 def unavailable(lever: str, run) -> str | None:
     """Why ``lever`` cannot be measured here, or None."""
-    import torch
-
-    from lmrecipe.errors import UserError
-    from lmrecipe.model.attention import SUPPORTED
-    from lmrecipe.model.kernels import check_kernels
-
     if lever in ("varlen", "flex_attention"):
         if lever not in SUPPORTED:
             return "not available in this build (lmrecipe.model.attention.SUPPORTED does not list it)"
@@ -232,8 +215,6 @@ def unavailable(lever: str, run) -> str | None:
 def free(run) -> None:
     """Drop the gradients and collect the cycles a failed step left (its traceback's frames hold activations), then
     return the allocator's cached blocks: the next window starts from the run's own memory."""
-    import torch
-
     _bare(run).zero_grad(set_to_none=True)
     zero = getattr(run.model, "optimizer", None)  # DeepSpeed's ZeRO optimizer keeps its own reference to the grads
     if hasattr(zero, "zero_grad"):
@@ -245,10 +226,6 @@ def free(run) -> None:
 
 def _build(cfg, out_dir: Path, foreach: bool):
     """build_run, with foreach AdamW under DeepSpeed where asked (the configuration of the recorded 28.5 % MFU)."""
-    from unittest import mock
-
-    import lmrecipe.train.setup as setup
-
     real, start = setup.build_optimizer, time.perf_counter()
     with mock.patch.object(setup, "build_optimizer", lambda *args, **kwargs: real(*args, **{**kwargs, "fused": False})
                            if foreach else real(*args, **kwargs)):
@@ -319,11 +296,6 @@ class Sweep:
 def measure_levers(config_of, out_dir: Path, side: dict, warmup: int, steps: int, save, forget) -> dict:
     """The stage's windows (module docstring). ``config_of(overrides)``: the kit's config with further overrides;
     ``forget()``: drop the first run's Accelerator before the second build."""
-    import torch
-
-    from lmrecipe.model.build import compile_layers
-    from lmrecipe.model.kernels import maybe_apply_kernels
-
     cfg = config_of([])
     run, build_s = _build(cfg, out_dir / "first", foreach=True)
     chunk = cfg.train.chunk_tokens(_bare(run).config.vocab_size)
@@ -415,8 +387,6 @@ def keep_chunked_loss(windows: dict, state: dict, chunk: int, held_gib: float, t
 
 def _against_recorded(mfu: float | None) -> dict:
     """The baseline's MFU against the committed ``mfu_zero2`` figure (bench/gpu/results): the difference in points."""
-    import table  # beside this file
-
     rows = table.latest_rows(table.load_runs(sorted(table.RESULTS.glob("*.json"))))
     recorded = rows["mfu_zero2"][0]["sides"]["bf16 ZeRO-2"]["mfu"] if "mfu_zero2" in rows else None
     points = None if mfu is None or recorded is None else 100 * (mfu - recorded)

@@ -9,6 +9,7 @@ worker stopped by ``--budget-s`` keeps its timed figures.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import platform
@@ -20,6 +21,17 @@ from pathlib import Path
 
 import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
 import levers as L  # beside this file
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from lmrecipe.cli import use_environment_ninja
+from lmrecipe.observe.device import device_peak_tflops
+from lmrecipe.observe.host_syncs import HostSyncCounter
+from lmrecipe.planning.prediction import predict_run
+from lmrecipe.train.setup import build_run
+from lmrecipe.train.state import TrainState
+from lmrecipe.train.step import train_step
 
 GIB = 1024**3
 SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
@@ -27,11 +39,6 @@ SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (coun
 
 def _count_syncs(run, first_step: int, steps: int) -> dict:
     """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings."""
-    import torch
-
-    from lmrecipe.observe.host_syncs import HostSyncCounter
-    from lmrecipe.train.step import train_step
-
     device, cuda = run.accelerator.device, run.accelerator.device.type == "cuda"
     C.sync(device)
     with warnings.catch_warnings(record=True) as caught:
@@ -53,8 +60,6 @@ def _count_syncs(run, first_step: int, steps: int) -> dict:
 
 def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
     """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall`` each)."""
-    from lmrecipe.train.state import TrainState
-
     state, result = TrainState(step=first_step), {"steps_between": steps_between}
     for kind in ("sync", "background"):
         result[kind] = C.save_round(run, C.side_checkpointer(run, out_dir / kind, kind == "background"), state, steps_between)
@@ -64,11 +69,6 @@ def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -
 
 
 def _prediction(run, peak_tflops: float) -> dict:
-    import torch
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from lmrecipe.planning.prediction import predict_run
-
     unset_hf_deepspeed_config()  # a live ZeRO-3 config would make the meta-device shape enter zero.Init
     device, runtime = run.accelerator.device, run.runtime
     return predict_run(run.cfg.workload(), run.accelerator.unwrap_model(run.model).config, topology=runtime.topology,
@@ -79,9 +79,6 @@ def _prediction(run, peak_tflops: float) -> dict:
 def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=lambda result: None) -> dict:
     """Build the run of ``cfg`` and measure it as ``side`` (a ``stages.Side`` as a dict) asks; ``save`` gets the result
     so far after the timed steps and after each slow measurement."""
-    from lmrecipe.observe.device import device_peak_tflops
-    from lmrecipe.train.setup import build_run
-
     start = time.perf_counter()
     run = build_run(cfg, out_dir)
     build_s = time.perf_counter() - start
@@ -114,11 +111,6 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
 
 def _forget_run() -> None:
     """Let the next side of this process (the dry run's sides share one) build its own Accelerator and engine."""
-    import gc
-
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
     unset_hf_deepspeed_config()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -127,10 +119,6 @@ def _forget_run() -> None:
 
 def main(argv: list[str]) -> int:
     """``worker.py JOB_JSON``: measure each side of the job, write their results to the job's ``result`` path."""
-    import torch
-
-    from lmrecipe.cli import use_environment_ninja
-
     use_environment_ninja()  # as the project's scripts: the other ninja's build log would compile DeepSpeed's ops again
     job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
