@@ -1,13 +1,11 @@
-"""The GPU kit: one command on a GPU node that prepares data and measures every GPU figure of the recipe, writing
-them as it goes; on an offline node it first installs what the node lacks from a pack (``bench/gpu/README.md``).
+"""The GPU kit: one command on a GPU node that installs what the node lacks from a pack (``install.py``), prepares
+data, measures each stage's sides (``stages.py``) in fresh processes (``worker.py``) and rewrites ``gpu_kit.json``
+under ``--out`` after every stage (``bench/gpu/README.md``).
 
     python3 bench/gpu/run.py --out runs/gpu_kit                  # on the GPU node: the default stages
     .venv/bin/python bench/gpu/run.py --dry-run --out /tmp/kit   # on a CPU: every stage, tiny recipe, 2 steps
 
-It installs the pack (``install.py``), prepares the data, measures each stage's sides (``stages.py``) in fresh
-processes (``worker.py``) and rewrites ``gpu_kit.json`` under ``--out`` after every stage (``table.py --results
-DIR`` prints it as the page's table). Exit 0, also when a stage failed (its row says why); 2 for a bad argument or no
-GPU without --dry-run.
+Exit 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"
 # The levers' baseline is the dense mask without Liger (the recipe's own choice is the best window, measured on top)
 GPU_BASE = ("model.vocab_size=128256", "model.vocab_beyond_data=true", "train.global_batch_size=16", "train.micro_batch_size=8",
             "model.attn_implementation=sdpa", "model.kernels=none")
-# The tests' tiny model: on a CPU, fp8's emulated float8 matmuls are slow at the tiny recipe's own width.
+# The tests' tiny model: every stage's dry run in seconds.
 DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4",
             "train.loss_chunk_tokens=64")
@@ -58,9 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         args.selected = S.select(args.stages)
     except ValueError as exc:
-        parser.exit(2, f"{parser.prog}: error: --stages: {exc}\n")
+        parser.error(f"--stages: {exc}")
     if (problem := argument_problem(args)) is not None:
-        parser.exit(2, f"{parser.prog}: error: {problem}\n")
+        parser.error(problem)
     if args.data is not None:
         args.data = args.data.resolve()  # the workers run in the repository root
     args.steps = args.steps or (2 if args.dry_run else 8)
@@ -80,12 +78,12 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     for flag, folder in (("--out", args.out), ("--work", args.work)):
         if (problem := folder_problem(flag, folder)) is not None:
             return problem
-    data = args.data
-    problem = None if data is None else "does not exist" if not data.exists() else \
-        "is a file, not a prepared data folder" if not data.is_dir() else \
-        None if (data / "meta.json").is_file() else "holds no meta.json: it is not a prepared data folder"
-    return problem and (f"--data {data} {problem}. Pass a folder written by tools/prepare_data.py (python "
-                        "tools/prepare_data.py --output DIR), or leave --data out to prepare the embedded corpus under --work.")
+    if args.data is None or (args.data / "meta.json").is_file():
+        return None
+    problem = "does not exist" if not args.data.exists() else "is a file, not a prepared data folder" \
+        if not args.data.is_dir() else "holds no meta.json: it is not a prepared data folder"
+    return (f"--data {args.data} {problem}. Pass a folder written by tools/prepare_data.py (python tools/prepare_data.py "
+            "--output DIR), or leave --data out to prepare the embedded corpus under --work.")
 
 
 def folder_problem(flag: str, folder: Path) -> str | None:
@@ -124,7 +122,7 @@ class Record:
         self.data = {"mode": "dry run (CPU, tiny recipe: not GPU figures)" if args.dry_run else "gpu",
                      "command": " ".join(["python3", "bench/gpu/run.py", *map(shlex.quote, sys.argv[1:])]),
                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(args.packed),
-                     "recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base_overrides": list(args.base),
+                     "recipe": args.recipe, "base_overrides": list(args.base),
                      "warmup_steps": args.warmup_steps, "steps": args.steps, "setup": {}, "versions": {}, "stages": []}
 
     def log(self, text: str) -> None:
@@ -196,7 +194,7 @@ def run_job(args, env: dict, record: Record, groups: list[dict], name: str, time
     work = args.work / "runs" / name
     work.mkdir(parents=True, exist_ok=True)
     log, result_path = work / "worker.log", work / "result.json"
-    job = {"recipe": DRY_RECIPE if args.dry_run else GPU_RECIPE, "base": list(args.base), "data": str(args.data),
+    job = {"recipe": args.recipe, "base": list(args.base), "data": str(args.data),
            "work": str(work), "result": str(result_path), "sides": groups, "warmup_steps": args.warmup_steps,
            "steps": args.steps}
     (work / "job.json").write_text(json.dumps(job, indent=2))
@@ -239,7 +237,7 @@ def stage_row(stage: S.Stage, done: dict[str, dict], dry_run: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    args.base = DRY_BASE if args.dry_run else GPU_BASE
+    args.recipe, args.base = (DRY_RECIPE, DRY_BASE) if args.dry_run else (GPU_RECIPE, GPU_BASE)
     if not args.dry_run and not __import__("torch").cuda.is_available():
         print("run.py: no CUDA device is visible: on a machine without a GPU, run with --dry-run", file=sys.stderr)
         return 2

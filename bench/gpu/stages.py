@@ -51,7 +51,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _syncs(results):
-    parts, met = [], None
+    parts = []
     for label, r in results.items():
         s = r["host_syncs"]
         kinds = ", ".join(f"`{kind}` {n:g}" for kind, n in s["by_kind"].items() if n) or "none"
@@ -94,22 +94,17 @@ STAGES = (
     Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
           "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )
-# The next GPU call measures the levers: one worker for the sweep, one without DeepSpeed.
-DEFAULT_STAGES = ("levers",)
+DEFAULT_STAGES = ("levers",)  # the next GPU call: one worker for the sweep, one without DeepSpeed
 BY_NAME = {stage.name: stage for stage in STAGES}
 
 
 def select(spec: str) -> list[Stage]:
     """Stages named in a comma-separated ``spec`` (``default``, ``all`` or names); ValueError naming the choices."""
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    chosen: list[str] = []
-    for name in names:
-        expanded = DEFAULT_STAGES if name == "default" else tuple(BY_NAME) if name == "all" else (name,)
-        for each in expanded:
-            if each not in BY_NAME:
-                raise ValueError(f"unknown stage {each!r}: choose from {', '.join(BY_NAME)}, or 'default' or 'all'")
-            if each not in chosen:
-                chosen.append(each)
-    if not chosen:
-        raise ValueError(f"no stage named: choose from {', '.join(BY_NAME)}, or 'default' or 'all'")
-    return [BY_NAME[name] for name in chosen]
+    choices = f"choose from {', '.join(BY_NAME)}, or 'default' or 'all'"
+    names = [each for part in spec.split(",") if (name := part.strip())
+             for each in (DEFAULT_STAGES if name == "default" else BY_NAME if name == "all" else (name,))]
+    if unknown := next((name for name in names if name not in BY_NAME), None):
+        raise ValueError(f"unknown stage {unknown!r}: {choices}")
+    if not names:
+        raise ValueError(f"no stage named: {choices}")
+    return [BY_NAME[name] for name in dict.fromkeys(names)]
