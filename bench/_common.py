@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shlex
 import socket
 import statistics
@@ -41,21 +42,22 @@ def worker_command(args, kind: str, *extra: str) -> list[str]:
     return [sys.executable, str(RUNNER), args.case, *args.argv, "--worker", kind, *extra]
 
 
-def run_worker(cmd: list[str], side: str, env: dict | None = None) -> dict:
-    """Run a worker process and return the JSON result it printed."""
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    result = read_result(proc.stdout.splitlines())
-    if result is None:
-        raise SystemExit(f"{side} worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return result
-
-
-def run_checked(cmd: list[str], env: dict | None = None) -> str:
-    """Run a command from the repository root; its stdout, or exit naming it with the end of its stderr."""
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+def run_checked(cmd: list[str], **env: str) -> str:
+    """Run a command from the repository root with ``env`` over this environment (and Accelerate's rich output off);
+    its stdout, or exit naming it with the end of its output."""
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "ACCELERATE_DISABLE_RICH": "1", **env}, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-4000:]}")
     return proc.stdout
+
+
+def run_worker(cmd: list[str], side: str, **env: str) -> dict:
+    """Run a worker process (``run_checked``) and return the JSON result it printed."""
+    if (result := read_result(run_checked(cmd, **env).splitlines())) is None:
+        raise SystemExit(f"the {side} worker printed no result: {' '.join(cmd)}")
+    return result
 
 
 def command_line() -> str:
@@ -147,17 +149,13 @@ def interleave(report: Report, pairs: int, sides: tuple[str, ...], measure: typi
     if warm_up:
         for side in sides:
             measure(side)
-    results: dict[str, list] = {side: [] for side in sides}
-    values: dict[str, list[float]] = {name: [] for name in ratios}
+    rounds = []
     for i, order in enumerate(pair_orders(pairs, sides), start=1):
-        got = {side: measure(side) for side in order}
-        for side in sides:
-            results[side].append(got[side])
-        for name, ratio in ratios.items():
-            values[name].append(ratio(got))
+        rounds.append(got := {side: measure(side) for side in order})
         report.line(f"round {i} ({' '.join(order)}): {describe(got)}"
-                    + "".join(f"; {name} {v[-1]:.3f}" for name, v in values.items()))
-    return results, {name: ratio_stats(v) for name, v in values.items()}
+                    + "".join(f"; {name} {ratio(got):.3f}" for name, ratio in ratios.items()))
+    return ({side: [got[side] for got in rounds] for side in sides},
+            {name: ratio_stats([ratio(got) for got in rounds]) for name, ratio in ratios.items()})
 
 
 def median_of(rows: list[dict], key: str) -> float:
@@ -178,8 +176,6 @@ def quiet_stdout():
 
 def cpu_seconds(*who: int) -> float:
     """User and system CPU seconds of ``resource.RUSAGE_SELF`` and/or ``RUSAGE_CHILDREN`` (those that have ended)."""
-    import resource
-
     return sum(usage.ru_utime + usage.ru_stime for usage in map(resource.getrusage, who))
 
 
@@ -195,6 +191,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+TINY_FAST = ["train.global_batch_size=8", "train.micro_batch_size=4"]  # the tiny recipe at 1,024 tokens per step
 # What a timed run must not do: evaluate, checkpoint, export, resume, draw a progress bar, sync a tracker.
 QUIET_RUN = ["train.eval_every_steps=0", "checkpoint.every_steps=0", "checkpoint.export_at_end=false",
              "checkpoint.resume=none", "logging.progress_bar=false", "logging.trackers=[]"]
@@ -369,18 +366,20 @@ def advance(run, state) -> None:
 
 
 def save_round(run, checkpointer, state, steps_between: int) -> dict:
-    """What the loop does around a save, timed: ``maybe_save``, ``steps_between`` training steps, ``wait``."""
+    """What the loop does around a save, timed (its output swallowed): ``maybe_save``, ``steps_between`` training
+    steps, ``wait``."""
     sync(run.accelerator.device)
-    start = time.perf_counter()
-    checkpointer.maybe_save(run.model, state)
-    save_s, steps_s = time.perf_counter() - start, []
-    for _ in range(steps_between):
-        step_start = time.perf_counter()
-        advance(run, state)
-        steps_s.append(time.perf_counter() - step_start)
-    sync(run.accelerator.device)
-    start = time.perf_counter()
-    checkpointer.wait()
-    wait_s = time.perf_counter() - start
+    with quiet_stdout():
+        start = time.perf_counter()
+        checkpointer.maybe_save(run.model, state)
+        save_s, steps_s = time.perf_counter() - start, []
+        for _ in range(steps_between):
+            step_start = time.perf_counter()
+            advance(run, state)
+            steps_s.append(time.perf_counter() - step_start)
+        sync(run.accelerator.device)
+        start = time.perf_counter()
+        checkpointer.wait()
+        wait_s = time.perf_counter() - start
     return {"save_s": save_s, "wait_s": wait_s, "blocked_s": save_s + wait_s, "steps_s": sum(steps_s),
             "step_s": statistics.median(steps_s) if steps_s else 0.0}

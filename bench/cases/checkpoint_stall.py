@@ -1,9 +1,8 @@
 """How long the training loop is blocked per checkpoint: synchronous writes against background writes, in one run.
 
-One process, the recipe at --hidden-size x --layers (--deepspeed: that config on one process), two checkpointers of
-the trainer's own ``build_checkpointer``, ``checkpoint.background_save`` false and true. A round is what the loop does
-around a save: ``maybe_save``, --steps-between ``train_step`` calls, ``wait``. The loop is blocked for save + wait;
-the figure is the median ratio sync / background of it, and of the whole round.
+One run of the recipe at --hidden-size x --layers (--deepspeed: that config on one process), two checkpointers of the
+trainer's own, ``checkpoint.background_save`` false and true; a round is ``maybe_save``, --steps-between
+``train_step`` calls, ``wait`` (docs/benchmarks/09-checkpoint-stall.md).
 """
 
 from __future__ import annotations
@@ -38,15 +37,10 @@ def run(args, report) -> None:
         report.line(f"model {run.n_params / 1e6:.1f}M params, {run.runtime.topology.zero.describe()}, "
                     f"{run.tokens_per_step} tokens per step, {args.steps_between} steps between saves, "
                     f"threads {args.threads or 'default'}, files in {tmp}")
-
-        def quiet_round(side: str) -> dict:
-            with C.quiet_stdout():
-                return C.save_round(run, checkpointers[side], state, args.steps_between)
-
         for _ in range(2):  # warm-up: the first steps (and one save of each side, interleave's warm-up round)
             C.advance(run, state)
         rounds, stats = C.interleave(
-            report, args.pairs, SIDES, quiet_round,
+            report, args.pairs, SIDES, lambda side: C.save_round(run, checkpointers[side], state, args.steps_between),
             {"blocked ratio": lambda g: g["sync"]["blocked_s"] / g["background"]["blocked_s"],
              "round ratio": lambda g: ((g["sync"]["blocked_s"] + g["sync"]["steps_s"])
                                        / (g["background"]["blocked_s"] + g["background"]["steps_s"]))},

@@ -1,15 +1,12 @@
 """Data path: what the memmap loader delivers against what a training step consumes, and data_time_s in a real run.
 
-1. In this process, alternating blocks: the loader alone (``TrainBatches.micro_batches`` and ``.to(device)``) against
-   ``_common.OursLoop``: loader over consumed micro-batches/s (the headroom), and the fetch's share of the block.
-2. A ``train.py`` run of --run-steps steps: data_time_s / step_time_s from its metrics.jsonl. Target: < 1%.
-3. The loader alone at the 1B recipe's shape (seq_len 2048, micro-batch 8).
+Three parts (docs/benchmarks/03-data-path.md): the loader alone against ``_common.OursLoop`` in alternating blocks;
+a ``train.py`` run of --run-steps steps (data_time_s / step_time_s, target < 1%); the loader at the 1B recipe's shape.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -92,8 +89,7 @@ def real_run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_data_run_") as out_dir:
         cmd = C.train_command(args.recipe, out_dir, args.data, [f"train.max_steps={args.run_steps}",
                                                                 "logging.log_every_steps=10", *args.overrides])
-        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-        C.run_checked(cmd, {**os.environ, "ACCELERATE_DISABLE_RICH": "1", **threads})
+        C.run_checked(cmd, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
         rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "step_time_s" in r and r["step"] > 1]  # step 1 alone is start-up, not steady state
     total = sum(r["data_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)

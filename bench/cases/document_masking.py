@@ -1,4 +1,5 @@
-"""What document masking costs and what it changes: step time, the SDPA mask's memory, the validation loss.
+"""What document masking costs and what it changes: step time, the SDPA mask's memory, the validation loss
+(docs/benchmarks/10-document-masking.md).
 
     bench/run.py document_masking step          # train_step masked and plain, tiny and 34M models, interleaved blocks
     bench/run.py document_masking mask-memory   # bytes of the SDPA, eager and flash masks at seq_len 2k / 8k / 32k
@@ -38,18 +39,16 @@ def run(args, report) -> None:
         args, report)
 
 
-def time_steps(run, first_step: int, n_steps: int) -> float:
-    from lmrecipe.train.step import train_step
-
-    start = time.perf_counter()
-    for step in range(first_step, first_step + n_steps):
-        result = train_step(run, step)
-    result.loss.item()
-    return (time.perf_counter() - start) / n_steps
-
-
 def bench_step(args, report) -> dict:
     from lmrecipe.train.setup import build_run
+    from lmrecipe.train.step import train_step
+
+    def time_steps(run, first_step: int) -> float:
+        start = time.perf_counter()
+        for step in range(first_step, first_step + args.block_steps):
+            result = train_step(run, step)
+        result.loss.item()
+        return (time.perf_counter() - start) / args.block_steps
 
     models = {"tiny": []} if args.tiny_only else {"tiny": [], "34M": [
         f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}", f"model.num_heads={args.hidden_size // 64}"]}
@@ -63,7 +62,7 @@ def bench_step(args, report) -> dict:
             first = {side: iter(range(0, 10**9, args.block_steps)) for side in runs}
             seconds, stats = C.interleave(
                 report, args.pairs, ("masked", "plain"),
-                lambda side: time_steps(runs[side], next(first[side]), args.block_steps),
+                lambda side: time_steps(runs[side], next(first[side])),
                 {"masked/plain": lambda g: g["masked"] / g["plain"]},
                 lambda g: f"{model}: " + ", ".join(f"{side} {1e3 * s:.0f} ms/step" for side, s in g.items()), warm_up=True)
             for run in runs.values():
@@ -79,8 +78,8 @@ def bench_step(args, report) -> dict:
 def bench_mask_memory(args, report) -> dict:
     import numpy as np
 
-    from lmrecipe.model.attention import additive_mask, block_causal_mask
     from lmrecipe.data.documents import document_batch
+    from lmrecipe.model.attention import additive_mask, block_causal_mask
 
     results = {}
     for seq_len in (2048, 8192, 32768):

@@ -24,11 +24,11 @@ def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_syncs_") as tmp:
         for steps in (SHORT, LONG):
             cfg = C.bench_config(args.recipe, [f"train.max_steps={steps}", "schedule.warmup_steps=2",
-                                                    "logging.log_every_steps=1000"], f"{tmp}/{steps}", args.data)
+                                               "logging.log_every_steps=1000"], f"{tmp}/{steps}", args.data)
             with HostSyncCounter() as counter, C.quiet_stdout():
                 train(cfg)
             counts[steps] = dict(counter.calls)
-    kinds = sorted(set(counts[SHORT]) | set(counts[LONG]))
-    per_step = {k: (counts[LONG].get(k, 0) - counts[SHORT].get(k, 0)) / (LONG - SHORT) for k in kinds}
+    per_step = {k: (counts[LONG].get(k, 0) - counts[SHORT].get(k, 0)) / (LONG - SHORT)
+                for k in sorted(counts[SHORT].keys() | counts[LONG].keys())}
     report.line(f"{sum(per_step.values()):.2f} host syncs per unlogged step; by kind: {per_step}")
     report.figures = {"per_unlogged_step": per_step, "counts": counts}

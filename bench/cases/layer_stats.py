@@ -1,41 +1,22 @@
 """The per-layer instruments' cost (``logging.layer_stats``): CPU seconds of a logged and of an unlogged step, on
-against off.
-
-Two trainers of the same recipe (``_common.OursLoop``), ``logging.layer_stats`` false and true, in alternating blocks
-of --log-every steps (one logged step each). Per round: the ratio on / off of the logged step's CPU seconds and of
-the mean unlogged step's (wall too).
+against off: two ``_common.OursLoop`` in alternating blocks of --log-every steps (docs/benchmarks/15-layer-stats.md).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import _common as C
 
 PAIRS = 20
 DEVICE = True
-TINY_FAST = ["train.global_batch_size=8", "train.micro_batch_size=4"]
 KINDS = ("logged", "unlogged")
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
     parser.add_argument("--log-every", type=int, default=5,
                         help="logging.log_every_steps, the block length (default: %(default)s)")
-
-
-def timed_steps(loop, n_steps: int) -> list[tuple[int, float, float]]:
-    """(step, CPU seconds, wall seconds) of each of the next ``n_steps`` steps of ``loop``."""
-    out = []
-    with C.quiet_stdout():
-        for _ in range(n_steps):
-            C.sync(loop.device)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            loop.trainer.step()
-            C.sync(loop.device)
-            out.append((loop.state.step, time.process_time() - cpu_start, time.perf_counter() - start))
-    return out
 
 
 def run(args, report) -> None:
@@ -50,8 +31,8 @@ def run(args, report) -> None:
                     f"every {args.log_every} steps")
 
         def measure(side: str) -> dict:
-            steps = timed_steps(loops[side], args.log_every)
-            kinds = {kind: [(cpu, wall) for step, cpu, wall in steps
+            steps = [(C.timed_block(loops[side], 1), loops[side].state.step) for _ in range(args.log_every)]
+            kinds = {kind: [(t.cpu_s, t.wall_s) for t, step in steps
                             if log_due(cfg.logging, step, cfg.train.max_steps) == (kind == "logged")] for kind in KINDS}
             means = {kind: [statistics.mean(v[j] for v in values) for j in (0, 1)] for kind, values in kinds.items()}
             return {"cpu_ms": {k: [1000 * c for c, _ in v] for k, v in kinds.items()}, "mean": means}

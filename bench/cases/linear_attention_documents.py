@@ -3,12 +3,10 @@
     bench/run.py linear_attention_documents                        # documents of about 64 and 1,024 tokens
     bench/run.py linear_attention_documents --doc-lens 128 --seq-len 1024 --rows 4
 
-Three sides on the same weights and the same batches, interleaved: ``per-document`` (data.document_masking: attention
-masked and every DeltaNet layer run per document, ``lmrecipe/model/linear_attention.py``), ``attention-only``
-(attention masked, the DeltaNet layers over the whole row: what the recipe refuses, since documents leak) and
-``plain`` (no masking). Rows of ``--seq-len`` tokens cut from a stream of documents whose lengths are drawn from an
-exponential distribution of mean ``--doc-lens`` (at least 1 token), so a row holds about seq_len / mean documents.
-The model is the torch fallback of transformers' gated delta rule (no flash-linear-attention on a CPU).
+Three sides on the same weights and batches, interleaved: ``per-document`` (data.document_masking: attention masked
+and every DeltaNet layer run per document), ``attention-only`` (the DeltaNet layers over the whole row: documents
+leak, which the recipe refuses) and ``plain`` (no masking). A row of --seq-len tokens is cut from a stream of
+documents of exponentially distributed lengths of mean --doc-lens. The DeltaNet is transformers' torch fallback.
 """
 
 from __future__ import annotations
@@ -29,16 +27,6 @@ def options(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--block-steps", type=int, default=1, help="forward+backward passes per timed block")
-
-
-def tiny_config():
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-
-    return Qwen3_5MoeTextConfig(
-        vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
-        linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=4096, use_cache=False)
 
 
 def batches(seq_len: int, rows: int, mean_doc_len: int, n: int, seed: int = 0):
@@ -62,26 +50,29 @@ def batches(seq_len: int, rows: int, mean_doc_len: int, n: int, seed: int = 0):
     return out
 
 
-def build_side(side: str, config):
-    import copy
-
+def build_side(side: str):
+    """The tiny model of ``side`` (the same weights for every side) and the forward keywords of a batch."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
     from lmrecipe.model.attention import build_document_attention
     from lmrecipe.model.linear_attention import KEYWORD, install_per_document
 
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=4096, use_cache=False)
     attention = None if side == "plain" else build_document_attention("sdpa", config)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                              attn_implementation="sdpa" if attention is None else attention.name)
     if side == "per-document":
         install_per_document(model)
 
     def kwargs(batch) -> dict:
-        if attention is None:
-            return {}
-        found = attention.forward_kwargs(batch, "cpu")
+        found = {} if attention is None else attention.forward_kwargs(batch, "cpu")
         if side == "attention-only":
             del found[KEYWORD]
         return found
@@ -101,10 +92,7 @@ def time_block(model, kwargs, batches) -> float:
 
 
 def run(args, report) -> None:
-    config = tiny_config()
-    sides = {side: build_side(side, config) for side in SIDES}
-    tokens = args.rows * args.seq_len
-    results = {}
+    sides, tokens, results = {side: build_side(side) for side in SIDES}, args.rows * args.seq_len, {}
     for mean in (int(x) for x in args.doc_lens.split(",")):
         work = batches(args.seq_len, args.rows, mean, args.block_steps, seed=mean)
         segments = statistics.mean(b.n_segments / args.rows for _, _, b in work)

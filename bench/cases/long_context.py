@@ -78,8 +78,8 @@ def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
             cmd[:1] = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                        "--main_process_port", str(C.free_port())]
-        C.run_checked(cmd, {**os.environ, "PYTHONPATH": str(C.ROOT), "MALLOC_MMAP_THRESHOLD_": "65536",
-                            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))})
+        C.run_checked(cmd, PYTHONPATH=str(C.ROOT), MALLOC_MMAP_THRESHOLD_="65536",
+                      OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(nproc)]
     return {"name": name, "peak_bytes": max(r["peak_bytes"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
             "loss": statistics.mean(r["loss"] for r in ranks), "nproc": nproc,

@@ -1,9 +1,7 @@
 """Loop overhead: train.py's step (Trainer.step over train_step) against a minimal raw PyTorch loop, tokens/s.
 
-Both sides in this process, in alternating blocks of --block-steps steps: *ours* is ``_common.OursLoop`` (every
-callback a run has); *raw* is ``_common.RawLoop`` (the same model, weights, AdamW groups and pre-built micro-batches:
-forward, fp32 cross-entropy, backward, clip, step). Target: median ours / raw >= 0.97; the CPU-seconds ratio and a
-per-section breakdown beside it.
+``_common.OursLoop`` (every callback a run has) against ``_common.RawLoop`` in alternating blocks of --block-steps
+steps, in this process. Target: median ours / raw >= 0.97 (docs/benchmarks/01-loop-overhead.md).
 """
 
 from __future__ import annotations
@@ -12,12 +10,11 @@ import _common as C
 
 PAIRS = 20
 DEVICE = True
-TINY_FAST = ["train.global_batch_size=8", "train.micro_batch_size=4"]
 SECTIONS = ["forward+loss", "backward", "clip+optimizer", "data", "rest (bookkeeping)", "step"]
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
     parser.add_argument("--block-steps", type=int, default=10, help="optimizer steps per timed block (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps of each side first (default: %(default)s)")
 

@@ -1,23 +1,18 @@
 """MFU on a CPU: achieved training FLOP/s over the measured matmul peak, for the tiny recipe and a 512-wide 8-layer model.
 
-Each model in its own process, alternating a training block of --block-steps steps (``_common.OursLoop``) with a
-fresh ``probe_cpu_matmul_tflops("fp32")`` (the 1024 x 1024 probe whose peak train.py's MFU uses). Achieved FLOP/s =
-``flops_per_token`` x tokens/s; the figure is the median of the rounds' achieved / peak, with min and max. The GPU
-figure is the GPU kit's (``bench/gpu/run.py``, stage mfu_zero2).
+Each model in its own process, blocks of --block-steps training steps (``_common.OursLoop``) alternating with the
+1024 x 1024 fp32 matmul probe whose peak train.py's MFU uses (docs/benchmarks/05-mfu.md; on a GPU: the GPU kit).
 """
 
 from __future__ import annotations
 
-import os
-
 import _common as C
 
 RECIPE = None
-MODELS = {
-    "tiny": ["recipes/tiny.yaml", []],
-    "large": ["recipes/tiny.yaml", ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
-                                    "model.intermediate_size=null", "data.seq_len=256", "train.global_batch_size=16",
-                                    "train.micro_batch_size=8"]],
+MODELS = {  # overrides of recipes/tiny.yaml
+    "tiny": [],
+    "large": ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=null",
+              "data.seq_len=256", "train.global_batch_size=16", "train.micro_batch_size=8"],
 }
 
 
@@ -30,8 +25,7 @@ def worker(args) -> dict:
     from lmrecipe.observe.device import probe_cpu_matmul_tflops
 
     name = args.models[0]
-    recipe, overrides = MODELS[name]
-    with C.ours_loop(recipe, overrides, args.data) as ours:
+    with C.ours_loop("recipes/tiny.yaml", MODELS[name], args.data) as ours:
         cfg = ours.cfg
         desc = (f"{name}: {ours.n_params / 1e6:.1f}M params ({cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
                 f"vocab {ours.hf_config.vocab_size}), seq_len {cfg.data.seq_len}, {cfg.train.micro_batch_size} x "
@@ -42,9 +36,9 @@ def worker(args) -> dict:
             for side in order:
                 if side == "peak":
                     peak.append(probe_cpu_matmul_tflops("fp32"))
-                    continue
-                seconds = C.timed_block(ours, args.block_steps).wall_s
-                achieved.append(args.block_steps * ours.tokens_per_step * ours.flops_per_token / seconds / 1e12)
+                else:
+                    seconds = C.timed_block(ours, args.block_steps).wall_s
+                    achieved.append(args.block_steps * ours.tokens_per_step * ours.flops_per_token / seconds / 1e12)
     return {"desc": desc, "achieved_tflops": achieved, "square_tflops": peak,
             "mfu_square": C.ratio_stats([a / p for a, p in zip(achieved, peak)]),
             "tokens_per_sec": [a * 1e12 / ours.flops_per_token for a in achieved]}
@@ -52,8 +46,7 @@ def worker(args) -> dict:
 
 def run(args, report) -> None:
     for name in args.models:
-        r = C.run_worker(C.worker_command(args, "cpu", "--models", name), name,
-                         {**os.environ, "ACCELERATE_DISABLE_RICH": "1", "CUDA_VISIBLE_DEVICES": ""})
+        r = C.run_worker(C.worker_command(args, "cpu", "--models", name), name, CUDA_VISIBLE_DEVICES="")
         report.figures[name] = r
         report.line(r["desc"])
         for i, (achieved, peak) in enumerate(zip(r["achieved_tflops"], r["square_tflops"]), start=1):

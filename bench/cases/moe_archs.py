@@ -1,10 +1,9 @@
 """Tokens/s of the tiny DeepSeek-V3 and Qwen3.5-MoE recipes against the tiny Qwen3-MoE recipe, on this CPU.
 
-Each recipe trains in its own process (``_common.OursLoop``: the trainer's own step, one process, no DeepSpeed) at
-the same window, batch and steps (``--set`` overrides all three); after one warm-up block, the processes run in
-turn, one block of ``--block-steps`` steps each per round, in alternating orders (``--pairs`` rounds). The figure is
-each recipe's tokens/s over Qwen3-MoE's in the same round: median, min and max. Qwen3.5-MoE's linear attention runs
-transformers' torch fallback here (no flash-linear-attention, no causal-conv1d on a CPU).
+Each recipe trains in its own process (``_common.OursLoop``) at the same window and batch (``--set`` overrides all
+of them); after a warm-up block the processes take turns, a block of --block-steps steps each per round, in rotated
+orders. The figure: each recipe's tokens/s over Qwen3-MoE's in the same round. Qwen3.5-MoE's linear attention runs
+transformers' torch fallback here (no flash-linear-attention on a CPU).
 """
 
 from __future__ import annotations

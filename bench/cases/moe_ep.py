@@ -1,9 +1,7 @@
 """Expert parallelism 2 against 1 (DeepSpeed AutoEP) on 2 processes: step time and model states per rank, interleaved.
 
-``recipes/tiny_moe.yaml`` widened so that the experts hold about 3/4 of the weights (4 layers of 8 experts of width
-512), ``distributed.expert_layer=autoep``: at ``expert_parallel_size=1`` each rank holds every expert, at 2 half of
-them. Each side is one ``tools/compare_zero.py`` run (``run_comparison``), in alternating order: tokens/s, EP2 / EP1,
-and the model states measured per rank beside ``lmrecipe.planning.memory``'s estimate.
+The recipe widened so that the experts hold about 3/4 of the weights; each side one ``tools/compare_zero.py`` run
+(``run_comparison``), in alternating order (docs/benchmarks/17-expert-parallel.md).
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from pathlib import Path
 import _common as C
 
 PAIRS = 4
-RECIPE = None
-MOE_RECIPE = "recipes/tiny_moe.yaml"
+RECIPE = "recipes/tiny_moe.yaml"
 WIDE = ["model.hidden_size=128", "model.num_layers=4", "model.intermediate_size=256", "model.num_experts=8",
         "model.expert_intermediate_size=512", "train.global_batch_size=16", "train.micro_batch_size=8",
         "distributed.expert_layer=autoep", "logging.plots=false"]
@@ -45,7 +42,7 @@ def run(args, report) -> None:
     logging.disable(logging.INFO)
     overrides = [*WIDE, f"data.path={args.data}", *args.set]
     sides = {"EP1": args.zero, "EP2": f"{args.zero}+ep2"}
-    cfg = load_config(MOE_RECIPE, [*overrides, f"distributed.deepspeed_config={args.zero}"])
+    cfg = load_config(args.recipe, [*overrides, f"distributed.deepspeed_config={args.zero}"])
     with torch.device("meta"):  # all parameters, and those in experts
         hf_config = build_hf_config(cfg.model, recipe_vocab_size(cfg.model, cfg.data), cfg.data.seq_len)
         params = dict(AutoModelForCausalLM.from_config(hf_config).named_parameters())
@@ -56,7 +53,7 @@ def run(args, report) -> None:
                 f"{tokens_per_step} tokens per step; {args.steps} steps per run on 2 processes, {args.zero}")
     with tempfile.TemporaryDirectory(prefix="bench_moe_ep_") as tmp:
         def measure(side: str):
-            (result,) = run_comparison(MOE_RECIPE, overrides, [sides[side]], args.steps, 2, Path(tmp) / side, overwrite=True)
+            (result,) = run_comparison(args.recipe, overrides, [sides[side]], args.steps, 2, Path(tmp) / side, overwrite=True)
             if result.status != "ok":
                 raise SystemExit(f"{side} ({sides[side]}) {result.status}: see the log under {tmp}")
             return result

@@ -10,7 +10,6 @@ optimizer and our schedule as a LambdaLR. The figure is tokens/s (and tokens per
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -21,7 +20,7 @@ DEVICE = True
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=["train.global_batch_size=8", "train.micro_batch_size=4"],
+    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST,
                         help="key=value recipe overrides (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=10, help="steps before the timed window (default: %(default)s)")
@@ -98,9 +97,9 @@ def worker(args) -> dict:
 def run(args, report) -> None:
     report.line(f"recipe {args.recipe} {' '.join(args.overrides)}; {args.steps} steps per run, "
                 f"timed after step {args.warmup_steps}; each run a fresh process")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_DISABLE_RICH": "1"}
     runs, stats = C.interleave(
-        report, args.pairs, ("ours", "trainer"), lambda side: C.run_worker(C.worker_command(args, side), side, env),
+        report, args.pairs, ("ours", "trainer"),
+        lambda side: C.run_worker(C.worker_command(args, side), side, TOKENIZERS_PARALLELISM="false"),
         {"ratio": lambda got: got["ours"]["tokens_per_sec"] / got["trainer"]["tokens_per_sec"],
          "CPU-time ratio": lambda got: got["ours"]["tokens_per_cpu_sec"] / got["trainer"]["tokens_per_cpu_sec"]},
         lambda got: "  ".join(f"{side} {r['tokens_per_sec']:,.0f} tok/s" for side, r in got.items()))
