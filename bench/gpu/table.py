@@ -39,12 +39,7 @@ def load_runs(paths: list[Path]) -> list[dict]:
 
 def latest_rows(runs: list[dict]) -> dict[str, tuple[dict, dict]]:
     """Per stage name, (row, run) of the latest run whose row for it was measured."""
-    rows: dict[str, tuple[dict, dict]] = {}
-    for run in runs:
-        for row in run["stages"]:
-            if row["status"] == "measured":
-                rows[row["stage"]] = (row, run)
-    return rows
+    return {row["stage"]: (row, run) for run in runs for row in run["stages"] if row["status"] == "measured"}
 
 
 def _cell(text) -> str:
@@ -79,16 +74,13 @@ def ladder(rows: dict[str, tuple[dict, dict]]) -> list[str]:
         lines.append(f"| {name} | {S._num(w['tokens_per_sec'])} | {S._pct(w['mfu'])} | "
                      f"{w['tokens_per_sec'] / base['tokens_per_sec']:.3f}x | {S._num(w.get('step_peak_gib'), '.1f')} | "
                      f"{w['held_loss_diff']:+.1e} |")
-    lines += [f"| {name} | {_skipped(why)} | | | | |" for name, why in levers["skipped"].items()]
+    for name, why in levers["skipped"].items():  # "not measured" once, whether or not the reason starts with it
+        lines.append(f"| {name} | {_cell(why[:120] if why.startswith('not measured') else f'not measured: {why[:120]}')}"
+                     " | | | | |")
     for when, profile in levers.get("profile", {}).items():
         parts = ", ".join(f"{category} {ms:,.0f}" for category, ms in profile["ms"].items())
         lines += ["", f"Profile of one step, {when} ({profile['timed']}, ms): {parts}."]
     return lines
-
-
-def _skipped(why: str) -> str:
-    """A skipped window's cell: "not measured" once, whether or not the recorded reason starts with it."""
-    return _cell(why[:120] if why.startswith("not measured") else f"not measured: {why[:120]}")
 
 
 def render(runs: list[dict]) -> str:
@@ -109,13 +101,6 @@ def render(runs: list[dict]) -> str:
     return "\n".join([BEGIN, "", *lines, "", *ladder(rows), "", "Runs:", "", *sources, "", END])
 
 
-def page_with(table: str, page: str) -> str:
-    if BEGIN not in page or END not in page:
-        raise ValueError(f"{PAGE} has no markers for the table: add the lines {BEGIN!r} and {END!r}")
-    head, rest = page.split(BEGIN, 1)
-    return head + table + rest.split(END, 1)[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -130,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             print(table)
             return 0
         page = args.page.read_text()
-        wanted = page_with(table, page)
+        if BEGIN not in page or END not in page:
+            raise ValueError(f"{args.page} has no markers for the table: add the lines {BEGIN!r} and {END!r}")
+        head, rest = page.split(BEGIN, 1)
+        wanted = head + table + rest.split(END, 1)[1]
     except ValueError as exc:
         print(f"table.py: {exc}", file=sys.stderr)
         return 2
