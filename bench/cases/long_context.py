@@ -4,9 +4,9 @@ parallelism against whole sequences (``sp``), beside ``lmrecipe.planning.memory`
     bench/run.py long_context loss   # vocab 128,256, seq 2,048, micro-batch 2: full logits vs chunked, 1 process
     bench/run.py long_context sp     # seq 8,192 and 16,384: sp=1 on 1 process vs sp=2 on 2 (DeepSpeed ZeRO-1)
 
-Each configuration runs in fresh processes (``build_run``, ``train_step``, fp32, document masking off). Before each
-step after 2 of warm-up the resident high-water mark is reset (``/proc/self/clear_refs``): the step's peak is the mark
-less the size before it, with glibc's mmap threshold at 64 KiB so that freed tensors leave the resident set.
+Each configuration in fresh processes; a step's peak is the resident high-water mark (reset before it) less the size
+before it, with glibc's mmap threshold at 64 KiB so that freed tensors leave the resident set
+(docs/benchmarks/11-long-context.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Mid-training on the tiny recipe: cosine against warmup-stable-decay with decay branches, and checkpoint averaging.
+"""Mid-training on the tiny recipe: cosine against warmup-stable-decay with decay branches, and checkpoint averaging
+(docs/benchmarks/14-mid-training.md; the losses are plotted in ``mid_training.png``).
 
     bench/run.py mid_training --steps 300
     bench/run.py mid_training --steps 20 --average 2 --set model.hidden_size=64 --set model.num_layers=2 \
         --set data.seq_len=32 --set model.intermediate_size=128 --set schedule.warmup_steps=2   # a quick check
-
-Four runs, validated every --steps/10 steps: **cosine**; **wsd-90** (``schedule.decay_fraction=0.1``, every
-checkpoint kept); **wsd-80** (``checkpoint.branch_from`` wsd-90's checkpoint at 80 %, decaying over the last 20 %);
-**average** (wsd-90's last --average stable checkpoints). The table compares eval.py's ``evaluate_path`` losses at
-equal tokens (plotted in ``mid_training.png``); a fresh process averages 1 and then --average checkpoints for the
-peak memory (``VmHWM``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
     bench/run.py prepare_memory --base-files 250      # 1x = the first 250 files (4 MB): quicker
 
-Each run is a fresh ``tools/prepare_data.py --input <corpus>`` (the embedded corpus copied N times, or N jsonl files);
-the RSS of it and its tokenizer workers is sampled every 20 ms. Modes: *given* (``--tokenizer DIR``) and *trained*
-(the default BPE). Target: peak RSS at 16x <= 1.15x the peak at 1x. Method: docs/benchmarks/07-data-at-scale.md.
+Each run a fresh ``tools/prepare_data.py --input`` of the embedded corpus copied N times (or N jsonl files), its and
+its workers' RSS sampled every 20 ms. Target: 16x <= 1.15x the peak at 1x (docs/benchmarks/07-data-at-scale.md).
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ def build_corpus(root: Path, copies: int, fmt: str, base_files: int) -> Path:
     from lmrecipe.data.prepare.read import embedded_corpus_files, stdlib_root
 
     stdlib, folder = stdlib_root(), root / f"corpus_{copies}x_{fmt}"
-    if folder.exists():
-        return folder
     files = embedded_corpus_files()[: base_files or None]
     for copy in range(copies):
         if fmt == "jsonl":
@@ -103,15 +100,13 @@ def run(args, report) -> None:
     mode_args = {"given": ["--tokenizer", args.tokenizer], "trained": ["--vocab-size", str(args.vocab_size)]}
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench_corpora_", dir=args.tmp) as tmp:
-        workdir = Path(tmp)
-        for copies in args.copies:
-            corpus = build_corpus(workdir, copies, args.format, args.base_files)
+        corpora = {copies: build_corpus(Path(tmp), copies, args.format, args.base_files) for copies in args.copies}
+        for copies, corpus in corpora.items():
             report.line(f"corpus {copies}x: {corpus.name}, {C.folder_mb(corpus):.0f} MB")
         for mode in args.modes:
             for i in range(args.pairs):
                 for copies in args.copies if i % 2 == 0 else args.copies[::-1]:
-                    corpus = build_corpus(workdir, copies, args.format, args.base_files)
-                    got = run_prepare([*mode_args[mode], "--input", str(corpus)])
+                    got = run_prepare([*mode_args[mode], "--input", str(corpora[copies])])
                     runs.setdefault(mode, {}).setdefault(copies, []).append(got)
                     report.line(f"{mode:7s} {copies:2d}x: {got['tokens']:>11,} tokens | peak RSS {got['peak_total_mb']:6.0f} MB "
                                 f"(main {got['peak_main_mb']:4.0f} MB) | {got['wall_s']:6.1f} s wall, {got['cpu_s']:6.1f} CPU-s")

@@ -1,9 +1,7 @@
 """Preparation: tokens/s of tools/prepare_data.py's tokenization on 1 and 2 processes, and a datasets.map baseline.
 
-    bench/run.py prepare_scaling --max-documents 0 --pairs 3         # the whole corpus
-
-Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(num_proc=1 or 2)``, meta.json's
-``timing.tokens_per_sec``) and *map* (``datasets.Dataset.map``, same tokenizer and documents).
+Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(num_proc=1 or 2)``) and *map*
+(``datasets.Dataset.map``, same tokenizer and documents); docs/benchmarks/04-preparation.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Checkpoints to object storage (``checkpoint.remote``): upload throughput, and the training stall with uploads on
-against off, in one run.
-
-Without --endpoint it starts a local S3-compatible server (SeaweedFS, as ``tests/s3_server.py`` does). 1. Throughput:
-``CheckpointMirror.upload`` of a checkpoint of the recipe at --hidden-size x --layers, --uploads times, in MB/s.
-2. Stall: rounds of a save then --steps-between ``train_step`` calls; *on* also hands the checkpoint to the upload
-thread as ``RemoteUpload.on_save`` does. The figure is the median ratio on / off of a round.
+against off, in one run of the recipe at --hidden-size x --layers (docs/benchmarks/16-remote-upload.md). Without
+--endpoint it starts a local S3-compatible server (SeaweedFS, as ``tests/s3_server.py`` does).
 """
 
 from __future__ import annotations

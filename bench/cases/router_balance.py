@@ -3,15 +3,10 @@ and losses over the run:
 
     .venv/bin/python bench/run.py router_balance --steps 60 --rate 0.01
 
-Every side trains ``recipes/tiny.yaml`` as a DeepSeek-V3 of 4 layers, 128 wide, 8 routed experts of width 64 in 4
-groups of which a token may use 2, 2 per token, one shared expert, no auxiliary loss, in this process, logging every
-step, 8 x 64 tokens per step (warmup 10 steps, then cosine). ``bias``: ``model.router_bias_update_rate=RATE``
-(``lmrecipe/model/routing.py``); ``no bias``: 0. A Qwen3.5-MoE of the
-same expert shape balanced by its auxiliary loss (``model.router_aux_loss_coef``) is a third side. The load is counted
-from the experts the routers chose; per step and layer its imbalance is the busiest expert's tokens over the mean
-(``load_balance/layerN``, 1 = even, 4 = a quarter of the experts take everything). Reported: that figure averaged
-over the layers, its mean over the whole run and over the last tenth of it, its worst step, and the first, last and
-validation losses. One round: a measure of behaviour, not of time.
+Each side trains ``recipes/tiny.yaml`` in this process as a 4-layer MoE (8 routed experts, 2 per token, one shared,
+no auxiliary loss): DeepSeek-V3 in 4 groups of which 2 allowed, ``bias`` at ``model.router_bias_update_rate=RATE``
+and ``no bias`` at 0, beside a Qwen3.5-MoE balanced by its auxiliary loss. A step's imbalance is its busiest expert's
+tokens over the mean (1 = even) averaged over the layers: reported over the run, its last tenth and its worst step.
 """
 
 from __future__ import annotations

@@ -3,10 +3,8 @@
     bench/run.py startup                                                   # data/stdlib (3M tokens) against 1B
     bench/run.py startup --sparse --large-tokens 100000000000 --pairs 3    # 100B tokens, without writing 200 GB
 
-The large folder is --data written N times over (indexes shifted, meta.json updated); with --sparse, its train.bin
-followed by a sparse tail of zeros (one more document, no disk). Each round launches ``train.py`` on each folder and
-polls its metrics.jsonl: the wall time from the launch to the first row, and the peak resident memory then
-(``VmHWM``); large / small per round, target 1.0 within the spread.
+The large folder is --data written over and over (--sparse: with a sparse tail); each round launches ``train.py`` on
+each folder, timing the launch to its first metrics row, with the peak RSS then (docs/benchmarks/07-data-at-scale.md).
 """
 
 from __future__ import annotations

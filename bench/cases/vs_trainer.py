@@ -1,10 +1,9 @@
 """Against transformers.Trainer: train.py's loop and Trainer on the same model, data, batch, accumulation, clipping,
 optimizer and learning-rate schedule, tokens/s.
 
-Each side is a fresh process, in alternating order: *ours* is ``lmrecipe.train(cfg)`` as train.py calls it;
-*trainer* is ``transformers.Trainer`` with the same initial weights, a Dataset over the same memmap windows, our
-optimizer and our schedule as a LambdaLR. The figure is tokens/s (and tokens per CPU second) from the end of step
---warmup-steps to the last step. Target: ours >= 1.0x Trainer's.
+Each side a fresh process, in alternating order: ``lmrecipe.train(cfg)`` as train.py calls it, and
+``transformers.Trainer`` on the same weights, windows, optimizer and schedule; tokens/s after --warmup-steps steps.
+Target: ours >= 1.0x Trainer's (docs/benchmarks/02-vs-trainer.md).
 """
 
 from __future__ import annotations
