@@ -15,6 +15,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import typing
 from collections import Counter
@@ -221,13 +222,6 @@ def check_tokenizer(path: str, alternative: str = "") -> None:
                    f"folder{alternative}.")
 
 
-class Sections(Counter):
-    """Seconds spent per named section, summed over the steps of a block."""
-
-    def add(self, name: str, seconds: float) -> None:
-        self[name] += seconds
-
-
 class OursLoop:
     """The trainer of ``lmrecipe.train`` (one process, no DeepSpeed), driven in blocks of steps: built by its own
     ``build_run`` / ``build_trainer``, each step is ``Trainer.step`` (``train_step``, then every callback), and
@@ -245,8 +239,8 @@ class OursLoop:
         self.device = self.accelerator.device
         self.train_batches, self.n_params, self.flops_per_token = run.train_batches, run.n_params, run.flops_per_token
         self.tokens_per_step, self.hf_config = run.tokens_per_step, self.accelerator.unwrap_model(run.model).config
-        self.sections = Sections()
-        self.trainer = build_trainer(run, out_dir, timer=self.sections.add)
+        self.sections = Counter()  # seconds per named section of train_step, summed over a block
+        self.trainer = build_trainer(run, out_dir, timer=lambda name, seconds: self.sections.update({name: seconds}))
         self.trainer.start()
         self.state, self.close = self.trainer.state, self.trainer.close  # close: no export, no report
 
@@ -258,8 +252,6 @@ class OursLoop:
 @contextlib.contextmanager
 def ours_loop(recipe: str, overrides: list[str], data_path: str | None):
     """An ``OursLoop`` of ``bench_config(recipe, overrides)`` in a temporary folder, closed (the folder removed) after."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         loop = OursLoop(bench_config(recipe, overrides, tmp, data_path), Path(tmp))
         try:
@@ -284,7 +276,7 @@ class RawLoop:
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, cfg.train, ours.hf_config).to(ours.device).train()
         self.optimizer = build_optimizer(self.model, cfg.optim, cpu_offload=False)  # the trainer's AdamW and groups
-        self.device, self.step, self.sections = ours.device, 0, Sections()
+        self.device, self.step, self.sections = ours.device, 0, Counter()
         self.micro_batches = [list(ours.train_batches.micro_batches(s)) for s in range(cached_steps)]
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ours.precision)
         self.grad_clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
@@ -293,7 +285,7 @@ class RawLoop:
         import torch
         import torch.nn.functional as F
 
-        add, clock = self.sections.add, time.perf_counter
+        clock, sections = time.perf_counter, self.sections
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
         for _ in range(n_steps):
@@ -305,13 +297,13 @@ class RawLoop:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device, non_blocking=True).flatten())
                 t1 = clock()
                 (loss / len(batches)).backward()
-                add("backward", clock() - t1)
-                add("forward+loss", t1 - t0)
+                sections["backward"] += clock() - t1
+                sections["forward+loss"] += t1 - t0
             t0 = clock()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            add("clip+optimizer", clock() - t0)
+            sections["clip+optimizer"] += clock() - t0
             self.step += 1
 
 
