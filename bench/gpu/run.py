@@ -250,16 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:  # one process for every side: each starts its own Accelerator (worker._forget_run)
         done.update(run_job(args, env, record, list(groups.values()), "dry_run", args.budget_s))
     for stage in args.selected:
-        for side in stage.sides:
-            key = side.key
-            if key in done:
-                continue
+        for side in (side for side in stage.sides if side.key not in done):
             left = args.budget_s - (time.perf_counter() - start)
             if left <= MIN_LEFT_S:
-                done[key] = {"label": side.label, "error": f"not run: --budget-s {args.budget_s:.0f} was spent"}
-                continue
-            record.log(f"{stage.name}: measuring {side.label} ({key or 'the base recipe'})")
-            done.update(run_job(args, env, record, [groups[key]], f"side{len(done)}", left))
+                done[side.key] = {"label": side.label, "error": f"not run: --budget-s {args.budget_s:.0f} was spent"}
+            else:
+                record.log(f"{stage.name}: measuring {side.label} ({side.key or 'the base recipe'})")
+                done.update(run_job(args, env, record, [groups[side.key]], f"side{len(done)}", left))
         row = stage_row(stage, done, args.dry_run)
         record.data["stages"].append(row)
         record.data["elapsed_s"] = round(time.perf_counter() - start, 1)

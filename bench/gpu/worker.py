@@ -33,7 +33,6 @@ from lmrecipe.train.setup import build_run
 from lmrecipe.train.state import TrainState
 from lmrecipe.train.step import train_step
 
-GIB = 1024**3
 SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
 
 
@@ -102,7 +101,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         prediction = result["prediction"] = _prediction(run, result["peak_tflops"])
         peak = figures["peak_gib"]
         result["measured_over_predicted"] = {"tokens_per_sec": figures["tokens_per_sec"] / prediction["tokens_per_sec"],
-                                             "peak_mem": None if peak is None else peak * GIB / 1e9 / prediction["peak_mem_gb"]}
+                                             "peak_mem": None if peak is None else peak * L.GIB / 1e9 / prediction["peak_mem_gb"]}
         return result
     finally:
         run.prefetcher.close()
