@@ -29,8 +29,7 @@ def case_names() -> list[str]:
 
 def summary(name: str) -> str:
     """The first line of a case's docstring, read without importing the case."""
-    doc = ast.get_docstring(ast.parse((CASES / f"{name}.py").read_text())) or ""
-    return doc.splitlines()[0] if doc else ""
+    return (ast.get_docstring(ast.parse((CASES / f"{name}.py").read_text())) or "").partition("\n")[0]
 
 
 def listing() -> str:
