@@ -14,7 +14,7 @@ KINDS = ("logged", "unlogged")
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="recipe overrides (default: %(default)s)")
     parser.add_argument("--log-every", type=int, default=5,
                         help="logging.log_every_steps, the block length (default: %(default)s)")
 

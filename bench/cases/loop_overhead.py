@@ -14,7 +14,7 @@ SECTIONS = ["forward+loss", "backward", "clip+optimizer", "data", "rest (bookkee
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="recipe overrides (default: %(default)s)")
     parser.add_argument("--block-steps", type=int, default=10, help="optimizer steps per timed block (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps of each side first (default: %(default)s)")
 

@@ -53,7 +53,8 @@ def run(args, report) -> None:
                 f"{tokens_per_step} tokens per step; {args.steps} steps per run on 2 processes, {args.zero}")
     with tempfile.TemporaryDirectory(prefix="bench_moe_ep_") as tmp:
         def measure(side: str):
-            (result,) = run_comparison(args.recipe, overrides, [sides[side]], args.steps, 2, Path(tmp) / side, overwrite=True)
+            (result,) = run_comparison(args.recipe, overrides, [sides[side]], args.steps, 2, Path(tmp) / side,
+                                       overwrite=True)
             if result.status != "ok":
                 raise SystemExit(f"{side} ({sides[side]}) {result.status}: see the log under {tmp}")
             return result

@@ -19,7 +19,7 @@ DEVICE = True
 
 
 def options(parser) -> None:
-    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="key=value recipe overrides (default: %(default)s)")
+    parser.add_argument("--overrides", nargs="*", default=C.TINY_FAST, help="recipe overrides (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=10, help="steps before the timed window (default: %(default)s)")
     parser.add_argument("--log-every", type=int, default=10, help="log interval of both sides (default: %(default)s)")

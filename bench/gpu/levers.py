@@ -145,9 +145,10 @@ def profile_by_category(run, step: int) -> dict:
     cuda, head, marker = _cuda(run), _bare(run).get_output_embeddings(), record_function("loss_head")
     hooks = [head.register_forward_pre_hook(lambda *_: None if marker.__enter__() else None),  # None: inputs kept
              head.register_forward_hook(lambda *_: None if marker.__exit__(None, None, None) else None)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     C.sync(run.accelerator.device)
     try:
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with torch.profiler.profile(activities=activities) as prof:
             train_step(run, step)
             C.sync(run.accelerator.device)
     finally:

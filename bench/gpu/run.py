@@ -82,8 +82,8 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return None
     problem = "does not exist" if not args.data.exists() else "is a file, not a prepared data folder" \
         if not args.data.is_dir() else "holds no meta.json: it is not a prepared data folder"
-    return (f"--data {args.data} {problem}. Pass a folder written by tools/prepare_data.py (python tools/prepare_data.py "
-            "--output DIR), or leave --data out to prepare the embedded corpus under --work.")
+    return (f"--data {args.data} {problem}. Pass a folder written by tools/prepare_data.py (python "
+            "tools/prepare_data.py --output DIR), or leave --data out to prepare the embedded corpus under --work.")
 
 
 def folder_problem(flag: str, folder: Path) -> str | None:

@@ -75,8 +75,8 @@ def ladder(rows: dict[str, tuple[dict, dict]]) -> list[str]:
                      f"{w['tokens_per_sec'] / base['tokens_per_sec']:.3f}x | {S._num(w.get('step_peak_gib'), '.1f')} | "
                      f"{w['held_loss_diff']:+.1e} |")
     for name, why in levers["skipped"].items():  # "not measured" once, whether or not the reason starts with it
-        lines.append(f"| {name} | {_cell(why[:120] if why.startswith('not measured') else f'not measured: {why[:120]}')}"
-                     " | | | | |")
+        cell = why[:120] if why.startswith("not measured") else f"not measured: {why[:120]}"
+        lines.append(f"| {name} | {_cell(cell)} | | | | |")
     for when, profile in levers.get("profile", {}).items():
         parts = ", ".join(f"{category} {ms:,.0f}" for category, ms in profile["ms"].items())
         lines += ["", f"Profile of one step, {when} ({profile['timed']}, ms): {parts}."]

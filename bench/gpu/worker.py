@@ -100,8 +100,9 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
             result["peak_tflops"], result["peak_source"] = device_peak_tflops(run.accelerator.device, run.runtime.precision, None)
         prediction = result["prediction"] = _prediction(run, result["peak_tflops"])
         peak = figures["peak_gib"]
-        result["measured_over_predicted"] = {"tokens_per_sec": figures["tokens_per_sec"] / prediction["tokens_per_sec"],
-                                             "peak_mem": None if peak is None else peak * L.GIB / 1e9 / prediction["peak_mem_gb"]}
+        result["measured_over_predicted"] = {
+            "tokens_per_sec": figures["tokens_per_sec"] / prediction["tokens_per_sec"],
+            "peak_mem": None if peak is None else peak * L.GIB / 1e9 / prediction["peak_mem_gb"]}
         return result
     finally:
         run.prefetcher.close()
