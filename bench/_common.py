@@ -3,8 +3,6 @@ with the command that reproduces it), interleaved rounds (A B, B A, ...: a share
 of a round alike) and their median-of-ratios statistics, worker processes, and the two loops the cases drive.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

@@ -7,8 +7,6 @@ cuda``), ``options(parser)``, ``run(args, report)``, and where it needs fresh pr
 2 with one message, before anything is measured.
 """
 
-from __future__ import annotations
-
 import argparse
 import ast
 import importlib

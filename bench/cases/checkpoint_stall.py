@@ -5,8 +5,6 @@ trainer's own, ``checkpoint.background_save`` false and true; a round is ``maybe
 ``train_step`` calls, ``wait`` (docs/benchmarks/09-checkpoint-stall.md).
 """
 
-from __future__ import annotations
-
 import logging
 import tempfile
 from pathlib import Path

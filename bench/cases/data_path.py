@@ -4,8 +4,6 @@ Three parts (docs/benchmarks/03-data-path.md): the loader alone against ``_commo
 a ``train.py`` run of --run-steps steps (data_time_s / step_time_s, target < 1%); the loader at the 1B recipe's shape.
 """
 
-from __future__ import annotations
-
 import json
 import tempfile
 import time

@@ -6,8 +6,6 @@
     bench/run.py document_masking val-loss      # recipes/tiny.yaml --steps steps masked and plain, then eval.py both ways
 """
 
-from __future__ import annotations
-
 import json
 import statistics
 import sys

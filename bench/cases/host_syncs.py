@@ -4,8 +4,6 @@
 difference over the extra 8 steps is the count per unlogged step (0 is the target; a GPU waits at each).
 """
 
-from __future__ import annotations
-
 import logging
 import tempfile
 

@@ -2,8 +2,6 @@
 against off: two ``_common.OursLoop`` in alternating blocks of --log-every steps (docs/benchmarks/15-layer-stats.md).
 """
 
-from __future__ import annotations
-
 import statistics
 
 import _common as C

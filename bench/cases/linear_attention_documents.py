@@ -9,8 +9,6 @@ leak, which the recipe refuses) and ``plain`` (no masking). A row of --seq-len t
 documents of exponentially distributed lengths of mean --doc-lens. The DeltaNet is transformers' torch fallback.
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 

@@ -9,8 +9,6 @@ before it, with glibc's mmap threshold at 64 KiB so that freed tensors leave the
 (docs/benchmarks/11-long-context.md).
 """
 
-from __future__ import annotations
-
 import gc
 import json
 import os

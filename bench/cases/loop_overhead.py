@@ -4,8 +4,6 @@
 steps, in this process. Target: median ours / raw >= 0.97 (docs/benchmarks/01-loop-overhead.md).
 """
 
-from __future__ import annotations
-
 import _common as C
 
 PAIRS = 20

@@ -4,8 +4,6 @@ Each model in its own process, blocks of --block-steps training steps (``_common
 1024 x 1024 fp32 matmul probe whose peak train.py's MFU uses (docs/benchmarks/05-mfu.md; on a GPU: the GPU kit).
 """
 
-from __future__ import annotations
-
 import _common as C
 
 RECIPE = None

@@ -6,8 +6,6 @@
         --set data.seq_len=32 --set model.intermediate_size=128 --set schedule.warmup_steps=2   # a quick check
 """
 
-from __future__ import annotations
-
 import logging
 import tempfile
 from pathlib import Path

@@ -6,8 +6,6 @@ orders. The figure: each recipe's tokens/s over Qwen3-MoE's in the same round. Q
 transformers' torch fallback here (no flash-linear-attention on a CPU).
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics

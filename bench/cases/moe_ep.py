@@ -4,8 +4,6 @@ The recipe widened so that the experts hold about 3/4 of the weights; each side 
 (``run_comparison``), in alternating order (docs/benchmarks/17-expert-parallel.md).
 """
 
-from __future__ import annotations
-
 import logging
 import statistics
 import tempfile

@@ -6,8 +6,6 @@ Each run a fresh ``tools/prepare_data.py --input`` of the embedded corpus copied
 its workers' RSS sampled every 20 ms. Target: 16x <= 1.15x the peak at 1x (docs/benchmarks/07-data-at-scale.md).
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

@@ -4,8 +4,6 @@ Each trial a fresh process, sides rotated per round: *p1*, *p2* (``prepare(num_p
 (``datasets.Dataset.map``, same tokenizer and documents); docs/benchmarks/04-preparation.md.
 """
 
-from __future__ import annotations
-
 import logging
 import os
 import resource

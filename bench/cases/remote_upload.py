@@ -3,8 +3,6 @@ against off, in one run of the recipe at --hidden-size x --layers (docs/benchmar
 --endpoint it starts a local S3-compatible server (SeaweedFS, as ``tests/s3_server.py`` does).
 """
 
-from __future__ import annotations
-
 import contextlib
 import importlib.util
 import logging

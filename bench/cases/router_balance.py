@@ -9,8 +9,6 @@ and ``no bias`` at 0, beside a Qwen3.5-MoE balanced by its auxiliary loss. A ste
 tokens over the mean (1 = even) averaged over the layers: reported over the run, its last tenth and its worst step.
 """
 
-from __future__ import annotations
-
 import logging
 import statistics
 import tempfile

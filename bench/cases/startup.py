@@ -7,8 +7,6 @@ The large folder is --data written over and over (--sparse: with a sparse tail);
 each folder, timing the launch to its first metrics row, with the peak RSS then (docs/benchmarks/07-data-at-scale.md).
 """
 
-from __future__ import annotations
-
 import json
 import shutil
 import signal

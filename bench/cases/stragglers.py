@@ -4,8 +4,6 @@ A stand-in trainer steps 7 blocks of 100,000 unlogged steps through the hooks of
 ``GoodputLedger``: the median block's microseconds per step, on a CPU (the host clock; a GPU records CUDA events).
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -6,8 +6,6 @@ Each side a fresh process, in alternating order: ``lmrecipe.train(cfg)`` as trai
 Target: ours >= 1.0x Trainer's (docs/benchmarks/02-vs-trainer.md).
 """
 
-from __future__ import annotations
-
 import logging
 import statistics
 import tempfile

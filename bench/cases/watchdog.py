@@ -6,8 +6,6 @@ hooks: the five ``Watchdog`` hooks of a step on a stand-in trainer, microseconds
 reads both records: wall and CPU microseconds, and the share of a core at a beat every 5 s and every 0.25 s.
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 from datetime import timedelta

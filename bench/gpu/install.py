@@ -5,8 +5,6 @@ accelerate and triton stay and an older transformers is shadowed (hence ``--no-d
 list). DeepSpeed's sdist is built there with ``DS_BUILD_OPS=0`` (no nvcc) and without build isolation.
 """
 
-from __future__ import annotations
-
 import hashlib
 import os
 import re

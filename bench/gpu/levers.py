@@ -8,8 +8,6 @@ tolerance). A window records tokens/s, MFU, the step peak and reserved memory, a
 the result is saved after every window.
 """
 
-from __future__ import annotations
-
 import contextlib
 import gc
 import importlib.util

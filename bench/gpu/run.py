@@ -8,8 +8,6 @@ under ``--out`` after every stage (``bench/gpu/README.md``).
 Exit 0, also when a stage failed (its row says why); 2 for a bad argument or no GPU without --dry-run.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import json

@@ -4,8 +4,6 @@ A side is ``key=value`` overrides on top of the kit's base, trained by ``bench/g
 overrides are measured once per invocation and shared by the stages that name them.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -8,8 +8,6 @@ A GPU run's ``gpu_kit.json`` is committed as ``bench/gpu/results/<start time>-<g
 latest run that measured it; dry runs (CPU) are refused.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import sys

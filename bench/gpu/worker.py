@@ -7,8 +7,6 @@ checkpoint stall (``_common.save_round``); the planner's prediction. A side of t
 worker stopped by ``--budget-s`` keeps its timed figures.
 """
 
-from __future__ import annotations
-
 import gc
 import json
 import logging
