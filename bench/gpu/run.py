@@ -120,8 +120,8 @@ class Record:
         self.data = {"mode": "dry run (CPU, tiny recipe: not GPU figures)" if args.dry_run else "gpu",
                      "command": " ".join(["python3", "bench/gpu/run.py", *map(shlex.quote, sys.argv[1:])]),
                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(args.packed),
-                     "recipe": args.recipe, "base_overrides": list(args.base),
-                     "warmup_steps": args.warmup_steps, "steps": args.steps, "setup": {}, "versions": {}, "stages": []}
+                     "recipe": args.recipe, "base_overrides": list(args.base), "warmup_steps": args.warmup_steps,
+                     "steps": args.steps, "setup": {}, "versions": {}, "stages": []}
 
     def log(self, text: str) -> None:
         print(f"[gpu-kit {datetime.now(timezone.utc):%H:%M:%S}] {text}", flush=True)
@@ -192,9 +192,8 @@ def run_job(args, env: dict, record: Record, groups: list[dict], name: str, time
     work = args.work / "runs" / name
     work.mkdir(parents=True, exist_ok=True)
     log, result_path = work / "worker.log", work / "result.json"
-    job = {"recipe": args.recipe, "base": list(args.base), "data": str(args.data),
-           "work": str(work), "result": str(result_path), "sides": groups, "warmup_steps": args.warmup_steps,
-           "steps": args.steps}
+    job = {"recipe": args.recipe, "base": list(args.base), "data": str(args.data), "work": str(work),
+           "result": str(result_path), "sides": groups, "warmup_steps": args.warmup_steps, "steps": args.steps}
     (work / "job.json").write_text(json.dumps(job, indent=2))
     result_path.unlink(missing_ok=True)
     try:
