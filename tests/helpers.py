@@ -66,19 +66,98 @@ def launch_cmd(nproc: int) -> list[str]:
     ]
 
 
-def run_script(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env_extra: dict | None = None,
-               **kwargs) -> subprocess.CompletedProcess:
+RUN_TIMEOUT_S = 600
+IN_PROCESS = os.environ.get("LMRECIPE_TEST_IN_PROCESS", "1") != "0"
+"""One-process runs of :func:`run_script` in the test's process (``LMRECIPE_TEST_IN_PROCESS=0``: each in its own)."""
+
+
+def run_script(args: list[str], nproc: int = 1, timeout: int = RUN_TIMEOUT_S, check: bool = True,
+               env_extra: dict | None = None, in_process: bool | None = None, **kwargs) -> subprocess.CompletedProcess:
     """Run ``train.py``/``eval.py``/a tool on ``nproc`` processes from the repo root and capture its output.
 
-    ``env_extra``: variables added to the environment (fault injection).
+    ``env_extra``: variables added to the environment (fault injection). One process runs in this one
+    (:func:`run_in_process`: the interpreter's imports are not paid again) unless ``in_process=False``: a run that
+    must die, be killed or time out, or whose effects on its own process are what the test reads.
     """
-    proc = subprocess.run(
-        launch_cmd(nproc) + args, cwd=ROOT, env={**subprocess_env(), **(env_extra or {})}, capture_output=True,
-        text=True, timeout=timeout, **kwargs
-    )
+    if in_process is None:
+        in_process = nproc == 1 and IN_PROCESS and runs_in_process(args[0], timeout, env_extra, kwargs)
+    if in_process:
+        proc = run_in_process(args, env_extra)
+    else:
+        proc = subprocess.run(
+            launch_cmd(nproc) + args, cwd=ROOT, env={**subprocess_env(), **(env_extra or {})}, capture_output=True,
+            text=True, timeout=timeout, **kwargs
+        )
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc
+
+
+_MAINS: dict[str, object] = {}
+KILLING_FAULTS = ("LMRECIPE_FAULT_KILL_UPLOAD",)
+"""Test faults that end their process (SIGKILL): a run given one has a process of its own."""
+
+
+def runs_in_process(script: str, timeout: int, env_extra: dict | None, kwargs: dict) -> bool:
+    """Whether a one-process run of ``script`` can run in the test's process: a script of the repository with a
+    ``main`` (``train.py``, ``eval.py``, ``tools/``), no fault that kills its process, no time limit of its own (a run
+    given one may hang by design, or compile at length: its process can be killed) and no other ``subprocess.run``
+    option."""
+    environment = {**os.environ, **(env_extra or {})}
+    return (script in ("train.py", "eval.py") or script.startswith("tools/")) and timeout == RUN_TIMEOUT_S \
+        and not kwargs and not any(environment.get(name) for name in KILLING_FAULTS)
+
+
+def run_in_process(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` as :func:`run_script` runs it, in this process: the script's ``main`` with the
+    environment of :func:`subprocess_env` (and ``env_extra``), from the repository root, its stdout and stderr (its
+    log lines included) captured, its exit code as a subprocess's. The environment, the working folder, the logging
+    set-up and the signal handlers are restored after it, as are DeepSpeed's, Accelerate's and wandb's state."""
+    import contextlib
+    import io
+    import logging
+    import signal
+
+    script, argv = args[0], list(args[1:])
+    if script not in _MAINS:
+        _MAINS[script] = script_main(script)
+    root, environment, cwd = logging.getLogger(), dict(os.environ), os.getcwd()
+    handlers, level = root.handlers[:], root.level
+    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    out, err, argv0 = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [script, *argv]  # every script's main reads sys.argv when called without arguments
+    run_env = {**subprocess_env(), **(env_extra or {})}
+    os.environ.clear()
+    os.environ.update(run_env)
+    os.chdir(ROOT)
+    root.handlers = []  # the script's own logging set-up (basicConfig) writes to the captured stderr
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = _MAINS[script]()
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) or stop.code is None else 1
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+            except Exception:  # a crash: Python prints its traceback and exits 1
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers, root.level = handlers, level
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+        os.chdir(cwd)
+        sys.argv = argv0
+        os.environ.clear()
+        os.environ.update(environment)
+        reset_deepspeed_in_process()
+        if "wandb" in sys.modules:  # its settings, read from the run's environment, are kept process-wide
+            sys.modules["wandb"].teardown()
+    return subprocess.CompletedProcess(["python", *args], int(code or 0), out.getvalue(), err.getvalue())
 
 
 def script_module(script: str):

@@ -76,3 +76,21 @@ def test_the_wait_for_the_slowest_rank_counts_every_step_of_each_interval(tmp_pa
             {"step": 5, "val_loss": 1.0}]
     SessionLedger(0, 0.0).write(tmp_path)
     assert any("took 4.5 s more than the median" in line for line in report_lines(tmp_path, rows))
+
+
+def test_a_goodput_file_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, caplog):
+    """A full or failing disk at the end (the run's own error on its way out) leaves the account unwritten, with a
+    warning: the write raises nothing that would replace the error that ends the run."""
+    from types import SimpleNamespace
+
+    from lmrecipe.train.callbacks.goodput import GoodputLedger
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # out_dir below a file: every write fails with an OSError
+    callback = GoodputLedger()
+    callback.attach(SimpleNamespace(out_dir=blocked / "run", run=SimpleNamespace(
+        cfg=SimpleNamespace(logging=None), accelerator=SimpleNamespace(is_main_process=True))))
+    callback.before_step(SimpleNamespace(state=SimpleNamespace(step=0)))
+    with caplog.at_level("WARNING"):
+        callback.on_close(None)
+    assert "goodput.json not updated" in caplog.text

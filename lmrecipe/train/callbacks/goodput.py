@@ -5,12 +5,15 @@ rewritten at every logged step, after every checkpoint and when the trainer clos
 
 from __future__ import annotations
 
+import logging
 import time
 
 from lmrecipe.observe.console import log_due
-from lmrecipe.observe.goodput import SessionLedger, process_start
+from lmrecipe.observe.goodput import GOODPUT_FILE, SessionLedger, process_start
 from lmrecipe.train.callback import Callback, EvalResult
 from lmrecipe.train.step import StepResult
+
+logger = logging.getLogger(__name__)
 
 
 class GoodputLedger(Callback):
@@ -36,7 +39,7 @@ class GoodputLedger(Callback):
             return
         self.ledger.step_done(trainer.state.step, trainer.step_time_s, result.data_time_s)
         if log_due(self.logging, trainer.state.step, trainer.max_steps):
-            self.ledger.write(self.out_dir)
+            self._write()
 
     def eval_figures(self, trainer, evaluate) -> dict[str, float]:
         self._charge("eval_s")
@@ -61,7 +64,14 @@ class GoodputLedger(Callback):
     def on_close(self, trainer) -> None:
         self._charge(None)
         if self.ledger is not None:
+            self._write()
+
+    def _write(self) -> None:
+        """Rewrite goodput.json; a full or failing disk costs the account, not the run (nor the error that ends it)."""
+        try:
             self.ledger.write(self.out_dir)
+        except OSError as err:
+            logger.warning("%s not updated: %s", self.out_dir / GOODPUT_FILE, err)
 
     def _charge(self, next_kind: str | None) -> None:
         """Charge the time since the last mark to its kind, then start ``next_kind`` (None: nothing is timed)."""
@@ -72,5 +82,5 @@ class GoodputLedger(Callback):
             kind, since = self._mark
             self.ledger.add(kind, now - since)
             if kind == "checkpoint_s":
-                self.ledger.write(self.out_dir)
+                self._write()
         self._mark = None if next_kind is None else (next_kind, now)
