@@ -127,6 +127,7 @@ def run_in_process(args: list[str], env_extra: dict | None = None) -> subprocess
     out, err, argv0 = io.StringIO(), io.StringIO(), sys.argv
     sys.argv = [script, *argv]  # every script's main reads sys.argv when called without arguments
     run_env = {**subprocess_env(), **(env_extra or {})}
+    reset_deepspeed_in_process()  # Accelerate's state of an earlier test of this process would be shared with the run
     os.environ.clear()
     os.environ.update(run_env)
     os.chdir(ROOT)
