@@ -137,9 +137,10 @@ def run_in_process(args: list[str], env_extra: dict | None = None) -> subprocess
             try:
                 code = _MAINS[script]()
             except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) or stop.code is None else 1
-                if not isinstance(stop.code, (int, type(None))):
-                    print(stop.code, file=sys.stderr)
+                code = stop.code
+                if not isinstance(code, (int, type(None))):  # a message: Python prints it and exits 1
+                    print(code, file=sys.stderr)
+                    code = 1
             except Exception:  # a crash: Python prints its traceback and exits 1
                 import traceback
 
