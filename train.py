@@ -7,7 +7,7 @@ import argparse
 import sys
 import textwrap
 
-from lmrecipe.cli import cli_main, setup_logging
+from lmrecipe.cli import cli_main, exit_launched, setup_logging
 from lmrecipe.config import load_config
 from lmrecipe.errors import fail
 
@@ -73,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_launched(main())

@@ -87,6 +87,31 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     return wrapper
 
 
+def exit_launched(code: int) -> None:
+    """End this process with ``code``; under a launcher (``WORLD_SIZE`` above 1) without the interpreter's teardown.
+
+    Python's own exit first: the threads that are not daemons are joined, the exit handlers run (loggers, trackers,
+    temporary folders) and the streams are flushed; then the process ends. DeepSpeed's ZeRO-3 hooks keep the model, and
+    with it the process groups and their gloo threads, alive to the end, and a rank whose run had ended and written
+    everything has been seen to abort while Python tore those down (SIGABRT, "terminate called without an active
+    exception"), which fails the whole launch. One process: ``sys.exit(code)``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, or a stream closed by a handler
+            pass
+    os._exit(code)
+
+
 class _AutotunerMlflowSkip(importlib.abc.MetaPathFinder):
     """Refuses the import of mlflow that DeepSpeed's autotuner makes when DeepSpeed is imported (Accelerate imports
     DeepSpeed in every process, the launcher's too); any other import of mlflow (the mlflow tracker's) goes ahead."""

@@ -507,23 +507,9 @@ def rank_pid(out: Path, rank: int) -> int:
 def reset_deepspeed_in_process() -> None:
     """No process group, no group DeepSpeed caches from an earlier in-process run (its world, data-parallel and expert
     groups would name a destroyed group), and a fresh Accelerate state: the next run builds its own."""
-    import deepspeed.comm.comm as ds_comm
-    import deepspeed.utils.groups as ds_groups
-    import torch.distributed as dist
-    from accelerate.state import AcceleratorState
+    from lmrecipe.parallel.accelerator import release_distributed
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    ds_comm.cdb = None
-    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
-        setattr(ds_groups, name, {})
-    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mpu", "mesh_device", "_TENSOR_MODEL_PARALLEL_GROUP",
-                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
-                 "_MPU_TENSOR_MODEL_PARALLEL_RANK"):
-        if hasattr(ds_groups, name):
-            setattr(ds_groups, name, None)
-    AcceleratorState._reset_state(reset_partial_state=True)
+    release_distributed()
 
 
 def saved_bytes(hf_config, tokens: int, dtype=None) -> int:

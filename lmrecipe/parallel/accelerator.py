@@ -73,6 +73,34 @@ def unwrap_model(accelerator, model):
     return model
 
 
+def release_distributed(accelerator=None) -> None:
+    """Tear down what the run's processes share, on every rank after the last collective: the DeepSpeed engine (its
+    ZeRO-3 hooks), the process groups, DeepSpeed's cached groups and Accelerate's state. The next run in the same
+    process (a benchmark, an in-process test) builds its own; ``accelerator``: None after a run that failed to build."""
+    import torch.distributed as dist
+
+    if accelerator is not None:
+        accelerator.free_memory()  # destroys the DeepSpeed engine (which needs the groups) and drops the model
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if "deepspeed" in sys.modules:
+        import deepspeed.comm.comm as ds_comm
+        import deepspeed.utils.groups as ds_groups
+
+        ds_comm.cdb = None
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+            setattr(ds_groups, name, {})
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mpu", "mesh_device",
+                     "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                     "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK"):
+            if hasattr(ds_groups, name):
+                setattr(ds_groups, name, None)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _ensure_single_process_env() -> None:
     """``python train.py`` with DeepSpeed: give torch.distributed a one-process world on localhost."""
     if "RANK" in os.environ:

@@ -113,10 +113,8 @@ class Trainer:
             if replacement is None:
                 raise
             raise replacement from None
-        # Tear the process group down together: a rank that destroys its side while another still holds the group
-        # open has been seen to abort at exit (SIGABRT, "terminate called without an active exception").
+        # Every rank ends the run before any tears its process group down (train() releases it after the close).
         self.run.accelerator.wait_for_everyone()
-        self.run.accelerator.end_training()
         return self.state
 
     def start(self) -> None:
@@ -327,7 +325,7 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
         trainer = None
         try:
             trainer = build_trainer(run, out_dir, signal, recipe, command=command)
-            return trainer.fit()
+            state = trainer.fit()
         finally:
             try:
                 if trainer is not None:
@@ -339,3 +337,7 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
                 # Last: a launcher SIGTERMs the survivors as soon as one rank dies, and a survivor that still closes
                 # its files with the default handler back would die of it before printing which rank was lost.
                 signal.close()
+        from lmrecipe.parallel.accelerator import release_distributed
+
+        release_distributed(run.accelerator)
+        return state

@@ -404,3 +404,35 @@ def test_launch_sh_exits_with_the_training_processes_own_status(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].endswith("training exited 2: data.path is wrong. Fix it.")
     assert not list(tmp_path.glob("lmrecipe-exit.*"))  # the status file is removed
     assert (tmp_path / "status" / "node1").read_text() == "2\n"  # the node's outcome, for slurm/train.sbatch
+
+
+EXIT_PROBE = """
+import atexit, sys, threading, time
+from pathlib import Path
+from lmrecipe.cli import exit_launched
+
+out = Path(sys.argv[1])
+def late_write():
+    time.sleep(0.3)
+    (out / "thread.txt").write_text("joined")
+threading.Thread(target=late_write).start()
+atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
+class Finalised:
+    def __del__(self):
+        (out / "teardown.txt").write_text("ran")
+kept = Finalised()
+sys.stdout.write("buffered, no newline")
+exit_launched(3)
+"""
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_launched_process_exits_after_its_threads_and_exit_handlers_without_the_teardown(tmp_path, world_size):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": world_size}
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "buffered, no newline"
+    assert (tmp_path / "thread.txt").read_text() == "joined" and (tmp_path / "atexit.txt").read_text() == "ran"
+    # Only a launched process skips the interpreter's teardown (where a rank's gloo threads have aborted it).
+    assert (tmp_path / "teardown.txt").exists() == (world_size == "1")
