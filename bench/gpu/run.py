@@ -175,14 +175,13 @@ def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
 
 def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
     """The distinct runs the selected stages need, keyed by overrides; a run several stages name measures what each
-    asks for (its syncs, its checkpoint stall) after its timed steps."""
+    asks for (its syncs) after its timed steps."""
     groups: dict[str, dict] = {}
     for stage in selected:
         for side in stage.sides:
             group = groups.setdefault(side.key, {**dataclasses.asdict(side), "key": side.key,
                                                  "overrides": list(side.overrides)})
-            for flag in ("count_syncs", "checkpoint_stall"):
-                group[flag] |= getattr(side, flag)
+            group["count_syncs"] |= side.count_syncs
     return groups
 
 

@@ -18,7 +18,6 @@ class Side:
     label: str
     overrides: tuple[str, ...] = ()
     count_syncs: bool = False  # count host syncs over a few steps after the timed ones
-    checkpoint_stall: bool = False  # time the loop blocked by one synchronous and one background checkpoint
     levers: bool = False  # the levers stage's windows (levers.py) instead of one timed run
 
     @property
@@ -60,14 +59,6 @@ def _syncs(results):
     return {"figure": "; ".join(parts), "value": sync_free["per_step"], "met": met}
 
 
-def _stall(results):
-    r = results["bf16 ZeRO-2 checkpoints"]["checkpoint_stall"]
-    ratio = _ratio(r["sync"]["blocked_s"], r["background"]["blocked_s"])
-    figure = (f"loop blocked {1e3 * r['sync']['blocked_s']:,.0f} ms synchronous, {1e3 * r['background']['blocked_s']:,.0f} "
-              f"ms background per checkpoint ({_num(ratio, '.2f')}x; {r['checkpoint_gb']:.1f} GB)")
-    return {"figure": figure, "value": ratio, "met": None}
-
-
 def _levers(results):
     lv, no_ds = results["levers"], results["no DeepSpeed"]
     windows = {name: w for name, w in lv["windows"].items() if "tokens_per_sec" in w}
@@ -89,8 +80,6 @@ STAGES = (
           (Side("no DeepSpeed", NO_DEEPSPEED), Side("levers", ZERO2, levers=True)), _levers),
     Stage("host_syncs", "host syncs per unlogged step (HostSyncCounter, torch.cuda's sync debug mode)", "0 (no DeepSpeed)",
           (Side("no DeepSpeed", NO_DEEPSPEED, count_syncs=True), Side("ZeRO-2", ZERO2, count_syncs=True)), _syncs),
-    Stage("checkpoint_stall", "loop time blocked per checkpoint, synchronous against background write, ZeRO-2",
-          "(comparison)", (Side("bf16 ZeRO-2 checkpoints", ZERO2, checkpoint_stall=True),), _stall),
 )
 DEFAULT_STAGES = ("levers",)  # the next GPU call: one worker for the sweep, one without DeepSpeed
 BY_NAME = {stage.name: stage for stage in STAGES}

@@ -2,7 +2,7 @@
 
 After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs (``levers.window``). Figures:
 tokens/s and MFU; the step peak; data wait; host syncs (``HostSyncCounter`` and torch.cuda's sync debug mode); the
-checkpoint stall (``_common.save_round``); the planner's prediction. A side of the ``levers`` stage is measured by
+planner's prediction. A side of the ``levers`` stage is measured by
 ``levers.py`` instead. The result so far is written after the timed steps and after each slow measurement, so a
 worker stopped by ``--budget-s`` keeps its timed figures.
 """
@@ -11,7 +11,6 @@ import gc
 import json
 import logging
 import platform
-import shutil
 import sys
 import time
 import warnings
@@ -28,7 +27,6 @@ from lmrecipe.observe.device import device_peak_tflops
 from lmrecipe.observe.host_syncs import HostSyncCounter
 from lmrecipe.planning.prediction import predict_run
 from lmrecipe.train.setup import build_run
-from lmrecipe.train.state import TrainState
 from lmrecipe.train.step import train_step
 
 SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
@@ -53,16 +51,6 @@ def _count_syncs(run, first_step: int, steps: int) -> dict:
     return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
             "sources": counter.sources, "in_optimizer": counter.in_optimizer,
             "cuda_per_step": len(cuda_syncs) / steps if cuda else None, "cuda_sources": sorted(set(cuda_syncs))[:20]}
-
-
-def _checkpoint_stall(run, out_dir: Path, first_step: int, steps_between: int) -> dict:
-    """Loop time blocked by one save of each kind (a round of ``bench/run.py checkpoint_stall`` each)."""
-    state, result = TrainState(step=first_step), {"steps_between": steps_between}
-    for kind in ("sync", "background"):
-        result[kind] = C.save_round(run, C.side_checkpointer(run, out_dir / kind, kind == "background"), state, steps_between)
-        result["checkpoint_gb"] = C.folder_mb(out_dir / kind) / 1e3
-        shutil.rmtree(out_dir / kind)
-    return result
 
 
 def _prediction(run, peak_tflops: float) -> dict:
@@ -92,8 +80,6 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
         if side["count_syncs"]:
             result["host_syncs"] = _count_syncs(run, next_step, min(steps, SYNC_STEPS))
             next_step += min(steps, SYNC_STEPS)
-        if side["checkpoint_stall"]:
-            result["checkpoint_stall"] = _checkpoint_stall(run, out_dir / "checkpoints", next_step, 2)
         if figures["peak_tflops"] is None:  # a CPU's, probed
             result["peak_tflops"], result["peak_source"] = device_peak_tflops(run.accelerator.device, run.runtime.precision, None)
         prediction = result["prediction"] = _prediction(run, result["peak_tflops"])
