@@ -201,18 +201,28 @@ class Trainer:
                 "best_val_loss": state.best_val_loss, "last_val_loss": state.last_val_loss,
                 "wall_time_s": state.wall_time_s, **self.figures("outcome")}
 
-    def close(self) -> None:
+    def close(self, failing: bool = False) -> None:
         """Release what the run holds (the callbacks' files and threads, the batch prefetcher) without ending it:
-        after :meth:`fit`, whether it returned or raised, or after a benchmark's last :meth:`step`. Once."""
+        after :meth:`fit`, whether it returned or raised, or after a benchmark's last :meth:`step`. Once.
+
+        Every callback closes even when one fails to (a report on a full disk). Then the first failure is raised, or,
+        with ``failing`` (the run is already ending on an error, which must stay the one the user reads), logged."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self.call("on_close")
-        finally:
-            prefetcher = getattr(self.run, "prefetcher", None)
-            if prefetcher is not None:
-                prefetcher.close()
+        errors = []
+        for callback in self.callbacks:
+            try:
+                callback.on_close(self)
+            except Exception as err:  # noqa: BLE001 - the other callbacks still close
+                errors.append(err)
+                if failing:
+                    logger.warning("%s did not close cleanly: %s: %s", type(callback).__name__, type(err).__name__, err)
+        prefetcher = getattr(self.run, "prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.close()
+        if errors and not failing:
+            raise errors[0]
 
 
 def check_order(callbacks: Sequence[Callback]) -> None:
@@ -322,14 +332,15 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
             lock.acquire()  # before anything in out_dir is cleaned up or written
         run.accelerator.wait_for_everyone()
         signal = PreemptionSignal()
-        trainer = None
+        trainer, failing = None, True
         try:
             trainer = build_trainer(run, out_dir, signal, recipe, command=command)
             state = trainer.fit()
+            failing = False
         finally:
             try:
                 if trainer is not None:
-                    trainer.close()
+                    trainer.close(failing)
                 else:
                     run.prefetcher.close()
                 lock.release()

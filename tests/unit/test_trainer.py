@@ -340,3 +340,22 @@ def test_pre_optim_step_sees_the_whole_steps_gradients_before_the_update(tmp_pat
         moved = after[name] - before[name]
         big = grad.abs() > 1e-4  # where AdamW's eps (1e-8) is negligible
         torch.testing.assert_close(moved[big], -lr * grad[big].sign(), rtol=1e-3, atol=lr * 1e-3)
+
+
+class FailsToClose(Callback):
+    def on_close(self, trainer):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_every_callback_closes_and_a_close_error_never_replaces_the_runs_own(failing, caplog):
+    log: list = []
+    trainer = make_trainer([FailsToClose(), Recorder("after", log)])
+    if failing:  # the run is ending on its own error: the close's is logged, and the caller re-raises the run's
+        trainer.close(failing=True)
+        assert "FailsToClose did not close cleanly: OSError" in caplog.text
+    else:  # a run that ended well fails on it
+        with pytest.raises(OSError, match="No space left"):
+            trainer.close()
+    assert ("after", "on_close", 0) in log
+
