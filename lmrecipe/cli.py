@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -23,6 +24,8 @@ from lmrecipe.observe.quiet import maybe_skip_torchao_extensions, quiet
 #: Environment variable naming a file where the script records how it ended (``{"exit_code", "error"}``), so a
 #: wrapper (``slurm/launch.sh``) can report a rank's exit status and last words, which launchers replace by 1.
 EXIT_FILE_ENV = "LMRECIPE_EXIT_FILE"
+SHARED_ERROR_WAIT_S = 5.0
+"""How long a rank other than 0 waits before ending on a bad input that every rank met (and rank 0 prints)."""
 
 
 def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) -> None:
@@ -63,6 +66,8 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
             error, code = str(err), err.exit_code
             if rank == 0 or code != 2:  # a bad input is every rank's; any other stop is this rank's own
                 print(f"error: {err}", file=sys.stderr, flush=True)
+            elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                time.sleep(SHARED_ERROR_WAIT_S)  # the launcher stops every rank as soon as one ends: rank 0 first
         except KeyboardInterrupt:
             error, code = "interrupted (Ctrl-C)", EXIT_INTERRUPTED
             if rank == 0:
@@ -88,14 +93,16 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
 
 
 def exit_launched(code: int) -> None:
-    """End this process with ``code``; under a launcher (``WORLD_SIZE`` above 1) without the interpreter's teardown.
+    """End this process with ``code``; a launched rank (``WORLD_SIZE`` above 1) whose run succeeded (0) without the
+    interpreter's teardown.
 
     Python's own exit first: the threads that are not daemons are joined, the exit handlers run (loggers, trackers,
     temporary folders) and the streams are flushed; then the process ends. DeepSpeed's ZeRO-3 hooks keep the model, and
     with it the process groups and their gloo threads, alive to the end, and a rank whose run had ended and written
     everything has been seen to abort while Python tore those down (SIGABRT, "terminate called without an active
-    exception"), which fails the whole launch. One process: ``sys.exit(code)``."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    exception"), which fails the whole launch. Any other exit keeps Python's: a rank that ends early on a shared bad
+    input must not hurry the launcher into stopping rank 0 before it prints the error."""
+    if code != 0 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     import atexit
     import threading

@@ -422,17 +422,18 @@ class Finalised:
         (out / "teardown.txt").write_text("ran")
 kept = Finalised()
 sys.stdout.write("buffered, no newline")
-exit_launched(3)
+exit_launched(int(sys.argv[2]))
 """
 
 
-@pytest.mark.parametrize("world_size", ["1", "2"])
-def test_a_launched_process_exits_after_its_threads_and_exit_handlers_without_the_teardown(tmp_path, world_size):
+@pytest.mark.parametrize("world_size, code", [("1", 0), ("2", 0), ("2", 3)])
+def test_a_launched_rank_that_succeeds_exits_after_its_threads_and_exit_handlers_without_the_teardown(
+        tmp_path, world_size, code):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": world_size}
-    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 3, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), str(code)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
     assert proc.stdout == "buffered, no newline"
     assert (tmp_path / "thread.txt").read_text() == "joined" and (tmp_path / "atexit.txt").read_text() == "ran"
-    # Only a launched process skips the interpreter's teardown (where a rank's gloo threads have aborted it).
-    assert (tmp_path / "teardown.txt").exists() == (world_size == "1")
+    # Only a launched rank that succeeded skips the interpreter's teardown (where a rank's gloo threads have aborted).
+    assert (tmp_path / "teardown.txt").exists() == (world_size == "1" or code != 0)

@@ -31,7 +31,7 @@ from lmrecipe.data.batches import BatchLayout, Prefetcher, TrainBatches
 from lmrecipe.data.format import TokenWindows, load_meta, sample_blocks
 from lmrecipe.errors import EXIT_INTERRUPTED, EXIT_LOST_PEER, UserError, fail
 from lmrecipe.fileio import removing_new_empty_dirs
-from lmrecipe.train.callbacks.preemption import PreemptionSignal, started_by_launcher
+from lmrecipe.train.callbacks.preemption import STOPS, PreemptionSignal, started_by_launcher
 
 # ---------------------------------------------------------------------------------------------- the scripts' exit
 
@@ -183,6 +183,26 @@ def test_only_a_process_started_by_a_launcher_stops_when_its_parent_exits(monkey
     finally:
         launched.close()
         plain.close()
+
+
+class TwoRanks:
+    """This rank's all-reduce with a peer's that got Ctrl-C."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def reduce(self, tensor, reduction):
+        assert reduction == "sum"
+        return tensor + torch.tensor([float(stop == "SIGINT") for stop in STOPS])
+
+
+def test_a_rank_without_the_signal_stops_with_the_name_and_code_of_the_rank_that_got_it():
+    quiet_rank = PreemptionSignal(launched=False)
+    try:
+        assert not quiet_rank.requested(TwoRanks(), exchange=False)  # no exchange outside a sync point
+        assert quiet_rank.requested(TwoRanks(), exchange=True)
+        assert quiet_rank.name == "SIGINT" and quiet_rank.exit_code == 130  # not "a signal" and 124
+    finally:
+        quiet_rank.close()
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -32,6 +32,9 @@ _REPEAT_S = 1.0
 SIGINT to its workers, which also got it from the terminal)."""
 _EXIT_WAIT_S = 3.0
 """How long a survivor looks for a local peer's exit to show once a collective broke (see :func:`lost_peer_error`)."""
+LAUNCHER_EXIT = "the exit of the launcher (parent process)"
+STOPS = ("SIGINT", "SIGTERM", "SIGUSR1", LAUNCHER_EXIT)
+"""What can stop a run, in the order that names a stop several ranks got differently (Ctrl-C's exit code first)."""
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL", "ProcessGroup")
 
 
@@ -91,13 +94,16 @@ class PreemptionSignal:
         the next one (``logging.log_every_steps`` steps), and every rank stops at the same step.
         """
         if self.name is None and self._launched and os.getppid() != self._parent:
-            self.name = "the exit of the launcher (parent process)"
+            self.name = LAUNCHER_EXIT
         if accelerator.num_processes == 1:
             return self.name is not None
         if not exchange:
             return False
-        flag = torch.tensor([1.0 if self.name else 0.0], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+        # Which stop each rank got: a rank without one takes the others' name (and exit code) as its own.
+        got = torch.tensor([float(self.name == stop) for stop in STOPS], device=accelerator.device)
+        counts = accelerator.reduce(got, reduction="sum").tolist()
+        self.name = self.name or next((stop for stop, count in zip(STOPS, counts) if count > 0), None)
+        return self.name is not None
 
 
 class Preemption(Callback):
@@ -119,7 +125,7 @@ class Preemption(Callback):
             return
         trainer.state.sync()  # the checkpoint records the skip counters
         trainer.request_stop(Stop(
-            f"Stopped by {self.signal.name or 'a signal to another rank'} after step {trainer.state.step}; checkpoint "
+            f"Stopped by {self.signal.name} after step {trainer.state.step}; checkpoint "
             "saved. Resume with checkpoint.resume=auto.", exit_code=self.signal.exit_code, save=True))
 
     def on_error(self, trainer, err: BaseException) -> BaseException | None:
