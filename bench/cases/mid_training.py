@@ -34,12 +34,12 @@ def worker(args) -> dict:
     return {"floor_mb": floor / 1024, "peak_mb": C.status_kb("VmHWM") / 1024, "k": len(result.checkpoints)}
 
 
-def train_run(recipe: str, data: str, out: Path, overrides: list[str]) -> None:
+def train_run(args, out: Path, overrides: list[str]) -> None:
     from lmrecipe.config import load_config
     from lmrecipe.train.trainer import train
 
-    cfg = load_config(recipe, [f"out_dir={out}", f"data.path={data}", "logging.progress_bar=false",
-                               "logging.trackers=[]", "checkpoint.export_at_end=false", *overrides])
+    cfg = load_config(args.recipe, [f"out_dir={out}", f"data.path={args.data}", "logging.progress_bar=false",
+                                    "logging.trackers=[]", "checkpoint.export_at_end=false", *args.set, *overrides])
     with C.quiet_stdout():
         train(cfg)
 
@@ -84,14 +84,12 @@ def measure(args, report, tmp: Path) -> None:
 
     n = args.steps
     every, at80, at90 = max(1, n // 10), round(0.8 * n), round(0.9 * n)
-    common = [*args.set, f"train.max_steps={n}", f"train.eval_every_steps={every}"]
-    kept = [f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
-    train_run(args.recipe, args.data, tmp / "cosine", [*common, *kept])
-    train_run(args.recipe, args.data, tmp / "wsd90", [*common, "schedule.decay_fraction=0.1", *kept])
-    branch = f"checkpoint.branch_from={tmp / 'wsd90' / 'checkpoints' / step_dir_name(at80)}"
-    train_run(args.recipe, args.data, tmp / "wsd80", [*common, f"schedule.decay_steps={n - at80}", branch,
-                                                      "checkpoint.every_steps=0"])
-    trunk = tmp / "wsd90" / "checkpoints"
+    common, trunk = [f"train.max_steps={n}", f"train.eval_every_steps={every}"], tmp / "wsd90" / "checkpoints"
+    kept = [*common, f"checkpoint.every_steps={every}", "checkpoint.keep_last=1000"]
+    train_run(args, tmp / "cosine", kept)
+    train_run(args, tmp / "wsd90", [*kept, "schedule.decay_fraction=0.1"])
+    train_run(args, tmp / "wsd80", [*common, f"schedule.decay_steps={n - at80}", "checkpoint.every_steps=0",
+                                    f"checkpoint.branch_from={trunk / step_dir_name(at80)}"])
     stable = [c.path for c in complete_checkpoints(trunk) if c.step <= at90][-args.average:]
     averaged = average_checkpoints(stable, tmp / "average", overwrite=True)
     recipe = load_config(args.recipe, args.set)
@@ -101,10 +99,10 @@ def measure(args, report, tmp: Path) -> None:
     def val(path: Path) -> float:
         return evaluate_path(path, args.data, max_batches=eval_batches, batch_size=8)[0]["loss"]
 
-    figures = {"cosine_end": val(tmp / "cosine" / "checkpoints" / step_dir_name(n)), "wsd90_end": val(trunk / step_dir_name(n)),
-               "wsd80_end": val(tmp / "wsd80" / "checkpoints" / step_dir_name(n)),
-               "cosine_at90": val(tmp / "cosine" / "checkpoints" / step_dir_name(at90)),
-               "stable_last": val(stable[-1]), "stable_average": val(averaged.out)}
+    figures = {f"{name}_end": val(tmp / name / "checkpoints" / step_dir_name(n))
+               for name in ("cosine", "wsd90", "wsd80")}
+    figures.update(cosine_at90=val(tmp / "cosine" / "checkpoints" / step_dir_name(at90)), stable_last=val(stable[-1]),
+                   stable_average=val(averaged.out))
     memory = {k: C.run_worker(C.worker_command(args, "average", "--checkpoints", *map(str, stable[-k:]), "--out",
                                                str(tmp / f"mem{k}")), f"average {k}") for k in (1, len(stable))}
     model_mb = sum(p.stat().st_size for p in averaged.out.glob("model-*.safetensors")) / 2**20

@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,9 +19,7 @@ from pathlib import Path
 
 import _common as C
 
-PAIRS = 1
-DATA = None
-RECIPE = None
+PAIRS, DATA, RECIPE = 1, None, None
 
 
 def options(parser) -> None:
@@ -49,12 +46,11 @@ def build_corpus(root: Path, copies: int, fmt: str, base_files: int) -> Path:
 
     stdlib, folder = stdlib_root(), root / f"corpus_{copies}x_{fmt}"
     files = embedded_corpus_files()[: base_files or None]
+    folder.mkdir(parents=True, exist_ok=True)
     for copy in range(copies):
         if fmt == "jsonl":
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / f"copy{copy:02d}.jsonl", "w", encoding="utf-8") as out:
-                for path in files:
-                    out.write(json.dumps({"text": path.read_bytes().decode("utf-8", errors="replace")}) + "\n")
+            (folder / f"copy{copy:02d}.jsonl").write_text("".join(
+                json.dumps({"text": path.read_bytes().decode("utf-8", errors="replace")}) + "\n" for path in files))
             continue
         for path in files:
             dest = folder / f"copy{copy:02d}" / path.relative_to(stdlib)
@@ -110,9 +106,8 @@ def run(args, report) -> None:
                                 f"(main {got['peak_main_mb']:4.0f} MB) | {got['wall_s']:6.1f} s wall, {got['cpu_s']:6.1f} CPU-s")
     ratios, base = {}, min(args.copies)
     for mode, by_copies in runs.items():
-        peak = {copies: statistics.median(r["peak_total_mb"] for r in rs) for copies, rs in by_copies.items()}
+        peak = {copies: C.median_of(rs, "peak_total_mb") for copies, rs in by_copies.items()}
         for copies in sorted(peak)[1:]:
-            ratios[f"{mode} {copies}x/{base}x"] = peak[copies] / peak[base]
-            report.line(f"{mode}: peak RSS {copies}x / {base}x = {peak[copies] / peak[base]:.3f} "
-                        f"({peak[copies]:.0f} / {peak[base]:.0f} MB)")
+            ratios[f"{mode} {copies}x/{base}x"] = ratio = peak[copies] / peak[base]
+            report.line(f"{mode}: peak RSS {copies}x / {base}x = {ratio:.3f} ({peak[copies]:.0f} / {peak[base]:.0f} MB)")
     report.figures = {"runs": runs, "ratios": ratios, "format": args.format}

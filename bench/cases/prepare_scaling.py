@@ -13,9 +13,10 @@ from pathlib import Path
 
 import _common as C
 
-RECIPE = None
-DATA = None
+RECIPE, DATA = None, None
 SIDES = ("p1", "p2", "map")
+RATIOS = {"p2/p1": "2 processes / 1 process", "p1/map": "1 process / datasets.map",
+          "p2/map": "2 processes / datasets.map"}
 
 
 def options(parser) -> None:
@@ -68,12 +69,11 @@ def run(args, report) -> None:
     report.line(f"corpus: embedded stdlib, {args.max_documents or 'all'} documents; prepare's tokenizer: "
                 f"{args.prepare_tokenizer} ({args.tokenizer}); TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM')}")
     ratios = {key: (lambda a, b: lambda g: g[a]["tokens_per_sec"] / g[b]["tokens_per_sec"])(*key.split("/"))
-              for key in ("p2/p1", "p1/map", "p2/map")}
+              for key in RATIOS}
     runs, stats = C.interleave(report, args.pairs, SIDES, lambda side: C.run_worker(C.worker_command(args, side), side),
                                ratios, lambda g: "  ".join(f"{side} {r['tokens_per_sec']:,.0f}" for side, r in g.items())
                                + f" tokens/s ({g['p1']['tokens']:,} tokens)")
-    for key, label in (("p2/p1", "2 processes / 1 process"), ("p1/map", "1 process / datasets.map"),
-                       ("p2/map", "2 processes / datasets.map")):
+    for key, label in RATIOS.items():
         report.line(f"{label}: {C.fmt_ratio(stats[key])}")
     walls, cpus, cores = ({side: C.median_of(runs[side], key) for side in ("p1", "p2")}
                           for key in ("prepare_wall_seconds", "prepare_cpu_seconds", "cores_used"))

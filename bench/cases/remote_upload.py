@@ -4,9 +4,9 @@ against off, in one run of the recipe at --hidden-size x --layers (docs/benchmar
 """
 
 import contextlib
-import importlib.util
 import logging
 import os
+import runpy
 import statistics
 import tempfile
 import time
@@ -38,10 +38,7 @@ def run(args, report) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_remote_", dir=args.tmp) as tmp, contextlib.ExitStack() as stack:
         bucket = args.bucket
         if args.endpoint is None:  # the tests' local SeaweedFS
-            spec = importlib.util.spec_from_file_location("s3_server", C.ROOT / "tests" / "s3_server.py")
-            s3_server = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(s3_server)
-            server = s3_server.S3Server(Path(tmp) / "server")
+            server = runpy.run_path(str(C.ROOT / "tests" / "s3_server.py"))["S3Server"](Path(tmp) / "server")
             server.start()
             stack.callback(server.stop)
             os.environ.update(server.env())

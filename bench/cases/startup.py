@@ -9,7 +9,6 @@ each folder, timing the launch to its first metrics row, with the peak RSS then 
 
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -38,14 +37,12 @@ def run(args, report) -> None:
         size_gb = C.folder_mb(folders["large"]) / 1e3
         report.line(f"large folder: {size_gb:.2f} GB ({'sparse, ' if args.sparse else ''}{args.large_tokens:,} train "
                     f"tokens), built in {time.perf_counter() - start:.1f} s")
-        rounds = iter(range(10**9))
         got, stats = C.interleave(
             report, args.pairs, ("small", "large"),
-            lambda side: time_to_first_step(folders[side], workdir / f"run_{next(rounds)}", args.recipe),
+            lambda side: time_to_first_step(folders[side], workdir / f"run_{side}", args.recipe),
             {"large/small": lambda g: g["large"][0] / g["small"][0]},
             lambda g: ", ".join(f"{side} {s:.2f} s (peak RSS {rss / 1e9:.3f} GB)" for side, (s, rss) in g.items()))
-    runs = {side: [s for s, _ in rows] for side, rows in got.items()}
-    rss = {side: [r for _, r in rows] for side, rows in got.items()}
+    runs, rss = ({side: [row[i] for row in rows] for side, rows in got.items()} for i in (0, 1))
     report.line("median launch to first step: " + ", ".join(
         f"{side} {statistics.median(v):.2f} s (peak RSS {statistics.median(rss[side]) / 1e9:.3f} GB)"
         for side, v in runs.items()) + f"; large / small {C.fmt_ratio(stats['large/small'])}")
@@ -66,21 +63,19 @@ def build_large(small: Path, dest: Path, tokens: int, sparse: bool) -> Path:
             shutil.copy2(path, dest / path.name)
     copies = 1 if sparse else -(-tokens // int(meta["splits"]["train"]["n_tokens"]))
     for split in SPLITS:
-        info, data = meta["splits"][split], (small / f"{split}.bin").read_bytes()
+        info, data, tail = meta["splits"][split], (small / f"{split}.bin").read_bytes(), sparse and split == "train"
         index = np.fromfile(small / f"{split}.idx", dtype=INDEX_DTYPE)
         with open(dest / f"{split}.bin", "wb") as bin_file, open(dest / f"{split}.idx", "wb") as idx_file:
             idx_file.write(index[:1].tobytes())
             for copy in range(copies):
                 bin_file.write(data)
                 idx_file.write((index[1:] + np.uint64(copy * int(info["n_tokens"]))).astype(INDEX_DTYPE).tobytes())
-            if sparse and split == "train":
+            if tail:
                 bin_file.truncate(tokens * np.dtype(meta["dtype"]).itemsize)
                 idx_file.write(np.array([tokens], dtype=INDEX_DTYPE).tobytes())
-        n_tokens, n_documents = info["n_tokens"] * copies, info["n_documents"] * copies
-        if sparse and split == "train":
-            n_tokens, n_documents = tokens, n_documents + 1
-        info.update(n_tokens=n_tokens, n_documents=n_documents, sha256=f"{copies} copies of {info['sha256']}"
-                    + (", with a sparse tail" if sparse and split == "train" else ""))
+        info.update(n_tokens=tokens if tail else info["n_tokens"] * copies,
+                    n_documents=info["n_documents"] * copies + int(tail),  # the tail is one more document
+                    sha256=f"{copies} copies of {info['sha256']}" + (", with a sparse tail" if tail else ""))
     meta["source"] = f"{small}, extended to {tokens:,} train tokens ({meta['source']})"
     (dest / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     load_meta(dest)
@@ -88,21 +83,20 @@ def build_large(small: Path, dest: Path, tokens: int, sparse: bool) -> Path:
 
 
 def time_to_first_step(data: Path, run_dir: Path, recipe: str, timeout: float = 300) -> tuple[float, int]:
-    metrics = run_dir / "metrics.jsonl"
-    cmd = C.train_command(recipe, run_dir, data, ["logging.log_every_steps=1"])
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=C.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, start = run_dir / "metrics.jsonl", time.perf_counter()
+    proc = subprocess.Popen(C.train_command(recipe, run_dir, data, ["logging.log_every_steps=1"]), cwd=C.ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while True:
-            if metrics.is_file() and any('"step"' in line for line in metrics.read_text().splitlines()):
+            if metrics.is_file() and '"step"' in metrics.read_text():
                 return time.perf_counter() - start, C.status_kb("VmHWM", proc.pid) * 1024
             if proc.poll() is not None:
-                raise SystemExit(f"train.py exited {proc.returncode} before its first step:\n{proc.stderr.read()[-4000:]}")
+                raise SystemExit(f"train.py exited {proc.returncode} before its first step:\n"
+                                 f"{proc.stderr.read()[-4000:]}")
             if time.perf_counter() - start > timeout:
                 raise SystemExit(f"no first step within {timeout} s")
             time.sleep(0.005)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+        proc.kill()  # a no-op where it has ended
         proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)

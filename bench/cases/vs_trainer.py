@@ -7,7 +7,6 @@ Target: ours >= 1.0x Trainer's (docs/benchmarks/02-vs-trainer.md).
 """
 
 import logging
-import statistics
 import tempfile
 import time
 
@@ -102,6 +101,6 @@ def run(args, report) -> None:
     ratio, cpu = stats["ratio"], stats["CPU-time ratio"]
     report.line(f"ours / Trainer tokens/s: {C.fmt_ratio(ratio)}   target >= 1.0: {'MET' if ratio['median'] >= 1.0 else 'MISSED'}")
     report.line(f"same, per CPU second of the process (less sensitive to other processes): {C.fmt_ratio(cpu)}")
-    medians = {side: statistics.median(r["ms_per_step"] for r in runs[side]) for side in runs}
+    medians = {side: C.median_of(runs[side], "ms_per_step") for side in runs}
     report.line(f"ms per optimizer step, median: ours {medians['ours']:.2f}, trainer {medians['trainer']:.2f}")
     report.figures = {"ratio_ours_over_trainer": ratio, "cpu_time_ratio": cpu, "runs": runs, "ms_per_step_median": medians}
