@@ -6,6 +6,7 @@
     bench/run.py document_masking val-loss      # recipes/tiny.yaml --steps steps masked and plain, then eval.py both ways
 """
 
+import itertools
 import json
 import statistics
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import _common as C
 
 PAIRS = 4
+SIDES = ("masked", "plain")
 
 
 def options(parser) -> None:
@@ -41,34 +43,32 @@ def bench_step(args, report) -> dict:
     from lmrecipe.train.setup import build_run
     from lmrecipe.train.step import train_step
 
-    def time_steps(run, first_step: int) -> float:
-        start = time.perf_counter()
-        for step in range(first_step, first_step + args.block_steps):
-            result = train_step(run, step)
-        result.loss.item()
-        return (time.perf_counter() - start) / args.block_steps
-
-    models = {"tiny": []} if args.tiny_only else {"tiny": [], "34M": [
-        f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}", f"model.num_heads={args.hidden_size // 64}"]}
+    models = {"tiny": [], "34M": [f"model.hidden_size={args.hidden_size}", f"model.num_layers={args.layers}",
+                                  f"model.num_heads={args.hidden_size // 64}"]}
     results = {}
-    for model, overrides in models.items():
-        overrides = [*overrides, "train.micro_batch_size=8", "train.global_batch_size=8", "data.seq_len=256"]
+    for model in ["tiny"] if args.tiny_only else models:
+        overrides = [*models[model], "train.micro_batch_size=8", "train.global_batch_size=8", "data.seq_len=256"]
         with tempfile.TemporaryDirectory(prefix="bench_docmask_") as tmp:
             runs = {side: build_run(C.bench_config(args.recipe, [f"data.document_masking={str(side == 'masked').lower()}",
                                                                  *overrides], f"{tmp}/{side}", args.data), Path(tmp) / side)
-                    for side in ("masked", "plain")}
-            first = {side: iter(range(0, 10**9, args.block_steps)) for side in runs}
+                    for side in SIDES}
+            steps = {side: itertools.count() for side in SIDES}
+
+            def time_steps(side: str) -> float:
+                start = time.perf_counter()
+                for _ in range(args.block_steps):
+                    loss = train_step(runs[side], next(steps[side])).loss
+                loss.item()
+                return (time.perf_counter() - start) / args.block_steps
+
             seconds, stats = C.interleave(
-                report, args.pairs, ("masked", "plain"),
-                lambda side: time_steps(runs[side], next(first[side])),
-                {"masked/plain": lambda g: g["masked"] / g["plain"]},
+                report, args.pairs, SIDES, time_steps, {"masked/plain": lambda g: g["masked"] / g["plain"]},
                 lambda g: f"{model}: " + ", ".join(f"{side} {1e3 * s:.0f} ms/step" for side, s in g.items()), warm_up=True)
             for run in runs.values():
                 run.prefetcher.close()
-        n_params = runs["plain"].n_params
-        results[model] = {"params": n_params, "ratio": stats["masked/plain"],
+        results[model] = {"params": runs["plain"].n_params, "ratio": stats["masked/plain"],
                           **{f"{side}_ms": statistics.median(s) * 1e3 for side, s in seconds.items()}}
-        report.line(f"{model} ({n_params / 1e6:.1f}M params, micro-batch 8 x seq_len 256): "
+        report.line(f"{model} ({runs['plain'].n_params / 1e6:.1f}M params, micro-batch 8 x seq_len 256): "
                     f"masked / plain step time {C.fmt_ratio(stats['masked/plain'])}")
     return results
 
@@ -98,20 +98,17 @@ def bench_mask_memory(args, report) -> dict:
 
 
 def bench_val_loss(args, report) -> dict:
-    results = {}
-    root = Path(args.tmp or tempfile.mkdtemp(prefix="bench_docmask_val_"))
-    for side in ("masked", "plain"):
+    results, root = {}, Path(args.tmp or tempfile.mkdtemp(prefix="bench_docmask_val_"))
+    for side in SIDES:
         out = root / side
         C.run_checked([sys.executable, "train.py", args.recipe, f"out_dir={out}", f"data.path={args.data}",
-                       f"data.document_masking={str(side == 'masked').lower()}", f"train.max_steps={args.steps}",
-                       "logging.progress_bar=false", "checkpoint.resume=none"])
-        row = {}
+                       f"data.document_masking={str(side == 'masked').lower()}",
+                       f"train.max_steps={args.steps}", "logging.progress_bar=false", "checkpoint.resume=none"])
+        results[side] = row = {}
         for eval_side, flag in (("eval_masked", []), ("eval_stream", ["--no-document-masking"])):
-            result = out / f"{eval_side}.json"
-            C.run_checked([sys.executable, "eval.py", str(out / "export"), "--data", args.data, "--output", str(result),
-                           "--overwrite", *flag])
-            row[eval_side] = json.loads(result.read_text())["loss"]
-        results[side] = row
+            C.run_checked([sys.executable, "eval.py", str(out / "export"), "--data", args.data, "--output",
+                           str(out / f"{eval_side}.json"), "--overwrite", *flag])
+            row[eval_side] = json.loads((out / f"{eval_side}.json").read_text())["loss"]
         report.line(f"trained {side:>6}: val loss evaluated with masking {row['eval_masked']:.4f}, on the plain stream "
                     f"{row['eval_stream']:.4f}")
     return results

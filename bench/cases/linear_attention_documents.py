@@ -39,13 +39,10 @@ def batches(seq_len: int, rows: int, mean_doc_len: int, n: int, seed: int = 0):
     lengths = np.maximum(1, rng.exponential(mean_doc_len, size=total // max(1, mean_doc_len // 2) + 16)).astype(int)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     starts = np.append(starts[starts < total], total).astype("<u8")
-    stream = torch.from_numpy(rng.integers(0, 4096, size=total))
-    out = []
-    for i in range(n):
-        offsets = (i * rows + np.arange(rows)) * seq_len
-        window = torch.stack([stream[o : o + seq_len + 1] for o in offsets])
-        out.append((window[:, :-1], window[:, 1:], document_batch(starts, offsets, seq_len)))
-    return out
+    # window j of the stream: tokens j * seq_len to (j + 1) * seq_len, and the next one as the last target
+    windows = torch.from_numpy(rng.integers(0, 4096, size=total)).unfold(0, seq_len + 1, seq_len).view(n, rows, -1)
+    return [(w[:, :-1], w[:, 1:], document_batch(starts, (i * rows + np.arange(rows)) * seq_len, seq_len))
+            for i, w in enumerate(windows)]
 
 
 def build_side(side: str):

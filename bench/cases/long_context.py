@@ -26,11 +26,16 @@ LOSS_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
               "train.micro_batch_size=2", "train.global_batch_size=2", "data.document_masking=false"]
 SP_MODEL = ["model.hidden_size=256", "model.num_layers=2", "model.num_heads=4", "train.micro_batch_size=1",
             "data.document_masking=false", "train.loss_chunk_tokens=1024", "distributed.deepspeed_config=zero1"]
+CONFIGS = {"loss": [("full logits", [*LOSS_MODEL, "train.loss_chunk_tokens=0"], 1),
+                    ("chunked loss, 1,024 tokens", [*LOSS_MODEL, "train.loss_chunk_tokens=1024"], 1)],
+           "sp": [(f"seq {seq:,}, sp={sp}", [*SP_MODEL, f"data.seq_len={seq}", "train.global_batch_size=1",
+                                              f"distributed.sequence_parallel_size={sp}"], sp)
+                  for seq in (8192, 16384) for sp in (1, 2)]}
 PAIRS = None
 
 
 def options(parser) -> None:
-    parser.add_argument("what", choices=("loss", "sp"))
+    parser.add_argument("what", choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, help="worker: the folder for its rank's result")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of every configuration (e.g. data.seq_len=256: a quick check)")
@@ -38,14 +43,6 @@ def options(parser) -> None:
 
 def name(args) -> str:
     return f"long_context_{args.what}"
-
-
-def configs(what: str) -> list[tuple[str, list[str], int]]:
-    if what == "loss":
-        return [("full logits", [*LOSS_MODEL, "train.loss_chunk_tokens=0"], 1),
-                ("chunked loss, 1,024 tokens", [*LOSS_MODEL, "train.loss_chunk_tokens=1024"], 1)]
-    return [(f"seq {seq:,}, sp={sp}", [*SP_MODEL, f"data.seq_len={seq}", "train.global_batch_size=1",
-                                       f"distributed.sequence_parallel_size={sp}"], sp) for seq in (8192, 16384) for sp in (1, 2)]
 
 
 def worker(args) -> None:
@@ -86,7 +83,7 @@ def measure(args, name: str, overrides: list[str], nproc: int) -> dict:
 
 def run(args, report) -> None:
     results = []
-    for config, overrides, nproc in configs(args.what):
+    for config, overrides, nproc in CONFIGS[args.what]:
         results.append(measure(args, config, overrides, nproc))
         report.line(f"measured {config}: {json.dumps(results[-1])}")
     rows, gib = [], 1024**3

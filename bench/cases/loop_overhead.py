@@ -33,35 +33,29 @@ def run(args, report) -> None:
              "CPU-time ratio": lambda got: got["raw"].cpu_s / got["ours"].cpu_s},
             lambda got: "  ".join(f"{side} {args.block_steps * ours.tokens_per_step / t.wall_s:,.0f} tok/s"
                                   for side, t in got.items()))
-        ratio, cpu = stats["ours/raw tokens/s"], stats["CPU-time ratio"]
-        report.line(f"ours / raw tokens/s: {C.fmt_ratio(ratio)}   target >= 0.97: "
-                    f"{'MET' if ratio['median'] >= 0.97 else 'MISSED'}")
-        report.line(f"same, from CPU seconds per step (raw / ours; less sensitive to other processes): {C.fmt_ratio(cpu)}")
-        breakdown, extra_ms = sections(args, report, loops, timings)
-        share = extra_ms / breakdown["ours"]["step"]
-        report.line(f"ours' extra time (data fetch + bookkeeping - raw's bookkeeping): {extra_ms:.2f} ms/step = "
-                    f"{100 * share:.2f}% of its step, i.e. {1 - share:.3f}x raw's tokens/s if the shared sections ran "
-                    "equally fast")
-        tokens_per_sec = {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts] for side, ts in timings.items()}
-        report.figures = {"ratio_ours_over_raw": ratio, "extra_ms_per_step": extra_ms, "implied_ratio": 1 - share,
-                          "cpu_time_ratio": cpu, "ms_per_step": breakdown, "tokens_per_sec": tokens_per_sec,
-                          "tokens_per_step": ours.tokens_per_step, "n_params": ours.n_params}
-
-
-def sections(args, report, loops: dict, timings: dict) -> tuple[dict, float]:
-    """Milliseconds per step of each section, and ours' extra time: its data fetch and bookkeeping over raw's (the
-    sections both loops share run the same kernels: a steadier figure than the ratio of two noisy step times)."""
-    n_steps = args.pairs * args.block_steps
-    report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):\n  {'section':<20}{'ours':>10}{'raw':>10}")
-    breakdown = {}
+    ratio, cpu = stats["ours/raw tokens/s"], stats["CPU-time ratio"]
+    report.line(f"ours / raw tokens/s: {C.fmt_ratio(ratio)}   target >= 0.97: "
+                f"{'MET' if ratio['median'] >= 0.97 else 'MISSED'}")
+    report.line(f"same, from CPU seconds per step (raw / ours; less sensitive to other processes): {C.fmt_ratio(cpu)}")
+    # ms per step of each section; ours' extra time is its data fetch and bookkeeping over raw's (the sections both
+    # loops share run the same kernels: a steadier figure than the ratio of two noisy step times)
+    n_steps, breakdown = args.pairs * args.block_steps, {}
+    report.line(f"per step (ms, mean over the {n_steps} timed steps of each side):\n"
+                f"  {'section':<20}{'ours':>10}{'raw':>10}")
     for side, loop in loops.items():
         seconds = sum(t.wall_s for t in timings[side])
-        parts = dict(loop.sections)
-        parts.setdefault("data", 0.0)  # raw: inside its fetch, not timed apart
+        parts = {"data": 0.0, **loop.sections}  # raw: data inside its fetch, not timed apart
         parts["rest (bookkeeping)"] = seconds - sum(parts.values())
         breakdown[side] = {k: 1000 * v / n_steps for k, v in parts.items()} | {"step": 1000 * seconds / n_steps}
+    ours_ms, raw_ms = breakdown["ours"], breakdown["raw"]
     for key in SECTIONS:
-        report.line(f"  {key:<20}{breakdown['ours'].get(key, 0):>10.2f}{breakdown['raw'].get(key, 0):>10.2f}")
-    ours, raw = breakdown["ours"], breakdown["raw"]
-    return breakdown, ours["data"] + ours["rest (bookkeeping)"] - raw["rest (bookkeeping)"]
-
+        report.line(f"  {key:<20}{ours_ms.get(key, 0):>10.2f}{raw_ms.get(key, 0):>10.2f}")
+    extra_ms = ours_ms["data"] + ours_ms["rest (bookkeeping)"] - raw_ms["rest (bookkeeping)"]
+    share = extra_ms / ours_ms["step"]
+    report.line(f"ours' extra time (data fetch + bookkeeping - raw's bookkeeping): {extra_ms:.2f} ms/step = "
+                f"{100 * share:.2f}% of its step, i.e. {1 - share:.3f}x raw's tokens/s if the shared sections ran "
+                "equally fast")
+    report.figures = {"ratio_ours_over_raw": ratio, "extra_ms_per_step": extra_ms, "implied_ratio": 1 - share,
+                      "cpu_time_ratio": cpu, "ms_per_step": breakdown, "tokens_per_step": ours.tokens_per_step,
+                      "tokens_per_sec": {side: [args.block_steps * ours.tokens_per_step / t.wall_s for t in ts]
+                                         for side, ts in timings.items()}, "n_params": ours.n_params}

@@ -20,9 +20,12 @@ PAIRS = None
 SHAPE = ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4", "model.intermediate_size=256",
          "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=8", "schedule.warmup_steps=10",
          "data.document_masking=false", "train.precision=fp32", "logging.log_every_steps=1", "logging.plots=false"]
-GROUPS = ["model.expert_groups=4", "model.expert_groups_per_token=2", "model.dense_layers=0", "model.q_lora_rank=0",
-          "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16", "model.v_head_dim=32",
-          "model.routed_scaling_factor=1.0"]
+MOE = ["model.num_experts=8", "model.experts_per_token=2", "model.expert_intermediate_size=64",
+       "model.shared_experts=1"]
+DEEPSEEK = ["model.arch=deepseek_v3", *MOE, "model.router_aux_loss_coef=0", "model.expert_groups=4",
+            "model.expert_groups_per_token=2", "model.dense_layers=0", "model.q_lora_rank=0", "model.kv_lora_rank=32",
+            "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16", "model.v_head_dim=32",
+            "model.routed_scaling_factor=1.0"]
 
 
 def options(parser) -> None:
@@ -30,15 +33,6 @@ def options(parser) -> None:
     parser.add_argument("--rate", type=float, default=0.01, help="model.router_bias_update_rate of the bias side "
                         "(default: %(default)s; DeepSeek-V3's 0.001 is for runs of many thousand steps)")
     parser.add_argument("--aux", type=float, default=0.001, help="Qwen3.5-MoE's model.router_aux_loss_coef")
-
-
-def sides(args) -> dict[str, list[str]]:
-    """Each side's overrides."""
-    moe = ["model.num_experts=8", "model.experts_per_token=2", "model.expert_intermediate_size=64",
-           "model.shared_experts=1"]
-    deepseek = ["model.arch=deepseek_v3", *moe, *GROUPS, "model.router_aux_loss_coef=0"]
-    return {"no bias": deepseek, "bias": [*deepseek, f"model.router_bias_update_rate={args.rate}"],
-            "Qwen3.5 aux loss": ["model.arch=qwen3_5_moe_text", *moe, f"model.router_aux_loss_coef={args.aux}"]}
 
 
 def train_side(args, overrides: list[str], out: Path) -> dict:
@@ -61,9 +55,11 @@ def run(args, report) -> None:
     logging.disable(logging.INFO)
     report.line(f"{args.steps} steps per side, 8 x 64 tokens per step, one process on this CPU; max/mean expert "
                 "load (1 = even) averaged over the 4 MoE layers")
+    sides = {"no bias": DEEPSEEK, "bias": [*DEEPSEEK, f"model.router_bias_update_rate={args.rate}"],
+             "Qwen3.5 aux loss": ["model.arch=qwen3_5_moe_text", *MOE, f"model.router_aux_loss_coef={args.aux}"]}
     with tempfile.TemporaryDirectory(prefix="bench_router_balance_") as tmp:
         results = {side: train_side(args, overrides, Path(tmp) / side.replace(" ", "_").replace(".", ""))
-                   for side, overrides in sides(args).items()}
+                   for side, overrides in sides.items()}
     report.line()
     report.table(["side", "max/mean load, run mean", "last tenth", "worst step", "loss step 1", "last loss", "val loss"],
                  [[side, *(f"{r[k]:.3f}" for k in ("imbalance_mean", "imbalance_last_tenth", "imbalance_worst")),

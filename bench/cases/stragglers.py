@@ -12,12 +12,10 @@ import torch
 from lmrecipe.train.callbacks.goodput import GoodputLedger
 from lmrecipe.train.callbacks.stragglers import StragglerClock
 
-from .watchdog import us_per_call
+from .watchdog import BLOCKS, CALLS, us_per_call
 
 PAIRS = None
 DATA = None
-BLOCKS = 7
-STEPS = 100_000
 
 
 def run(args, report) -> None:
@@ -42,6 +40,7 @@ def run(args, report) -> None:
         ledger.on_save(trainer)
 
     ledger.before_step(trainer)  # the session's first step opens the ledger
-    us = us_per_call(step, STEPS, BLOCKS)[0]
-    report.line(f"straggler clock + goodput ledger: {us:.2f} us per unlogged step (median of {BLOCKS} x {STEPS:,} steps)")
+    us = us_per_call(step)[0]
+    report.line(f"straggler clock + goodput ledger: {us:.2f} us per unlogged step (median of {BLOCKS} x {CALLS:,} "
+                "steps)")
     report.figures = {"us_per_unlogged_step": us}
