@@ -44,6 +44,14 @@ def setup_logging(rank: int | None = None, fmt: str | None = None, stream=None) 
     quiet()  # before the libraries are imported: their import-time lines are filtered too
 
 
+def launched() -> bool:
+    """Whether a launcher started this process among others (``WORLD_SIZE`` above 1; a malformed one counts as no)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     """Wrap a script's ``main``: a UserError prints one paragraph on stderr and exits with its code (2 for bad
     input), Ctrl-C exits 130 without a traceback.
@@ -66,7 +74,7 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
             error, code = str(err), err.exit_code
             if rank == 0 or code != 2:  # a bad input is every rank's; any other stop is this rank's own
                 print(f"error: {err}", file=sys.stderr, flush=True)
-            elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            elif launched():
                 time.sleep(SHARED_ERROR_WAIT_S)  # the launcher stops every rank as soon as one ends: rank 0 first
         except KeyboardInterrupt:
             error, code = "interrupted (Ctrl-C)", EXIT_INTERRUPTED
@@ -102,7 +110,7 @@ def exit_launched(code: int) -> None:
     everything has been seen to abort while Python tore those down (SIGABRT, "terminate called without an active
     exception"), which fails the whole launch. Any other exit keeps Python's: a rank that ends early on a shared bad
     input must not hurry the launcher into stopping rank 0 before it prints the error."""
-    if code != 0 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if code != 0 or not launched():
         sys.exit(code)
     import atexit
     import threading

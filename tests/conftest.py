@@ -190,17 +190,10 @@ def short_docs(tmp_path_factory, tiny_data) -> Path:
 
 @pytest.fixture
 def deepspeed_in_process():
-    """DeepSpeed's one-process world for the runs of a test, from a clean state and torn down after them: its process
-    group and the groups DeepSpeed caches, and the environment the run sets (RANK, WORLD_SIZE, MASTER_*, Accelerate's
-    ACCELERATE_USE_DEEPSPEED and its DeepSpeed settings), so the later tests of this process start as plain
-    one-process runs. A test that builds two runs calls :func:`helpers.reset_deepspeed_in_process` between them."""
-    import os
+    """DeepSpeed's one-process world for the runs of a test, from a clean state and torn down after them
+    (:func:`helpers.distributed_isolated`), so the later tests of this process start as plain one-process runs. A test
+    that builds two runs calls :func:`lmrecipe.parallel.accelerator.release_distributed` between them."""
+    from helpers import distributed_isolated
 
-    from helpers import reset_deepspeed_in_process
-
-    environment = dict(os.environ)
-    reset_deepspeed_in_process()
-    yield
-    reset_deepspeed_in_process()
-    os.environ.clear()
-    os.environ.update(environment)
+    with distributed_isolated():
+        yield

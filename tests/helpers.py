@@ -5,6 +5,7 @@ Test modules import from here (never from one another, never from conftest); fix
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -113,7 +114,6 @@ def run_in_process(args: list[str], env_extra: dict | None = None) -> subprocess
     environment of :func:`subprocess_env` (and ``env_extra``), from the repository root, its stdout and stderr (its
     log lines included) captured, its exit code as a subprocess's. The environment, the working folder, the logging
     set-up and the signal handlers are restored after it, as are DeepSpeed's, Accelerate's and wandb's state."""
-    import contextlib
     import io
     import logging
     import signal
@@ -121,44 +121,42 @@ def run_in_process(args: list[str], env_extra: dict | None = None) -> subprocess
     script, argv = args[0], list(args[1:])
     if script not in _MAINS:
         _MAINS[script] = script_main(script)
-    root, environment, cwd = logging.getLogger(), dict(os.environ), os.getcwd()
+    root, cwd = logging.getLogger(), os.getcwd()
     handlers, level = root.handlers[:], root.level
     signals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     out, err, argv0 = io.StringIO(), io.StringIO(), sys.argv
-    sys.argv = [script, *argv]  # every script's main reads sys.argv when called without arguments
-    run_env = {**subprocess_env(), **(env_extra or {})}
-    reset_deepspeed_in_process()  # Accelerate's state of an earlier test of this process would be shared with the run
-    os.environ.clear()
-    os.environ.update(run_env)
-    os.chdir(ROOT)
-    root.handlers = []  # the script's own logging set-up (basicConfig) writes to the captured stderr
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = _MAINS[script]()
-            except SystemExit as stop:
-                code = stop.code
-                if not isinstance(code, (int, type(None))):  # a message: Python prints it and exits 1
-                    print(code, file=sys.stderr)
-                    code = 1
-            except Exception:  # a crash: Python prints its traceback and exits 1
-                import traceback
-
-                traceback.print_exc()
-                code = 1
-    finally:
-        for handler in root.handlers:
-            handler.close()
-        root.handlers, root.level = handlers, level
-        for sig, handler in signals.items():
-            signal.signal(sig, handler)
-        os.chdir(cwd)
-        sys.argv = argv0
+    # Accelerate's state of an earlier test of this process would be shared with the run
+    with distributed_isolated():
+        sys.argv = [script, *argv]  # every script's main reads sys.argv when called without arguments
+        run_env = {**subprocess_env(), **(env_extra or {})}
         os.environ.clear()
-        os.environ.update(environment)
-        reset_deepspeed_in_process()
-        if "wandb" in sys.modules:  # its settings, read from the run's environment, are kept process-wide
-            sys.modules["wandb"].teardown()
+        os.environ.update(run_env)
+        os.chdir(ROOT)
+        root.handlers = []  # the script's own logging set-up (basicConfig) writes to the captured stderr
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = _MAINS[script]()
+                except SystemExit as stop:
+                    code = stop.code
+                    if not isinstance(code, (int, type(None))):  # a message: Python prints it and exits 1
+                        print(code, file=sys.stderr)
+                        code = 1
+                except Exception:  # a crash: Python prints its traceback and exits 1
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+        finally:
+            for handler in root.handlers:
+                handler.close()
+            root.handlers, root.level = handlers, level
+            for sig, handler in signals.items():
+                signal.signal(sig, handler)
+            os.chdir(cwd)
+            sys.argv = argv0
+            if "wandb" in sys.modules:  # its settings, read from the run's environment, are kept process-wide
+                sys.modules["wandb"].teardown()
     return subprocess.CompletedProcess(["python", *args], int(code or 0), out.getvalue(), err.getvalue())
 
 
@@ -504,12 +502,21 @@ def rank_pid(out: Path, rank: int) -> int:
     raise AssertionError(f"no rank {rank} of {out} is running")
 
 
-def reset_deepspeed_in_process() -> None:
-    """No process group, no group DeepSpeed caches from an earlier in-process run (its world, data-parallel and expert
-    groups would name a destroyed group), and a fresh Accelerate state: the next run builds its own."""
+@contextlib.contextmanager
+def distributed_isolated():
+    """A clean one-process distributed state for what runs inside, torn down after it: no process group, none of the
+    groups DeepSpeed caches (they would name a destroyed group), a fresh Accelerate state, and the environment as it
+    was (a run sets RANK, WORLD_SIZE, MASTER_*, Accelerate's DeepSpeed settings)."""
     from lmrecipe.parallel.accelerator import release_distributed
 
+    environment = dict(os.environ)
     release_distributed()
+    try:
+        yield
+    finally:
+        release_distributed()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def saved_bytes(hf_config, tokens: int, dtype=None) -> int:

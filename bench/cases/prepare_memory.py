@@ -49,8 +49,9 @@ def build_corpus(root: Path, copies: int, fmt: str, base_files: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for copy in range(copies):
         if fmt == "jsonl":
-            (folder / f"copy{copy:02d}.jsonl").write_text("".join(
-                json.dumps({"text": path.read_bytes().decode("utf-8", errors="replace")}) + "\n" for path in files))
+            with open(folder / f"copy{copy:02d}.jsonl", "w", encoding="utf-8") as out:
+                for path in files:
+                    out.write(json.dumps({"text": path.read_bytes().decode("utf-8", errors="replace")}) + "\n")
             continue
         for path in files:
             dest = folder / f"copy{copy:02d}" / path.relative_to(stdlib)

@@ -24,6 +24,7 @@ from lmrecipe.fileio import removing_new_empty_dirs
 from lmrecipe.observe.quiet import quiet
 from lmrecipe.optim import lr_at
 from lmrecipe.observe.run_report import FINAL_FILE
+from lmrecipe.parallel.accelerator import release_distributed
 from lmrecipe.train.callback import Callback, EvalResult, Stop
 from lmrecipe.train.callbacks.checkpointing import Checkpointing, ExportAtEnd, build_checkpointer
 from lmrecipe.train.callbacks.ema import WeightEMA
@@ -348,7 +349,5 @@ def train(cfg, recipe: str | None = None, command: list[str] | None = None) -> T
                 # Last: a launcher SIGTERMs the survivors as soon as one rank dies, and a survivor that still closes
                 # its files with the default handler back would die of it before printing which rank was lost.
                 signal.close()
-        from lmrecipe.parallel.accelerator import release_distributed
-
         release_distributed(run.accelerator)
         return state

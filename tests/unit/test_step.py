@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_OVERRIDES, reset_deepspeed_in_process
+from helpers import TINY_OVERRIDES
 
 from lmrecipe.config import load_config
 from lmrecipe.data.batches import BatchLayout, Prefetcher, TrainBatches
 from lmrecipe.data.format import TokenWindows
 from lmrecipe.observe.host_syncs import HostSyncCounter
+from lmrecipe.parallel.accelerator import release_distributed
 
 
 def count_syncs(tiny_data, out_dir, max_steps: int, overrides: tuple[str, ...] = ()) -> HostSyncCounter:
@@ -71,7 +72,7 @@ def test_fused_adamw_under_deepspeed_trains_as_foreach(tmp_path, tiny_data, monk
     from lmrecipe.train.trainer import build_trainer
 
     def train_zero2(name: str) -> tuple[object, dict, dict]:
-        reset_deepspeed_in_process()  # each run builds its own process group and Accelerate state
+        release_distributed()  # each run builds its own process group and Accelerate state
         cfg = load_config("recipes/tiny.yaml", [
             f"out_dir={tmp_path / name}", f"data.path={tiny_data}", *TINY_OVERRIDES, "train.max_steps=4",
             "train.eval_every_steps=0", "checkpoint.every_steps=0", "distributed.deepspeed_config=zero2"])
