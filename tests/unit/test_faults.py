@@ -205,6 +205,30 @@ def test_a_rank_without_the_signal_stops_with_the_name_and_code_of_the_rank_that
         quiet_rank.close()
 
 
+class SignalDuringTheExchange:
+    """An all-reduce with a peer that got nothing, during which this rank gets SIGUSR1 (its handler runs then)."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self, signal_: PreemptionSignal):
+        self.signal = signal_
+
+    def reduce(self, tensor, reduction):
+        self.signal._handle(signal.SIGUSR1, None)
+        return tensor.clone()
+
+
+def test_a_signal_during_the_exchange_stops_no_rank_until_the_next_exchange():
+    late_rank = PreemptionSignal(launched=False)
+    try:
+        # Its peer saw zeros and trains on: this rank must too, or it waits alone in its checkpoint's collectives.
+        assert not late_rank.requested(SignalDuringTheExchange(late_rank), exchange=True)
+        assert late_rank.requested(TwoRanks(), exchange=True)  # the next exchange carries it (and the peer's Ctrl-C)
+        assert late_rank.name == "SIGINT" and late_rank.exit_code == 130  # one name, the same on every rank
+    finally:
+        late_rank.close()
+
+
 # ---------------------------------------------------------------------------------------------- data
 
 

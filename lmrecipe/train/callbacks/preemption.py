@@ -99,11 +99,15 @@ class PreemptionSignal:
             return self.name is not None
         if not exchange:
             return False
-        # Which stop each rank got: a rank without one takes the others' name (and exit code) as its own.
+        # Which stop each rank got. The decision and the name come from the exchanged counts alone, the same on
+        # every rank: a signal landing on this rank during the all-reduce waits for the next sync point (reading
+        # self.name again here would stop this rank alone, its peers training on into a collective it never joins).
         got = torch.tensor([float(self.name == stop) for stop in STOPS], device=accelerator.device)
         counts = accelerator.reduce(got, reduction="sum").tolist()
-        self.name = self.name or next((stop for stop, count in zip(STOPS, counts) if count > 0), None)
-        return self.name is not None
+        agreed = next((stop for stop, count in zip(STOPS, counts) if count > 0), None)
+        if agreed is not None:
+            self.name = agreed
+        return agreed is not None
 
 
 class Preemption(Callback):
