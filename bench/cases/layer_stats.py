@@ -17,6 +17,11 @@ def options(parser) -> None:
                         help="logging.log_every_steps, the block length (default: %(default)s)")
 
 
+def check(args) -> None:
+    if args.log_every < 2:
+        raise C.fail(f"--log-every {args.log_every}: give 2 or more, so that each block holds unlogged steps.")
+
+
 def run(args, report) -> None:
     from lmrecipe.observe.console import log_due
 
@@ -32,7 +37,8 @@ def run(args, report) -> None:
             steps = [(C.timed_block(loops[side], 1), loops[side].state.step) for _ in range(args.log_every)]
             kinds = {kind: [(t.cpu_s, t.wall_s) for t, step in steps
                             if log_due(cfg.logging, step, cfg.train.max_steps) == (kind == "logged")] for kind in KINDS}
-            means = {kind: [statistics.mean(v[j] for v in values) for j in (0, 1)] for kind, values in kinds.items()}
+            means = {kind: [statistics.mean(v[j] for v in values) for j in (0, 1)]  # the warm-up may be all logged
+                     for kind, values in kinds.items() if values}
             return {"cpu_ms": {k: [1000 * c for c, _ in v] for k, v in kinds.items()}, "mean": means}
 
         def ratio(kind: str, j: int):

@@ -71,8 +71,9 @@ def run_prepare(args: list[str]) -> dict:
         out = Path(tmp) / "out"
         env = {**os.environ, "PYTHONPATH": str(C.ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         cpu_start, start = C.cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
-        proc = subprocess.Popen([sys.executable, str(C.ROOT / "tools" / "prepare_data.py"), "--output", str(out), *args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with open(Path(tmp) / "stderr.txt", "w") as stderr:  # a file, not a pipe: a long run's log would fill a pipe
+            proc = subprocess.Popen([sys.executable, str(C.ROOT / "tools" / "prepare_data.py"), "--output", str(out),
+                                     *args], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         main, peak_total, peak_main = psutil.Process(proc.pid), 0, 0
         while proc.poll() is None:
             with_rss = {}
@@ -82,7 +83,7 @@ def run_prepare(args: list[str]) -> dict:
                         with_rss[p.pid] = p.memory_info().rss
             peak_total, peak_main = max(peak_total, sum(with_rss.values())), max(peak_main, with_rss.get(proc.pid, 0))
             time.sleep(0.02)
-        stderr = proc.stderr.read()
+        stderr = (Path(tmp) / "stderr.txt").read_text()
         wall, cpu = time.perf_counter() - start, C.cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_start
         if proc.returncode != 0:
             raise SystemExit(f"prepare_data.py failed ({proc.returncode}):\n{stderr[-4000:]}")

@@ -1,4 +1,4 @@
-"""The GPU kit: one command on a GPU node that installs what the node lacks from a pack (``install.py``), prepares
+"""The GPU kit: one command on a GPU node that installs what the node lacks from a pack (tools/offline_install.py), prepares
 data, measures each stage's sides (``stages.py``) in fresh processes (``worker.py``) and rewrites ``gpu_kit.json``
 under ``--out`` after every stage (``bench/gpu/README.md``).
 
@@ -22,8 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-import install as I  # noqa: E402 - beside this script, which Python puts first on sys.path
-import stages as S  # noqa: E402
+import stages as S  # noqa: E402 - beside this script, which Python puts first on sys.path
 
 GPU_RECIPE, DRY_RECIPE = "recipes/llama_1b.yaml", "recipes/tiny.yaml"
 # The levers' baseline is the dense mask without Liger (the recipe's own choice is the best window, measured on top)
@@ -34,6 +33,7 @@ DRY_BASE = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "
             "data.seq_len=32", "data.val_windows=16", "train.global_batch_size=8", "train.micro_batch_size=4",
             "train.loss_chunk_tokens=64")
 JSON_NAME, LOG_NAME = "gpu_kit.json", "workers.log"
+INSTALLER = ROOT / "tools" / "offline_install.py"
 MIN_LEFT_S = 30  # no side starts with this many seconds of --budget-s left, or fewer
 
 
@@ -43,7 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stages", default="default", help=f"comma-separated: {', '.join(S.BY_NAME)}; 'default' "
                         f"({', '.join(S.DEFAULT_STAGES)}) or 'all' (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe, 2 steps: check every stage builds and runs")
-    parser.add_argument("--packed", type=Path, default=HERE / "packed", help="the folder pack.sh filled")
+    parser.add_argument("--pack", type=Path, default=ROOT / "offline" / "pack",
+                        help="the folder tools/offline_pack.sh filled (default: %(default)s)")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="installed packages, data, runs (default: %(default)s)")
     parser.add_argument("--data", type=Path, default=None, help="a prepared data folder (default: prepared under --work)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per side or window (default: 8; dry run 2)")
@@ -100,15 +101,15 @@ def folder_problem(flag: str, folder: Path) -> str | None:
     return None
 
 
-def commit(packed: Path) -> str:
-    """The tree's git HEAD, or where a copy of the tree holds no ``.git``, the commit pack.sh recorded."""
+def commit(pack: Path) -> str:
+    """The tree's git HEAD, or where a copy of the tree holds no ``.git``, the commit offline_pack.sh recorded."""
     proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode == 0:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
         return proc.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-    recorded = packed / "commit.txt"
-    return f"{recorded.read_text().strip()} (recorded by pack.sh)" if recorded.is_file() else "unknown"
+    recorded = pack / "commit.txt"
+    return f"{recorded.read_text().strip()} (recorded by offline_pack.sh)" if recorded.is_file() else "unknown"
 
 
 class Record:
@@ -119,7 +120,7 @@ class Record:
         out.mkdir(parents=True, exist_ok=True)
         self.data = {"mode": "dry run (CPU, tiny recipe: not GPU figures)" if args.dry_run else "gpu",
                      "command": " ".join(["python3", "bench/gpu/run.py", *map(shlex.quote, sys.argv[1:])]),
-                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(args.packed),
+                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(args.pack),
                      "recipe": args.recipe, "base_overrides": list(args.base), "warmup_steps": args.warmup_steps,
                      "steps": args.steps, "setup": {}, "versions": {}, "stages": []}
 
@@ -133,25 +134,29 @@ class Record:
 
 
 def setup(args: argparse.Namespace, record: Record) -> dict:
-    """Install (GPU) or check the pack (dry run), prepare the data; returns the workers' environment."""
-    setup_info, target = record.data["setup"], None
-    try:
-        if args.dry_run:
-            setup_info["install"] = {"checked": I.check_packed(args.packed), "installed": "no (dry run)"}
-        else:
-            target = args.work / "site"
-            setup_info["install"] = I.install(args.packed, target, record.log)
-    except (ValueError, RuntimeError) as exc:
-        setup_info["install"] = {"error": str(exc)}
-        record.log(f"install: {exc}")
+    """Install (GPU) or check the pack (dry run) with tools/offline_install.py, prepare the data; returns the workers'
+    environment. Without a pack the environment's packages are measured as they are."""
+    target = None if args.dry_run else args.work / "site"
+    proc = subprocess.run([sys.executable, str(INSTALLER), "--json", "--pack", str(args.pack),
+                           *(["--check"] if args.dry_run else ["--target", str(target)])], capture_output=True, text=True)
+    if proc.returncode == 0:
+        for line in proc.stderr.splitlines():
+            record.log(line)  # the install's steps
+        done = json.loads(proc.stdout)
+        record.data["setup"]["install"] = {"checked": done, "installed": "no (dry run)"} if args.dry_run else done
+    else:
+        error = record.data["setup"]["install"] = {"error": proc.stderr.strip()[-4000:]}
+        record.log(f"install: {error['error']}" if (args.pack / "files.txt").is_file() else
+                   f"install: no pack in {args.pack}, so the environment's packages are measured as they are")
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=I.pythonpath(target), ACCELERATE_DISABLE_RICH="1", TOKENIZERS_PARALLELISM="false")
+    path = [*([str(target)] if target else []), str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, path)), ACCELERATE_DISABLE_RICH="1", TOKENIZERS_PARALLELISM="false")
     if args.dry_run:
         env.update(CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                    TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
     args.data = args.data or prepare_data(args, env, record)
-    setup_info["data"] = str(args.data)
+    record.data["setup"]["data"] = str(args.data)
     record.save()
     return env
 

@@ -14,7 +14,7 @@ from helpers import ROOT
 @pytest.fixture(scope="module")
 def kit():
     here = str(ROOT / "bench" / "gpu")
-    sys.path.insert(0, here)  # as Python does for the script: stages and install sit beside it
+    sys.path.insert(0, here)  # as Python does for the script: stages sits beside it
     spec = importlib.util.spec_from_file_location("gpu_kit_run_args", ROOT / "bench" / "gpu" / "run.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes

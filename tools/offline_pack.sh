@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Fill bench/gpu/packed/ with what an offline GPU node lacks, for Python 3.12 on x86-64 Linux, at the versions
-# pyproject.toml pins: DeepSpeed's sdist and its pure-Python needs, torchao, transformers, tokenizers, Liger-Kernel
-# (pure Python; the node's triton runs it), and setuptools to build DeepSpeed there. Run on a machine with PyPI,
-# then copy the tree with this folder to the node. The pack is about 37 MB; above PACK_LIMIT_MB (default 55) torch or
-# another package the node already has was pulled in.
+# Fill offline/pack/ (or PACK_DIR) with what an offline GPU node (an air-gapped cluster with a PyTorch container:
+# CPython 3.12 on x86-64 Linux, a CUDA torch, numpy, accelerate) lacks, at the versions pyproject.toml pins:
+# DeepSpeed's sdist and its pure-Python needs, torchao, transformers, tokenizers, Liger-Kernel (pure Python; the
+# node's triton runs it), and setuptools to build DeepSpeed there. Run on a machine with PyPI, copy the tree with
+# this folder to the node, and install there with python3 tools/offline_install.py. The pack is about 37 MB; above
+# PACK_LIMIT_MB (default 55) torch or another package the node already has was pulled in.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-OUT="${PACK_DIR:-$ROOT/bench/gpu/packed}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${PACK_DIR:-$ROOT/offline/pack}"
 PIP="${PIP:-$ROOT/.venv/bin/python -m pip}"
 LIMIT_MB="${PACK_LIMIT_MB:-55}"
 
@@ -45,7 +46,7 @@ for name in "${EXCLUDE[@]}"; do
     rm -f "$OUT.tmp/$name"-[0-9]*.whl
 done
 
-# What run.py installs, in order: the names and versions it asks pip for (the rest of the folder is their needs).
+# What offline_install.py installs, in order: the names and versions it asks pip for (the rest of the folder is their needs).
 cat > "$OUT.tmp/requirements.txt" <<REQ
 $TORCHAO
 $TRANSFORMERS
@@ -53,7 +54,7 @@ $TOKENIZERS
 $LIGER
 $DEEPSPEED
 REQ
-# The commit the kit measures, for a node whose copy of the tree has no .git.
+# The commit packed, for a node whose copy of the tree has no .git (the GPU kit records it).
 (cd "$ROOT" && echo "$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo ' (with uncommitted changes)')") \
     > "$OUT.tmp/commit.txt"
 find "$OUT.tmp" -maxdepth 1 \( -name '*.whl' -o -name '*.tar.gz' \) -printf '%f\n' | sort > "$OUT.tmp/files.txt"
@@ -69,5 +70,5 @@ find "$OUT" -mindepth 1 -not -name .gitkeep -delete
 mv "$OUT.tmp"/* "$OUT"/
 rmdir "$OUT.tmp"
 echo "packed $(wc -l < "$OUT/files.txt") files, $size_mb MB, into $OUT (the tracked tree adds about $tree_mb MB)"
-echo "copy the tree with this folder to the GPU node; there, from the repository root:"
-echo "python3 bench/gpu/run.py --out runs/gpu_kit"
+echo "copy the tree with this folder to the node; there, from the repository root:"
+echo "python3 tools/offline_install.py    (then PYTHONPATH=\$PWD/offline/site, or: python3 bench/gpu/run.py --out runs/gpu_kit)"
