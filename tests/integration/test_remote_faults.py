@@ -5,6 +5,7 @@ paragraph naming the problem and the fix, nothing written. The patience is short
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -45,8 +46,10 @@ def faulty(s3_server, monkeypatch):
 @pytest.fixture
 def short_patience(monkeypatch):
     """Each remote read retries for 1 s instead of 60 s, in every module that waits on one."""
-    for module in ("lmrecipe.objstore", "lmrecipe.train.callbacks.remote", "lmrecipe.data.remote",
-                   "lmrecipe.train.preflight"):
+    modules = ("lmrecipe.objstore", "lmrecipe.train.callbacks.remote", "lmrecipe.data.remote", "lmrecipe.train.preflight")
+    for module in modules:  # imported before any is patched: one imported after would bind 1 s, and keep it after the test
+        importlib.import_module(module)
+    for module in modules:
         monkeypatch.setattr(f"{module}.READ_PATIENCE_S", 1.0)
 
 
@@ -96,8 +99,11 @@ def test_a_remote_latest_answering_500_stops_the_resume_by_its_deadline(faulty, 
 
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 124), (signal.SIGINT, 130)])
 def test_a_signal_stops_a_wait_for_object_storage_at_once(faulty, tiny_data, tmp_path, signum, exit_code):
+    from lmrecipe.train.callbacks import remote
+
+    assert remote.READ_PATIENCE_S > HEAL_AFTER_S  # the run's patience: only the signal can end the wait in time
     url = latest_failing(faulty)
-    sent = []
+    sent, returned = [], threading.Event()
 
     def signal_once_waiting():
         deadline = time.monotonic() + HEAL_AFTER_S
@@ -106,8 +112,9 @@ def test_a_signal_stops_a_wait_for_object_storage_at_once(faulty, tiny_data, tmp
                 return
             time.sleep(0.05)
         time.sleep(0.5)  # in the back-off between two attempts
-        sent.append(time.monotonic())
-        os.kill(os.getpid(), signum)
+        if not returned.is_set():  # a signal after the run would hit the test process itself
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signum)
 
     # Ctrl-C as a terminal's process sees it: a pytest-xdist worker starts with SIGINT ignored, and the run keeps an
     # ignored SIGINT ignored (a background job's).
@@ -118,6 +125,7 @@ def test_a_signal_stops_a_wait_for_object_storage_at_once(faulty, tiny_data, tmp
         with pytest.raises(UserError) as err:
             train_tiny(tmp_path / "run", tiny_data, f"checkpoint.remote={url}")
     finally:
+        returned.set()
         killer.join()
         signal.signal(signal.SIGINT, previous)
     assert sent and time.monotonic() - sent[0] < 5
