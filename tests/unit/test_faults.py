@@ -186,13 +186,18 @@ def test_only_a_process_started_by_a_launcher_stops_when_its_parent_exits(monkey
 
 
 class TwoRanks:
-    """This rank's all-reduce with a peer's that got Ctrl-C."""
+    """This rank's all-reduce with one peer's: the peer got ``peer_stop`` (or nothing); ``during()`` runs in the middle
+    of the exchange (a signal that reaches this rank then)."""
 
     num_processes, device = 2, torch.device("cpu")
 
+    def __init__(self, peer_stop: str | None = "SIGINT", during=lambda: None):
+        self.peer_stop, self.during = peer_stop, during
+
     def reduce(self, tensor, reduction):
         assert reduction == "sum"
-        return tensor + torch.tensor([float(stop == "SIGINT") for stop in STOPS])
+        self.during()
+        return tensor + torch.tensor([float(stop == self.peer_stop) for stop in STOPS])
 
 
 def test_a_rank_without_the_signal_stops_with_the_name_and_code_of_the_rank_that_got_it():
@@ -205,24 +210,12 @@ def test_a_rank_without_the_signal_stops_with_the_name_and_code_of_the_rank_that
         quiet_rank.close()
 
 
-class SignalDuringTheExchange:
-    """An all-reduce with a peer that got nothing, during which this rank gets SIGUSR1 (its handler runs then)."""
-
-    num_processes, device = 2, torch.device("cpu")
-
-    def __init__(self, signal_: PreemptionSignal):
-        self.signal = signal_
-
-    def reduce(self, tensor, reduction):
-        self.signal._handle(signal.SIGUSR1, None)
-        return tensor.clone()
-
-
 def test_a_signal_during_the_exchange_stops_no_rank_until_the_next_exchange():
     late_rank = PreemptionSignal(launched=False)
     try:
         # Its peer saw zeros and trains on: this rank must too, or it waits alone in its checkpoint's collectives.
-        assert not late_rank.requested(SignalDuringTheExchange(late_rank), exchange=True)
+        during = TwoRanks(peer_stop=None, during=lambda: late_rank._handle(signal.SIGUSR1, None))
+        assert not late_rank.requested(during, exchange=True)
         assert late_rank.requested(TwoRanks(), exchange=True)  # the next exchange carries it (and the peer's Ctrl-C)
         assert late_rank.name == "SIGINT" and late_rank.exit_code == 130  # one name, the same on every rank
     finally:
