@@ -77,6 +77,9 @@ def version(module: str) -> str:
     return "n/a"
 
 
+VERSIONED = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")
+
+
 def machine(device: str = "cpu") -> dict:
     """What the figures were measured on: CPU, cores, torch threads, load, GPU, library versions."""
     import torch
@@ -89,8 +92,7 @@ def machine(device: str = "cpu") -> dict:
             "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
             "python": platform.python_version(),
-            "versions": {m: version(m) for m in
-                         ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "numpy")}}
+            "versions": {m: version(m) for m in VERSIONED}}
     if device.startswith("cuda") and torch.cuda.is_available():
         desc.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count())
     return desc
@@ -134,22 +136,19 @@ def fmt_ratio(stats: dict, unit: str = "x") -> str:
     return f"{stats['median']:.3f}{unit} (min {stats['min']:.3f}, max {stats['max']:.3f}, n={stats['n']})"
 
 
-def pair_orders(n_pairs: int, sides: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Side order per round, rotated (A B, B A, ... / A B C, B C A, ...): no side always runs right after another."""
-    return [tuple(sides[(i + j) % len(sides)] for j in range(len(sides))) for i in range(n_pairs)]
-
-
 def interleave(report: Report, pairs: int, sides: tuple[str, ...], measure: typing.Callable[[str], typing.Any],
                ratios: dict[str, typing.Callable[[dict], float]], describe=lambda got: "",
                warm_up: bool = False) -> tuple[dict, dict]:
-    """``measure(side)`` for every side, in rotated order, ``pairs`` rounds (with ``warm_up``, after a round that is
-    neither kept nor reported); a line per round (``describe(got)`` and each ratio). Returns each side's results in
-    round order and ``ratio_stats`` of each named ratio of a round."""
+    """``measure(side)`` for every side, ``pairs`` rounds in rotated order (A B, B A, ... / A B C, B C A, ...: no side
+    always runs right after another; with ``warm_up``, after a round that is neither kept nor reported); a line per
+    round (``describe(got)`` and each ratio). Returns each side's results in round order and ``ratio_stats`` of each
+    named ratio of a round."""
     if warm_up:
         for side in sides:
             measure(side)
     rounds = []
-    for i, order in enumerate(pair_orders(pairs, sides), start=1):
+    for i in range(1, pairs + 1):
+        order = sides[(i - 1) % len(sides):] + sides[:(i - 1) % len(sides)]
         rounds.append(got := {side: measure(side) for side in order})
         report.line(f"round {i} ({' '.join(order)}): {describe(got)}"
                     + "".join(f"; {name} {ratio(got):.3f}" for name, ratio in ratios.items()))

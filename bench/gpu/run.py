@@ -179,15 +179,9 @@ def prepare_data(args: argparse.Namespace, env: dict, record: Record) -> Path:
 
 
 def side_groups(selected: list[S.Stage]) -> dict[str, dict]:
-    """The distinct runs the selected stages need, keyed by overrides; a run several stages name measures what each
-    asks for (its syncs) after its timed steps."""
-    groups: dict[str, dict] = {}
-    for stage in selected:
-        for side in stage.sides:
-            group = groups.setdefault(side.key, {**dataclasses.asdict(side), "key": side.key,
-                                                 "overrides": list(side.overrides)})
-            group["count_syncs"] |= side.count_syncs
-    return groups
+    """The distinct runs the selected stages need, keyed by overrides: a run several stages name is measured once."""
+    return {side.key: {**dataclasses.asdict(side), "key": side.key, "overrides": list(side.overrides)}
+            for stage in selected for side in stage.sides}
 
 
 def run_job(args, env: dict, record: Record, groups: list[dict], name: str, timeout_s: float) -> dict:

@@ -17,7 +17,6 @@ class Side:
 
     label: str
     overrides: tuple[str, ...] = ()
-    count_syncs: bool = False  # count host syncs over a few steps after the timed ones
     levers: bool = False  # the levers stage's windows (levers.py) instead of one timed run
 
     @property
@@ -48,15 +47,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _syncs(results):
+    """``host_syncs``, a stage of earlier runs, as the page words it (the project's own: tests/unit/test_step.py)."""
     parts = []
     for label, r in results.items():
         s = r["host_syncs"]
         kinds = ", ".join(f"`{kind}` {n:g}" for kind, n in s["by_kind"].items() if n) or "none"
         parts.append(f"{label}: {s['per_step']:g} per step ({kinds}), torch.cuda sync warnings "
                      f"{_num(s['cuda_per_step'], 'g')} per step")
-    sync_free = results["no DeepSpeed"]["host_syncs"]
-    met = sync_free["per_step"] == 0 and sync_free["cuda_per_step"] in (0, None)
-    return {"figure": "; ".join(parts), "value": sync_free["per_step"], "met": met}
+    return {"figure": "; ".join(parts)}
 
 
 def _levers(results):
@@ -78,11 +76,10 @@ STAGES = (
     Stage("levers", "each speed lever on top of the best so far, in place on one 1B build (bench/gpu/levers.py); "
           "no DeepSpeed apart", ">= 45% MFU",
           (Side("no DeepSpeed", NO_DEEPSPEED), Side("levers", ZERO2, levers=True)), _levers),
-    Stage("host_syncs", "host syncs per unlogged step (HostSyncCounter, torch.cuda's sync debug mode)", "0 (no DeepSpeed)",
-          (Side("no DeepSpeed", NO_DEEPSPEED, count_syncs=True), Side("ZeRO-2", ZERO2, count_syncs=True)), _syncs),
 )
 DEFAULT_STAGES = ("levers",)  # the next GPU call: one worker for the sweep, one without DeepSpeed
 BY_NAME = {stage.name: stage for stage in STAGES}
+EARLIER = {"host_syncs": _syncs}  # the summaries of stages only earlier runs measured, for the page
 
 
 def select(spec: str) -> list[Stage]:

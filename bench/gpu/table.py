@@ -48,7 +48,8 @@ def figure(row: dict) -> str:
     """The row's figure as the stage's summary writes it today (the sides' numbers are the run's); the recorded text
     where the summary no longer reads them."""
     try:
-        return S.BY_NAME[row["stage"]].summarize(row["sides"])["figure"]
+        stage = S.BY_NAME.get(row["stage"])
+        return (stage.summarize if stage else S.EARLIER[row["stage"]])(row["sides"])["figure"]
     except (KeyError, TypeError, ZeroDivisionError):
         return row.get("figure", "")
 

@@ -1,8 +1,7 @@
 """One side of a GPU-kit stage, measured in this process: ``build_run`` and ``train_step`` of ``lmrecipe.train``.
 
 After ``warmup_steps`` steps, ``steps`` steps run back to back between two device syncs (``levers.window``). Figures:
-tokens/s and MFU; the step peak; data wait; host syncs (``HostSyncCounter`` and torch.cuda's sync debug mode); the
-planner's prediction. A side of the ``levers`` stage is measured by
+tokens/s and MFU; the step peak; data wait; the planner's prediction. A side of the ``levers`` stage is measured by
 ``levers.py`` instead. The result so far is written after the timed steps and after each slow measurement, so a
 worker stopped by ``--budget-s`` keeps its timed figures.
 """
@@ -13,7 +12,6 @@ import logging
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import _common as C  # bench/, on the PYTHONPATH run.py gives the workers
@@ -24,34 +22,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from lmrecipe.cli import use_environment_ninja
 from lmrecipe.observe.device import device_peak_tflops
-from lmrecipe.observe.host_syncs import HostSyncCounter
 from lmrecipe.planning.prediction import predict_run
 from lmrecipe.train.setup import build_run
-from lmrecipe.train.step import train_step
-
-SYNC_STEPS = 5  # steps whose host syncs are counted, after the timed ones (counting slows every tensor call)
-
-
-def _count_syncs(run, first_step: int, steps: int) -> dict:
-    """Host syncs per step over ``steps`` steps: the project's counter, and torch.cuda's own sync warnings."""
-    device, cuda = run.accelerator.device, run.accelerator.device.type == "cuda"
-    C.sync(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with HostSyncCounter() as counter:
-                for step in range(first_step, first_step + steps):
-                    train_step(run, step)
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(0)
-    cuda_syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
-    return {"per_step": counter.total / steps, "by_kind": {k: v / steps for k, v in sorted(counter.calls.items())},
-            "sources": counter.sources, "in_optimizer": counter.in_optimizer,
-            "cuda_per_step": len(cuda_syncs) / steps if cuda else None, "cuda_sources": sorted(set(cuda_syncs))[:20]}
-
 
 def _prediction(run, peak_tflops: float) -> dict:
     unset_hf_deepspeed_config()  # a live ZeRO-3 config would make the meta-device shape enter zero.Init
@@ -68,7 +40,7 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
     run = build_run(cfg, out_dir)
     build_s = time.perf_counter() - start
     try:
-        figures, next_step = L.window(run, 0, warmup_steps, steps)
+        figures, _ = L.window(run, 0, warmup_steps, steps)
         result = {
             "label": side["label"], "overrides": side["overrides"], "device": str(run.accelerator.device),
             "precision": run.runtime.precision, "zero": run.runtime.topology.zero.describe(),
@@ -77,9 +49,6 @@ def measure(cfg, out_dir: Path, side: dict, warmup_steps: int, steps: int, save=
             "accum_steps": run.runtime.batch.accum_steps, "warmup_steps": warmup_steps, "steps": steps, "build_s": build_s,
             **figures}
         save(result)
-        if side["count_syncs"]:
-            result["host_syncs"] = _count_syncs(run, next_step, min(steps, SYNC_STEPS))
-            next_step += min(steps, SYNC_STEPS)
         if figures["peak_tflops"] is None:  # a CPU's, probed
             result["peak_tflops"], result["peak_source"] = device_peak_tflops(run.accelerator.device, run.runtime.precision, None)
         prediction = result["prediction"] = _prediction(run, result["peak_tflops"])
@@ -106,8 +75,7 @@ def main(argv: list[str]) -> int:
     use_environment_ninja()  # as the project's scripts: the other ninja's build log would compile DeepSpeed's ops again
     job = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.WARNING)
-    versions = {m: C.version(m) for m in ("torch", "transformers", "accelerate", "deepspeed", "torchao", "tokenizers",
-                                           "triton", "liger_kernel", "safetensors", "numpy", "pydantic")}
+    versions = {m: C.version(m) for m in (*C.VERSIONED, "torchao", "triton", "liger_kernel", "safetensors", "pydantic")}
     versions.update(python=platform.python_version(), cuda=torch.version.cuda)
     if torch.cuda.is_available():  # the device the figures are of
         props = torch.cuda.get_device_properties(0)

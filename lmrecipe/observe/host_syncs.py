@@ -1,6 +1,5 @@
-"""A counter of the tensor calls that make the host wait for the device (tests and ``bench/run.py host_syncs``).
-
-Imports torch only, so a benchmark can load this file from another tree of the project.
+"""A counter of the tensor calls that make the host wait for the device: the tests that hold a step free of them
+(``tests/unit/test_step.py``, docs/benchmarks/08-host-syncs.md) count with it.
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from helpers import ROOT, run_script
@@ -51,12 +49,9 @@ def test_dry_run_measures_every_stage_and_writes_a_row_each(dry_run):
 
 @pytest.mark.slow
 def test_dry_run_figures_come_from_the_configurations_they_name(dry_run):
-    rows = {row["stage"]: row for row in dry_run["stages"]}
-    # The sync-free step of the CPU test holds in the kit's count too; the no-DeepSpeed run is measured once and
-    # shared by the stages that name it.
-    assert rows["host_syncs"]["sides"]["no DeepSpeed"]["host_syncs"]["per_step"] == 0
-    assert rows["levers"]["sides"]["no DeepSpeed"] == rows["host_syncs"]["sides"]["no DeepSpeed"]
-    assert rows["host_syncs"]["sides"]["ZeRO-2"]["zero"] == "DeepSpeed ZeRO-2"
+    sides = next(row for row in dry_run["stages"] if row["stage"] == "levers")["sides"]
+    assert sides["no DeepSpeed"]["zero"] == "no DeepSpeed" and sides["levers"]["zero"] == "DeepSpeed ZeRO-2"
+    assert sides["no DeepSpeed"]["overrides"] == ["distributed.deepspeed_config=null"]
 
 
 @pytest.mark.slow
@@ -89,13 +84,13 @@ def test_the_levers_switch_in_place_and_say_what_they_could_not_measure(dry_run)
 def test_a_side_stopped_after_its_timed_steps_keeps_them():
     run = _kit_module("run")
     stages = _kit_module("stages")
-    syncs = stages.BY_NAME["host_syncs"]
+    levers = stages.BY_NAME["levers"]
     timed = {"label": "no DeepSpeed", "tokens_per_sec": 1.0, "partial": True,
              "stopped": "worker stopped after 30 s (the call's budget) after its timed steps: ..."}
-    row = run.stage_row(syncs, {side.key: timed for side in syncs.sides}, dry_run=False)
-    assert row["status"].startswith("failed: summary (KeyError: 'host_syncs')")
+    row = run.stage_row(levers, {side.key: timed for side in levers.sides}, dry_run=False)
+    assert row["status"].startswith("failed: summary (KeyError: 'windows')")  # the sweep's side stopped before a window
     assert "worker stopped after 30 s" in row["status"]
-    levers = stages.BY_NAME["levers"]  # a sweep cut short keeps the windows it wrote
+    # a sweep cut short keeps the windows it wrote
     windows = {"baseline": {"tokens_per_sec": 34000.0, "mfu": 0.3, "data_share": 0.004}, "full logits": {"error": "OOM"}}
     cut = {**timed, "label": "levers", "windows": windows, "skipped": {}}
     no_ds = {"label": "no DeepSpeed", "tokens_per_sec": 17000.0}
@@ -109,7 +104,7 @@ def test_an_unknown_stage_exits_2_naming_the_choices(tmp_path):
     proc = run_script(["bench/gpu/run.py", "--dry-run", "--stages", "levers,mfu", "--out", str(tmp_path)],
                       check=False)
     assert proc.returncode == 2
-    assert "unknown stage 'mfu'" in proc.stderr and "levers, host_syncs" in proc.stderr
+    assert "unknown stage 'mfu'" in proc.stderr and "choose from levers, or 'default' or 'all'" in proc.stderr
     assert not (tmp_path / "gpu_kit.json").exists()
 
 
