@@ -46,8 +46,12 @@ def free_port() -> int:
 
 
 def subprocess_env() -> dict:
+    """This process's environment as a user's shell would give it to a run: no wandb key, no wandb service of this
+    process (``wandb.login`` with a key starts one here and names it in ``WANDB_SERVICE``; once torn down, a run given
+    the name would connect to a socket that is gone), offline trackers, one thread, no launcher's rank variables."""
     env = dict(os.environ)
     env.pop("WANDB_API_KEY", None)
+    env.pop("WANDB_SERVICE", None)
     env.update(
         PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
         ACCELERATE_DISABLE_RICH="1", PYTHONUNBUFFERED="1",

@@ -4,6 +4,7 @@ MLflow SQLite store, read back after a run with a loss-spike rollback and a resu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,12 @@ def test_an_unknown_or_missing_tracker_exits_2_before_writing(tmp_path, tiny_dat
     proc = run_train(out, tiny_data, ["train.max_steps=2", f"logging.trackers={trackers}"], check=False)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_a_run_does_not_inherit_the_test_process_s_wandb_service(tmp_path, tiny_data, monkeypatch):
+    """``wandb.login`` with a key starts a wandb service in the calling process and names its socket in
+    ``WANDB_SERVICE``; once that service is torn down, a run given the variable would connect to a socket that is gone
+    (FileNotFoundError in ``wandb.init``). The suite's runs get the environment of a user's shell, without it."""
+    monkeypatch.setenv("WANDB_SERVICE", f"3-{os.getpid()}-unix-{tmp_path / 'gone' / 'socket'}")
+    run_train(tmp_path / "run", tiny_data, ["train.max_steps=2", "logging.trackers=[wandb]"])
+    assert wandb_runs(tmp_path / "run" / "wandb")

@@ -4,6 +4,7 @@ retries."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -20,10 +21,16 @@ TRACKER_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "WANDB_MODE", "
 
 @pytest.fixture(autouse=True)
 def clean_tracker_env(monkeypatch, tmp_path):
-    """No tracker variable of the caller's, and a home without a wandb login."""
+    """No tracker variable of the caller's, and a home without a wandb login; the wandb service a check started
+    (``wandb.login`` with a key starts one in this process, named in ``WANDB_SERVICE``) ends with the test."""
     for name in TRACKER_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SERVICE", "")  # recorded: the caller's value (or none) comes back after the test
+    monkeypatch.delenv("WANDB_SERVICE")
+    yield
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
 
 
 def refused(names: list[str], out_dir: Path, match: str) -> str:
