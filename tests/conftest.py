@@ -63,6 +63,24 @@ def tiny_shards(tmp_path_factory, corpus_dir, tiny_data) -> Path:
     return build_once(tmp_path_factory, "tiny_shards", build)
 
 
+SHARED_ENV_PREFIXES = ("LMRECIPE_", "WANDB_", "MLFLOW_", "ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                       "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""The variables that steer a run (the project's, the trackers', Accelerate's, the launcher's)."""
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    """Every test leaves the variables that steer a run as it found them. One left set (``quiet(verbose=True)``'s
+    ``LMRECIPE_VERBOSE``, ``wandb.login``'s ``WANDB_SERVICE``) reaches every later test of its pytest worker, and
+    which tests those are depends on how the files are shared out: a failure that comes and goes."""
+    before = {key: value for key, value in os.environ.items() if key.startswith(SHARED_ENV_PREFIXES)}
+    yield
+    after = {key: value for key, value in os.environ.items() if key.startswith(SHARED_ENV_PREFIXES)}
+    changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    assert not changed, (f"the test left {', '.join(changed)} changed in this process's environment: restore it "
+                         "(monkeypatch.setenv or delenv before the code that sets it records the value to put back)")
+
+
 @pytest.fixture(scope="session")
 def docs_site(tmp_path_factory) -> Path:
     """The documentation site (mkdocs.yml, docs/), built once with ``--strict``; treat as read-only."""

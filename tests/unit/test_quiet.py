@@ -55,8 +55,10 @@ PRINTED = [
 
 @pytest.fixture
 def captured(monkeypatch):
-    """Records reaching a handler on each filtered logger; the filters removed again afterwards."""
-    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    """Records reaching a handler on each filtered logger; the filters removed again afterwards, and ``$LMRECIPE_VERBOSE``
+    as it was (``quiet(verbose=True)`` sets it: left set, every later run of the worker would show every line)."""
+    monkeypatch.setenv(VERBOSE_ENV, "")  # records the caller's value, or its absence, to restore
+    monkeypatch.delenv(VERBOSE_ENV)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
