@@ -34,39 +34,39 @@ def project_pins() -> dict[str, str]:
     return {m.group(1).lower(): m.group(2) for m in re.finditer(r'"([A-Za-z0-9_.-]+)==([^"]+)"', text)}
 
 
-def check_packed(packed: Path) -> dict:
+def check_pack(pack: Path) -> dict:
     """The pack's file list and pins, checked against pyproject.toml; ValueError naming what is wrong and the fix."""
-    if not (packed / "files.txt").is_file():
-        raise ValueError(f"{packed} holds no files.txt: it is not a pack. Run bash tools/offline_pack.sh on a machine "
+    if not (pack / "files.txt").is_file():
+        raise ValueError(f"{pack} holds no files.txt: it is not a pack. Run bash tools/offline_pack.sh on a machine "
                          "with PyPI and copy the tree with that folder to this node.")
-    files = (packed / "files.txt").read_text().split()
-    missing = [f for f in files if not (packed / f).is_file()]
+    files = (pack / "files.txt").read_text().split()
+    missing = [f for f in files if not (pack / f).is_file()]
     if missing:
-        raise ValueError(f"{packed} lacks {', '.join(missing)}: copy it whole, or run tools/offline_pack.sh again.")
-    requirements, pins = (packed / "requirements.txt").read_text().split(), project_pins()
+        raise ValueError(f"{pack} lacks {', '.join(missing)}: copy it whole, or run tools/offline_pack.sh again.")
+    requirements, pins = (pack / "requirements.txt").read_text().split(), project_pins()
     stale = [r for r in requirements if pins.get((pin := r.split("=="))[0].strip().lower()) not in (None, pin[-1].strip())]
     if stale:
-        raise ValueError(f"{packed} was packed for {', '.join(stale)}; pyproject.toml pins otherwise: run "
+        raise ValueError(f"{pack} was packed for {', '.join(stale)}; pyproject.toml pins otherwise: run "
                          "tools/offline_pack.sh again.")
-    size_mb = sum((packed / f).stat().st_size for f in files) / 1e6
+    size_mb = sum((pack / f).stat().st_size for f in files) / 1e6
     return {"files": files, "requirements": requirements, "size_mb": round(size_mb, 1)}
 
 
-def _digest(packed: Path) -> str:
-    return hashlib.sha256((packed / "files.txt").read_bytes() + (packed / "requirements.txt").read_bytes()).hexdigest()
+def _digest(pack: Path) -> str:
+    return hashlib.sha256((pack / "files.txt").read_bytes() + (pack / "requirements.txt").read_bytes()).hexdigest()
 
 
-def install(packed: Path, target: Path, log=print) -> dict:
+def install(pack: Path, target: Path, log=print) -> dict:
     """Install the pack into ``target`` once (a marker records which pack); RuntimeError with pip's output if pip fails."""
-    info = check_packed(packed)
+    info = check_pack(pack)
     marker = target / MARKER
-    if marker.is_file() and marker.read_text() == _digest(packed):
+    if marker.is_file() and marker.read_text() == _digest(pack):
         return {**info, "installed": "already, by an earlier run"}
     start = time.perf_counter()
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--upgrade", "--target", str(target),
            "--disable-pip-version-check", "--no-warn-conflicts"]
-    wheels = [str(packed / f) for f in info["files"] if f.endswith(".whl")]
-    sdists = [str(packed / f) for f in info["files"] if not f.endswith(".whl")]
+    wheels = [str(pack / f) for f in info["files"] if f.endswith(".whl")]
+    sdists = [str(pack / f) for f in info["files"] if not f.endswith(".whl")]
     path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "DS_BUILD_OPS": "0", "PIP_NO_INPUT": "1"}
     for step, files, flags in (("wheels", wheels, []), ("sdists", sdists, ["--no-build-isolation"])):
@@ -77,7 +77,7 @@ def install(packed: Path, target: Path, log=print) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(f"pip install of the {step} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                f"{proc.stderr[-3000:]}")
-    marker.write_text(_digest(packed))
+    marker.write_text(_digest(pack))
     return {**info, "installed": f"in {time.perf_counter() - start:.0f} s"}
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
     try:
-        info = check_packed(args.pack) if args.check else install(args.pack, args.target.absolute(), log)
+        info = check_pack(args.pack) if args.check else install(args.pack, args.target.absolute(), log)
     except ValueError as err:
         print(f"offline_install.py: {err}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ pin() {  # the "name==version" of one dependency in pyproject.toml
     local line
     line="$(grep -oE "\"$1==[^\"]+\"" "$ROOT/pyproject.toml" | tr -d '"')"
     if [ -z "$line" ]; then
-        echo "pack.sh: pyproject.toml pins no version of $1" >&2
+        echo "offline_pack.sh: pyproject.toml pins no version of $1" >&2
         exit 2
     fi
     echo "$line"
@@ -62,11 +62,11 @@ find "$OUT.tmp" -maxdepth 1 \( -name '*.whl' -o -name '*.tar.gz' \) -printf '%f\
 size_mb=$(du -sm "$OUT.tmp" | cut -f1)
 tree_mb=$(cd "$ROOT" && git ls-files -z | xargs -0 du -cm 2>/dev/null | tail -1 | cut -f1)
 if [ "$size_mb" -gt "$LIMIT_MB" ]; then
-    echo "pack.sh: $OUT.tmp holds $size_mb MB, over PACK_LIMIT_MB=$LIMIT_MB: is torch or another large package in it?" >&2
+    echo "offline_pack.sh: $OUT.tmp holds $size_mb MB, over PACK_LIMIT_MB=$LIMIT_MB: is torch or another large package in it?" >&2
     exit 1
 fi
 mkdir -p "$OUT"
-find "$OUT" -mindepth 1 -not -name .gitkeep -delete
+find "$OUT" -mindepth 1 -delete
 mv "$OUT.tmp"/* "$OUT"/
 rmdir "$OUT.tmp"
 echo "packed $(wc -l < "$OUT/files.txt") files, $size_mb MB, into $OUT (the tracked tree adds about $tree_mb MB)"

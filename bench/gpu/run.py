@@ -146,8 +146,7 @@ def setup(args: argparse.Namespace, record: Record) -> dict:
         record.data["setup"]["install"] = {"checked": done, "installed": "no (dry run)"} if args.dry_run else done
     else:
         error = record.data["setup"]["install"] = {"error": proc.stderr.strip()[-4000:]}
-        record.log(f"install: {error['error']}" if (args.pack / "files.txt").is_file() else
-                   f"install: no pack in {args.pack}, so the environment's packages are measured as they are")
+        record.log(f"install: {error['error']} (installed nothing: the environment's packages are measured as they are)")
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     path = [*([str(target)] if target else []), str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]
